@@ -1,0 +1,277 @@
+//! The one error type of pgbox, and how database errors are classified.
+
+use std::fmt;
+
+/// Result alias used throughout pgbox.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong inside pgbox.
+///
+/// Input errors (`Invalid*`, `Key*`) are detected before any SQL is sent, so they never abort
+/// the caller's transaction. Database errors keep the original [`sqlx::Error`] and a
+/// [`DbErrorKind`] derived from the SQLSTATE (never from message text); ask
+/// [`Error::is_retryable`] whether retrying the whole transaction can succeed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The message key is the empty string.
+    #[error("message key is empty")]
+    EmptyKey,
+
+    /// The message key is longer than [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES). Keys are never
+    /// truncated: two long keys sharing a prefix must not collide. Hash long business keys.
+    #[error("message key is {len} bytes long, the limit is {max} bytes (hash long keys)")]
+    KeyTooLong {
+        /// Length of the rejected key in bytes.
+        len: usize,
+        /// The limit in bytes.
+        max: usize,
+    },
+
+    /// The message key contains a NUL byte, which PostgreSQL `text` cannot store.
+    #[error("message key contains a NUL byte at byte offset {position}")]
+    KeyContainsNul {
+        /// Byte offset of the first NUL.
+        position: usize,
+    },
+
+    /// A consumer name failed validation.
+    #[error("invalid consumer name {name:?}: {reason}")]
+    InvalidConsumerName {
+        /// The rejected name (debug-escaped when displayed).
+        name: String,
+        /// Why it was rejected.
+        reason: &'static str,
+    },
+
+    /// An SQL identifier (schema, table or column name) failed validation. pgbox never
+    /// interpolates a name into SQL unless it passed this check, and then always quoted.
+    #[error("invalid {what} {name:?}: {reason}")]
+    InvalidIdentifier {
+        /// What the identifier names: "schema", "table", "column".
+        what: &'static str,
+        /// The rejected name (debug-escaped when displayed).
+        name: String,
+        /// Why it was rejected.
+        reason: &'static str,
+    },
+
+    /// An optional text field (message id, rejection reason) is unusable as given.
+    #[error("invalid {field}: {reason}")]
+    InvalidField {
+        /// The field.
+        field: &'static str,
+        /// Why it was rejected.
+        reason: &'static str,
+    },
+
+    /// A configuration value is out of range.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+
+    /// The handler's outcome could not be serialized to JSON for storage.
+    #[error("could not serialize the handler outcome to JSON: {0}")]
+    SerializeOutcome(#[source] serde_json::Error),
+
+    /// A stored outcome could not be deserialized into the requested type.
+    #[error("stored outcome does not deserialize into the requested type: {0}")]
+    DeserializeOutcome(#[source] serde_json::Error),
+
+    /// A concurrent transaction recorded the same key, but this transaction's snapshot cannot
+    /// see it (REPEATABLE READ or SERIALIZABLE). Roll back and retry: the retry will see a
+    /// [`Duplicate`](crate::Outcome::Duplicate). Always retryable.
+    #[error(
+        "key {key:?} of consumer {consumer:?} was recorded by a concurrent transaction invisible to this snapshot; roll back and retry"
+    )]
+    ConcurrentClaim {
+        /// The consumer.
+        consumer: String,
+        /// The key.
+        key: String,
+    },
+
+    /// The handler panicked. The transaction was aborted so that it cannot commit; the panic
+    /// is resumed after this is logged, so this variant is only seen by `claim`-level callers
+    /// that inspect poisoned transactions.
+    #[error("the handler panicked; its transaction was aborted")]
+    HandlerPanicked,
+
+    /// A database error, classified by SQLSTATE.
+    #[error("database error ({kind}): {source}")]
+    Database {
+        /// The classification.
+        kind: DbErrorKind,
+        /// The original error.
+        #[source]
+        source: sqlx::Error,
+    },
+
+    /// Applying migrations failed.
+    #[error("migration failed: {0}")]
+    Migration(#[source] Box<refinery_core::Error>),
+}
+
+impl Error {
+    /// Whether rolling back and retrying the whole transaction may succeed: serialization
+    /// failures, deadlocks, lock and statement timeouts, lost connections, pool timeouts and
+    /// [`Error::ConcurrentClaim`].
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::ConcurrentClaim { .. } => true,
+            Error::Database { kind, .. } => kind.is_retryable(),
+            _ => false,
+        }
+    }
+
+    /// The classification of a database error, if this is one.
+    pub fn db_kind(&self) -> Option<DbErrorKind> {
+        match self {
+            Error::Database { kind, .. } => Some(*kind),
+            _ => None,
+        }
+    }
+
+    /// The SQLSTATE of a database error, if the server sent one.
+    pub fn sqlstate(&self) -> Option<String> {
+        match self {
+            Error::Database {
+                source: sqlx::Error::Database(e),
+                ..
+            } => e.code().map(|c| c.into_owned()),
+            _ => None,
+        }
+    }
+}
+
+impl From<sqlx::Error> for Error {
+    fn from(source: sqlx::Error) -> Self {
+        Error::Database {
+            kind: DbErrorKind::classify(&source),
+            source,
+        }
+    }
+}
+
+/// What kind of database error occurred, derived from the SQLSTATE or the client error type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DbErrorKind {
+    /// 23505: a unique constraint was violated.
+    UniqueViolation,
+    /// 40001: the transaction could not be serialized.
+    SerializationFailure,
+    /// 40P01: a deadlock was detected.
+    Deadlock,
+    /// 55P03: `lock_timeout` expired or `NOWAIT` could not get a lock.
+    LockTimeout,
+    /// 57014: the statement was cancelled (usually `statement_timeout`).
+    QueryCanceled,
+    /// Class 08, 57P01–57P03, I/O and protocol errors: the connection is gone.
+    ConnectionLost,
+    /// The pool had no connection available within its timeout.
+    PoolTimedOut,
+    /// 25P02: an earlier statement already aborted this transaction.
+    TransactionAborted,
+    /// 3F000 / 42P01: the pgbox schema or table does not exist (run the migrations).
+    MissingSchema,
+    /// Any other error.
+    Other,
+}
+
+impl DbErrorKind {
+    /// Classifies a sqlx error by SQLSTATE, never by message text.
+    pub fn classify(err: &sqlx::Error) -> Self {
+        match err {
+            sqlx::Error::Database(db) => match db.code().as_deref() {
+                Some(code) => Self::from_sqlstate(code),
+                None => DbErrorKind::Other,
+            },
+            sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::Tls(_) => {
+                DbErrorKind::ConnectionLost
+            }
+            sqlx::Error::WorkerCrashed => DbErrorKind::ConnectionLost,
+            sqlx::Error::PoolTimedOut => DbErrorKind::PoolTimedOut,
+            _ => DbErrorKind::Other,
+        }
+    }
+
+    /// Classifies a five-character SQLSTATE code.
+    pub fn from_sqlstate(code: &str) -> Self {
+        match code {
+            "23505" => DbErrorKind::UniqueViolation,
+            "40001" => DbErrorKind::SerializationFailure,
+            "40P01" => DbErrorKind::Deadlock,
+            "55P03" => DbErrorKind::LockTimeout,
+            "57014" => DbErrorKind::QueryCanceled,
+            "57P01" | "57P02" | "57P03" => DbErrorKind::ConnectionLost,
+            "25P02" => DbErrorKind::TransactionAborted,
+            "3F000" | "42P01" => DbErrorKind::MissingSchema,
+            c if c.starts_with("08") => DbErrorKind::ConnectionLost,
+            _ => DbErrorKind::Other,
+        }
+    }
+
+    /// Whether a transaction that failed with this kind may succeed when retried.
+    pub fn is_retryable(self) -> bool {
+        matches!(
+            self,
+            DbErrorKind::SerializationFailure
+                | DbErrorKind::Deadlock
+                | DbErrorKind::LockTimeout
+                | DbErrorKind::QueryCanceled
+                | DbErrorKind::ConnectionLost
+                | DbErrorKind::PoolTimedOut
+        )
+    }
+}
+
+impl fmt::Display for DbErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DbErrorKind::UniqueViolation => "unique violation",
+            DbErrorKind::SerializationFailure => "serialization failure",
+            DbErrorKind::Deadlock => "deadlock",
+            DbErrorKind::LockTimeout => "lock timeout",
+            DbErrorKind::QueryCanceled => "query canceled",
+            DbErrorKind::ConnectionLost => "connection lost",
+            DbErrorKind::PoolTimedOut => "pool timed out",
+            DbErrorKind::TransactionAborted => "transaction aborted",
+            DbErrorKind::MissingSchema => "missing schema or table",
+            DbErrorKind::Other => "other",
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlstates_map_to_kinds_and_retryability() {
+        let cases = [
+            ("23505", DbErrorKind::UniqueViolation, false),
+            ("40001", DbErrorKind::SerializationFailure, true),
+            ("40P01", DbErrorKind::Deadlock, true),
+            ("55P03", DbErrorKind::LockTimeout, true),
+            ("57014", DbErrorKind::QueryCanceled, true),
+            ("08006", DbErrorKind::ConnectionLost, true),
+            ("57P01", DbErrorKind::ConnectionLost, true),
+            ("25P02", DbErrorKind::TransactionAborted, false),
+            ("42P01", DbErrorKind::MissingSchema, false),
+            ("22P02", DbErrorKind::Other, false),
+        ];
+        for (code, kind, retryable) in cases {
+            assert_eq!(DbErrorKind::from_sqlstate(code), kind, "{code}");
+            assert_eq!(kind.is_retryable(), retryable, "{code}");
+        }
+    }
+
+    #[test]
+    fn client_side_failures_are_classified() {
+        let io = sqlx::Error::Io(std::io::Error::from(std::io::ErrorKind::ConnectionReset));
+        assert_eq!(DbErrorKind::classify(&io), DbErrorKind::ConnectionLost);
+        assert!(Error::from(io).is_retryable());
+        assert!(Error::from(sqlx::Error::PoolTimedOut).is_retryable());
+        assert!(!Error::from(sqlx::Error::RowNotFound).is_retryable());
+    }
+}

@@ -1,0 +1,110 @@
+//! Validated SQL identifiers: the only way a name reaches an SQL string in pgbox.
+
+use std::fmt;
+
+use crate::error::{Error, Result};
+
+/// PostgreSQL truncates identifiers longer than this many bytes (NAMEDATALEN - 1); pgbox
+/// refuses them instead.
+pub const MAX_IDENTIFIER_BYTES: usize = 63;
+
+/// A schema, table or column name that passed validation and is always rendered quoted.
+///
+/// Accepted: 1 to 63 bytes of lowercase ASCII letters, digits and `_`, not starting with a
+/// digit, and not starting with `pg_` (reserved by PostgreSQL). Uppercase is refused rather
+/// than silently folded, so `Pgbox` and `pgbox` can never name two different things.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Identifier {
+    name: String,
+}
+
+impl Identifier {
+    /// Validates `name`; `what` ("schema", "table", "column") goes into the error message.
+    pub fn new(what: &'static str, name: &str) -> Result<Self> {
+        let invalid = |reason| Error::InvalidIdentifier {
+            what,
+            name: name.to_owned(),
+            reason,
+        };
+        if name.is_empty() {
+            return Err(invalid("must not be empty"));
+        }
+        if name.len() > MAX_IDENTIFIER_BYTES {
+            return Err(invalid("longer than 63 bytes (PostgreSQL would truncate it)"));
+        }
+        if name.as_bytes()[0].is_ascii_digit() {
+            return Err(invalid("must not start with a digit"));
+        }
+        if !name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+        {
+            return Err(invalid(
+                "only lowercase ASCII letters, digits and '_' are allowed",
+            ));
+        }
+        if name.starts_with("pg_") {
+            return Err(invalid("names starting with 'pg_' are reserved by PostgreSQL"));
+        }
+        Ok(Identifier {
+            name: name.to_owned(),
+        })
+    }
+
+    /// The bare name, as stored in catalogs (`pg_namespace.nspname`, ...).
+    pub fn as_str(&self) -> &str {
+        &self.name
+    }
+
+    /// The name double-quoted for SQL. Validation already excludes `"`, quoting keeps
+    /// keywords such as `user` or `order` usable.
+    pub fn quoted(&self) -> String {
+        format!("\"{}\"", self.name)
+    }
+}
+
+impl fmt::Display for Identifier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.quoted())
+    }
+}
+
+impl fmt::Debug for Identifier {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Identifier({})", self.quoted())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_plain_lowercase_names_and_keywords() {
+        for ok in ["pgbox", "a", "_private", "order", "points_v2", &"x".repeat(63)] {
+            let id = Identifier::new("schema", ok).unwrap();
+            assert_eq!(id.quoted(), format!("\"{ok}\""));
+        }
+    }
+
+    #[test]
+    fn refuses_names_that_could_escape_or_be_folded() {
+        for bad in [
+            "",
+            "Pgbox",
+            "pg\"box",
+            "a;drop table x",
+            "1abc",
+            "pg_catalog",
+            "naïve",
+            "a b",
+            "a\0b",
+            &"x".repeat(64),
+        ] {
+            assert!(
+                matches!(Identifier::new("schema", bad), Err(Error::InvalidIdentifier { .. })),
+                "{bad:?} was accepted"
+            );
+        }
+    }
+}

@@ -1,0 +1,473 @@
+//! The transactional inbox: record `(consumer, key)` in the same transaction as the effects.
+//!
+//! The claim is `INSERT … ON CONFLICT DO NOTHING` into `inbox`, whose primary key is
+//! `(consumer, key)`. The unique index is the arbiter and the row lock is the lease:
+//! - a first delivery inserts the row, the handler runs on the same transaction, and the row
+//!   commits or rolls back with the handler's writes;
+//! - a concurrent delivery of the same key waits on the index entry until the first
+//!   transaction ends, then sees a duplicate (commit) or claims the key itself (rollback);
+//! - a later delivery finds the committed row and is a pure read: no tuple written, no WAL,
+//!   no transaction id, and the transaction is never aborted by a unique violation.
+
+mod key;
+mod outcome;
+
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use serde::Serialize;
+use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
+use tracing::Instrument;
+
+pub use self::key::{Key, MAX_CONSUMER_BYTES, MAX_KEY_BYTES, MAX_MESSAGE_ID_BYTES};
+pub use self::outcome::{Duplicate, Outcome, Verdict};
+
+use crate::error::{Error, Result};
+use crate::ident::Identifier;
+use crate::migrate::DEFAULT_SCHEMA;
+
+/// How long a claim waits behind an uncommitted claim of the same key by another transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Wait {
+    /// Wait until the other transaction ends (subject to the session's own `lock_timeout`),
+    /// then report [`Outcome::Duplicate`] or claim the key. The default.
+    #[default]
+    Block,
+    /// Wait at most this long, then report [`Outcome::InProgress`]. At least 1 ms.
+    Timeout(Duration),
+    /// Report [`Outcome::InProgress`] at once (within about a millisecond).
+    NoWait,
+}
+
+/// A consumer's inbox. Cheap to clone; build one per consumer at start-up.
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool) -> anyhow::Result<()> {
+/// use pgbox::{Inbox, Outcome};
+///
+/// let inbox = Inbox::new("points-service")?;
+/// let mut tx = pool.begin().await?;
+/// let outcome = inbox
+///     .process(&mut tx, "order-42", async |conn| {
+///         sqlx::query("UPDATE points SET total = total + 30 WHERE user_id = $1")
+///             .bind(7_i64)
+///             .execute(&mut *conn)
+///             .await?;
+///         Ok::<_, anyhow::Error>(())
+///     })
+///     .await?;
+/// tx.commit().await?;
+/// assert!(matches!(outcome, Outcome::Processed(()) | Outcome::Duplicate(_)));
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Inbox {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    consumer: String,
+    schema: Identifier,
+    wait: Wait,
+    store_outcomes: bool,
+    sql: Statements,
+}
+
+/// SQL built once per inbox, with the schema validated and quoted.
+#[derive(Debug)]
+struct Statements {
+    claim: Arc<str>,
+    claim_bounded: Arc<str>,
+    read: Arc<str>,
+    store_outcome: Arc<str>,
+    reject: Arc<str>,
+}
+
+impl Statements {
+    fn new(schema: &Identifier) -> Self {
+        let s = schema.quoted();
+        Statements {
+            // The SELECT branch only runs when the INSERT found a conflict. Its snapshot is the
+            // statement's: a row committed while this statement waited is not visible, and the
+            // caller falls back to `read` (a new snapshot under READ COMMITTED).
+            claim: format!(
+                "WITH claimed AS (\
+                   INSERT INTO {s}.inbox (consumer, key, message_id) VALUES ($1, $2, $3) \
+                   ON CONFLICT (consumer, key) DO NOTHING \
+                   RETURNING processed_at, message_id) \
+                 SELECT true AS claimed, false AS in_progress, processed_at, message_id, \
+                        NULL::jsonb AS outcome, NULL::text AS rejection FROM claimed \
+                 UNION ALL \
+                 SELECT false, false, i.processed_at, i.message_id, i.outcome, i.rejection \
+                 FROM {s}.inbox AS i \
+                 WHERE i.consumer = $1 AND i.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
+            )
+            .into(),
+            claim_bounded: format!("SELECT * FROM {s}.inbox_claim_bounded($1, $2, $3, $4)").into(),
+            read: format!(
+                "SELECT false, false, processed_at, message_id, outcome, rejection \
+                 FROM {s}.inbox WHERE consumer = $1 AND key = $2"
+            )
+            .into(),
+            store_outcome: format!(
+                "UPDATE {s}.inbox SET outcome = $3 WHERE consumer = $1 AND key = $2"
+            )
+            .into(),
+            reject: format!("UPDATE {s}.inbox SET rejection = $3 WHERE consumer = $1 AND key = $2")
+                .into(),
+        }
+    }
+}
+
+/// Builder for an [`Inbox`] with non-default settings.
+#[derive(Debug, Clone)]
+pub struct InboxBuilder {
+    consumer: String,
+    schema: String,
+    wait: Wait,
+    store_outcomes: bool,
+}
+
+impl InboxBuilder {
+    /// The schema holding pgbox's tables (default `pgbox`); must match the migrator's.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// How long a claim waits behind an in-flight duplicate (default [`Wait::Block`]).
+    pub fn wait(mut self, wait: Wait) -> Self {
+        self.wait = wait;
+        self
+    }
+
+    /// Whether handler return values are stored and handed back to duplicates (default
+    /// `true`). Values that serialize to JSON `null`, such as `()` and `None`, are never
+    /// stored and cost nothing.
+    pub fn store_outcomes(mut self, store: bool) -> Self {
+        self.store_outcomes = store;
+        self
+    }
+
+    /// Validates the settings.
+    pub fn build(self) -> Result<Inbox> {
+        key::validate_consumer(&self.consumer)?;
+        let schema = Identifier::new("schema", &self.schema)?;
+        if let Wait::Timeout(d) = self.wait {
+            if d < Duration::from_millis(1) || d.as_millis() > i32::MAX as u128 {
+                return Err(Error::InvalidConfig(format!(
+                    "Wait::Timeout({d:?}) must be between 1 ms and {} ms",
+                    i32::MAX
+                )));
+            }
+        }
+        Ok(Inbox {
+            inner: Arc::new(Inner {
+                sql: Statements::new(&schema),
+                consumer: self.consumer,
+                schema,
+                wait: self.wait,
+                store_outcomes: self.store_outcomes,
+            }),
+        })
+    }
+}
+
+/// The result of [`Inbox::claim`].
+#[derive(Debug)]
+#[must_use = "a claim must be acted on: run the effects, or roll back"]
+pub enum Claim {
+    /// This transaction now holds the key. Do the work on the same transaction and commit;
+    /// optionally record an outcome or a rejection through the token.
+    Claimed(Claimed),
+    /// Already recorded by a committed transaction.
+    Duplicate(Duplicate),
+    /// Held by another uncommitted transaction, and the inbox's [`Wait`] expired.
+    InProgress,
+}
+
+/// Proof that this transaction claimed a key; records what became of it.
+#[derive(Debug)]
+#[must_use = "the claim commits as `processed` with no outcome unless recorded otherwise"]
+pub struct Claimed {
+    inbox: Inbox,
+    key: String,
+}
+
+impl Claimed {
+    /// The claimed key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Stores `outcome` as JSON with the inbox row; duplicates get it back. One statement.
+    pub async fn store_outcome<T: Serialize + ?Sized>(
+        self,
+        tx: &mut Transaction<'_, Postgres>,
+        outcome: &T,
+    ) -> Result<()> {
+        let json = serde_json::to_value(outcome).map_err(Error::SerializeOutcome)?;
+        self.inbox.store_json(tx, &self.key, json).await
+    }
+
+    /// Marks the message rejected for good, with a reason. One statement.
+    pub async fn reject(self, tx: &mut Transaction<'_, Postgres>, reason: &str) -> Result<()> {
+        self.inbox.store_rejection(tx, &self.key, reason).await
+    }
+}
+
+impl Inbox {
+    /// An inbox for `consumer` in the default schema, blocking on in-flight duplicates and
+    /// storing outcomes.
+    pub fn new(consumer: impl Into<String>) -> Result<Self> {
+        Self::builder(consumer).build()
+    }
+
+    /// A builder for `consumer` with the defaults of [`Inbox::new`].
+    pub fn builder(consumer: impl Into<String>) -> InboxBuilder {
+        InboxBuilder {
+            consumer: consumer.into(),
+            schema: DEFAULT_SCHEMA.to_owned(),
+            wait: Wait::Block,
+            store_outcomes: true,
+        }
+    }
+
+    /// The consumer name that scopes this inbox's keys.
+    pub fn consumer(&self) -> &str {
+        &self.inner.consumer
+    }
+
+    /// The schema holding the inbox table.
+    pub fn schema(&self) -> &str {
+        self.inner.schema.as_str()
+    }
+
+    /// Runs `handler` once per key, on the caller's transaction.
+    ///
+    /// Claims `key`, and only if this is its first delivery runs `handler` with the same
+    /// connection, so the handler's writes and the inbox row commit or roll back together.
+    /// The caller commits (and then acks the message); `Duplicate` and `Rejected` are
+    /// successes to ack as well.
+    ///
+    /// - The handler's return value is stored (unless it is JSON `null` or storing is off)
+    ///   and returned to later duplicates: one extra statement.
+    /// - A handler error is returned unchanged. The transaction is then aborted on the server
+    ///   so that nothing of it can commit: roll it back (dropping it does).
+    /// - A handler panic aborts the transaction the same way, then resumes unwinding.
+    /// - Invalid keys are refused before any SQL runs; the transaction stays usable.
+    /// - Under REPEATABLE READ or SERIALIZABLE, losing a race to a concurrent claim surfaces
+    ///   as an error whose [`Error::is_retryable`] is true: retry the transaction.
+    pub async fn process<T, E, F>(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        key: impl Into<Key<'_>>,
+        handler: F,
+    ) -> Result<Outcome<T>, E>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        T: Serialize,
+        E: From<Error>,
+    {
+        self.process_or_reject(tx, key, async move |conn: &mut PgConnection| {
+            handler(conn).await.map(Verdict::Accept)
+        })
+        .await
+    }
+
+    /// Like [`process`](Self::process), for handlers that may refuse a message for good by
+    /// returning [`Verdict::Reject`]: the inbox row then commits with the reason, and the
+    /// outcome is [`Outcome::Rejected`].
+    pub async fn process_or_reject<T, E, F>(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        key: impl Into<Key<'_>>,
+        handler: F,
+    ) -> Result<Outcome<T>, E>
+    where
+        F: AsyncFnOnce(&mut PgConnection) -> Result<Verdict<T>, E>,
+        T: Serialize,
+        E: From<Error>,
+    {
+        let key = key.into();
+        key.validate()?;
+        let span = tracing::info_span!(
+            "pgbox.inbox.process",
+            consumer = %self.inner.consumer,
+            key = %key.as_str(),
+            message_id = key.message_id(),
+        );
+        async move {
+            let claimed = match self.claim_validated(tx, &key).await? {
+                Claim::Claimed(claimed) => claimed,
+                Claim::Duplicate(duplicate) => return Ok(Outcome::Duplicate(duplicate)),
+                Claim::InProgress => return Ok(Outcome::InProgress),
+            };
+            let verdict = match AssertUnwindSafe(handler(&mut **tx)).catch_unwind().await {
+                Ok(Ok(verdict)) => verdict,
+                Ok(Err(error)) => {
+                    tracing::warn!("pgbox handler failed; transaction aborted, roll it back");
+                    abort_transaction(tx).await;
+                    return Err(error);
+                }
+                Err(panic) => {
+                    tracing::error!("pgbox handler panicked; transaction aborted");
+                    abort_transaction(tx).await;
+                    std::panic::resume_unwind(panic);
+                }
+            };
+            match verdict {
+                Verdict::Accept(value) => {
+                    if self.inner.store_outcomes {
+                        let json = match serde_json::to_value(&value) {
+                            Ok(json) => json,
+                            Err(e) => {
+                                abort_transaction(tx).await;
+                                return Err(Error::SerializeOutcome(e).into());
+                            }
+                        };
+                        if !json.is_null() {
+                            self.store_json(tx, &claimed.key, json).await?;
+                        }
+                    }
+                    tracing::debug!("pgbox message processed");
+                    Ok(Outcome::Processed(value))
+                }
+                Verdict::Reject(reason) => {
+                    self.store_rejection(tx, &claimed.key, &reason).await?;
+                    Ok(Outcome::Rejected(reason))
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    /// Claims `key` on the caller's transaction without running anything: the lower-level
+    /// form of [`process`](Self::process) for callers who want explicit control.
+    pub async fn claim(
+        &self,
+        tx: &mut Transaction<'_, Postgres>,
+        key: impl Into<Key<'_>>,
+    ) -> Result<Claim> {
+        let key = key.into();
+        key.validate()?;
+        let span = tracing::info_span!(
+            "pgbox.inbox.claim",
+            consumer = %self.inner.consumer,
+            key = %key.as_str(),
+            message_id = key.message_id(),
+        );
+        self.claim_validated(tx, &key).instrument(span).await
+    }
+
+    async fn claim_validated(&self, conn: &mut PgConnection, key: &Key<'_>) -> Result<Claim> {
+        let sql = &self.inner.sql;
+        let lock_timeout = match self.inner.wait {
+            Wait::Block => None,
+            Wait::Timeout(d) => Some(format!("{}ms", d.as_millis())),
+            Wait::NoWait => Some("1ms".to_owned()),
+        };
+        let statement = match lock_timeout {
+            None => sql.claim.clone(),
+            Some(_) => sql.claim_bounded.clone(),
+        };
+        let mut query = sqlx::query(AssertSqlSafe(statement))
+            .bind(&self.inner.consumer)
+            .bind(key.as_str())
+            .bind(key.message_id());
+        if let Some(lock_timeout) = lock_timeout {
+            query = query.bind(lock_timeout);
+        }
+        let row = query.fetch_optional(&mut *conn).await?;
+        let row = match row {
+            Some(row) => row,
+            // We waited behind a transaction that committed the key after our statement's
+            // snapshot was taken. A new statement sees it under READ COMMITTED.
+            None => sqlx::query(AssertSqlSafe(sql.read.clone()))
+                .bind(&self.inner.consumer)
+                .bind(key.as_str())
+                .fetch_optional(&mut *conn)
+                .await?
+                .ok_or_else(|| Error::ConcurrentClaim {
+                    consumer: self.inner.consumer.clone(),
+                    key: key.as_str().to_owned(),
+                })?,
+        };
+        self.decode_claim(&row, key)
+    }
+
+    fn decode_claim(&self, row: &PgRow, key: &Key<'_>) -> Result<Claim> {
+        let claimed: Option<bool> = row.try_get(0)?;
+        let in_progress: Option<bool> = row.try_get(1)?;
+        if in_progress == Some(true) {
+            tracing::info!("pgbox key in progress in another transaction; redeliver later");
+            return Ok(Claim::InProgress);
+        }
+        if claimed == Some(true) {
+            tracing::debug!("pgbox key claimed");
+            return Ok(Claim::Claimed(Claimed {
+                inbox: self.clone(),
+                key: key.as_str().to_owned(),
+            }));
+        }
+        let duplicate = Duplicate {
+            first_processed_at: row.try_get(2)?,
+            message_id: row.try_get(3)?,
+            outcome: row.try_get(4)?,
+            rejection: row.try_get(5)?,
+        };
+        tracing::info!(
+            first_processed_at = %duplicate.first_processed_at,
+            first_message_id = duplicate.message_id.as_deref(),
+            rejected = duplicate.was_rejected(),
+            "pgbox duplicate skipped"
+        );
+        Ok(Claim::Duplicate(duplicate))
+    }
+
+    async fn store_json(
+        &self,
+        conn: &mut PgConnection,
+        key: &str,
+        json: serde_json::Value,
+    ) -> Result<()> {
+        sqlx::query(AssertSqlSafe(self.inner.sql.store_outcome.clone()))
+            .bind(&self.inner.consumer)
+            .bind(key)
+            .bind(sqlx::types::Json(json))
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn store_rejection(&self, conn: &mut PgConnection, key: &str, reason: &str) -> Result<()> {
+        // text cannot hold NUL; keep the reason readable instead of failing the rejection.
+        let reason = reason.replace('\0', "\\0");
+        sqlx::query(AssertSqlSafe(self.inner.sql.reject.clone()))
+            .bind(&self.inner.consumer)
+            .bind(key)
+            .bind(&reason)
+            .execute(conn)
+            .await?;
+        tracing::info!(reason = %reason, "pgbox message rejected");
+        Ok(())
+    }
+}
+
+/// Puts the transaction into the aborted state on the server: every later statement fails
+/// and COMMIT turns into ROLLBACK. Used when the handler failed or panicked, so a caller that
+/// commits anyway cannot record the key without its effects.
+async fn abort_transaction(conn: &mut PgConnection) {
+    let result = sqlx::raw_sql(
+        "DO $$BEGIN RAISE EXCEPTION 'pgbox: the message handler failed; this transaction can only roll back'; END$$",
+    )
+    .execute(conn)
+    .await;
+    debug_assert!(result.is_err(), "the abort statement always raises");
+}

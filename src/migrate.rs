@@ -1,0 +1,303 @@
+//! Schema migrations: refinery's embedded migrations, applied over a sqlx connection.
+//!
+//! refinery ships no sqlx driver and takes no lock. pgbox implements refinery's async traits
+//! for a sqlx connection and serializes concurrent migrators (five service instances booting
+//! at once) with a session advisory lock, so every caller succeeds and exactly one applies
+//! each migration. The history table lives inside the pgbox schema, away from an
+//! application's own `refinery_schema_history`.
+
+use refinery_core::Migration;
+use refinery_core::traits::r#async::{AsyncMigrate, AsyncQuery, AsyncTransaction};
+use sqlx::pool::PoolConnection;
+use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Row};
+use time::OffsetDateTime;
+use tracing::Instrument;
+use time::format_description::well_known::Rfc3339;
+
+use crate::error::{Error, Result};
+use crate::ident::Identifier;
+
+mod embedded {
+    refinery::embed_migrations!("migrations");
+}
+
+/// The schema pgbox uses unless told otherwise.
+pub const DEFAULT_SCHEMA: &str = "pgbox";
+
+/// Name of the migration history table, created inside the pgbox schema.
+pub const HISTORY_TABLE: &str = "pgbox_migrations";
+
+/// Applies pgbox's migrations to the default schema ([`DEFAULT_SCHEMA`]).
+///
+/// Safe to call from every instance at start-up: concurrent calls wait for each other and a
+/// call with nothing to do is a cheap no-op.
+pub async fn migrate(pool: &PgPool) -> Result<MigrationReport> {
+    Migrator::new().run(pool).await
+}
+
+/// Applies pgbox's migrations, with options.
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool) -> pgbox::Result<()> {
+/// let report = pgbox::Migrator::new().schema("messaging")?.run(&pool).await?;
+/// println!("applied {} migrations", report.applied.len());
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Migrator {
+    schema: Identifier,
+}
+
+impl Default for Migrator {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// One migration that a [`Migrator::run`] applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AppliedMigration {
+    /// The `V<n>` version number.
+    pub version: i32,
+    /// The name after `__`.
+    pub name: String,
+}
+
+/// What a [`Migrator::run`] did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MigrationReport {
+    /// The migrations this call applied, oldest first; empty when already up to date.
+    pub applied: Vec<AppliedMigration>,
+}
+
+impl Migrator {
+    /// A migrator for the default schema.
+    pub fn new() -> Self {
+        Migrator {
+            schema: Identifier::new("schema", DEFAULT_SCHEMA).expect("default schema is valid"),
+        }
+    }
+
+    /// Uses `schema` instead of [`DEFAULT_SCHEMA`]. The name is validated, then always quoted.
+    pub fn schema(mut self, schema: &str) -> Result<Self> {
+        self.schema = Identifier::new("schema", schema)?;
+        Ok(self)
+    }
+
+    /// The schema this migrator targets.
+    pub fn schema_name(&self) -> &str {
+        self.schema.as_str()
+    }
+
+    /// Applies every pending migration.
+    ///
+    /// Holds a session advisory lock (derived from the schema name) on one pooled connection
+    /// while it works; on any error that connection is closed rather than returned to the
+    /// pool, which also releases the lock.
+    pub async fn run(&self, pool: &PgPool) -> Result<MigrationReport> {
+        let span = tracing::info_span!("pgbox.migrate", schema = self.schema.as_str());
+        async {
+            let mut conn = pool.acquire().await?;
+            match self.run_locked(&mut conn).await {
+                Ok(report) => {
+                    for m in &report.applied {
+                        tracing::info!(version = m.version, name = %m.name, "pgbox migration applied");
+                    }
+                    Ok(report)
+                }
+                Err(e) => {
+                    // The session may still hold the advisory lock or be mid-transaction.
+                    let _ = conn.detach().close().await;
+                    Err(e)
+                }
+            }
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn run_locked(&self, conn: &mut PoolConnection<Postgres>) -> Result<MigrationReport> {
+        let lock_key = advisory_lock_key(self.schema.as_str());
+        sqlx::query("SELECT pg_advisory_lock($1)")
+            .bind(lock_key)
+            .execute(&mut **conn)
+            .await?;
+        let create = format!("CREATE SCHEMA IF NOT EXISTS {}", self.schema.quoted());
+        sqlx::raw_sql(AssertSqlSafe(create))
+            .execute(&mut **conn)
+            .await?;
+
+        let mut runner = embedded::migrations::runner();
+        runner.set_migration_table_name(self.history_table());
+        let report = runner
+            .run_async(&mut SqlxMigrationConnection {
+                conn: &mut **conn,
+                schema: &self.schema,
+            })
+            .await
+            .map_err(|e| Error::Migration(Box::new(e)))?;
+
+        sqlx::query("SELECT pg_advisory_unlock($1)")
+            .bind(lock_key)
+            .execute(&mut **conn)
+            .await?;
+        Ok(MigrationReport {
+            applied: report
+                .applied_migrations()
+                .iter()
+                .map(|m| AppliedMigration {
+                    version: m.version(),
+                    name: m.name().to_owned(),
+                })
+                .collect(),
+        })
+    }
+
+    /// The migrations already applied to this schema, oldest first (empty if none).
+    pub async fn applied(&self, pool: &PgPool) -> Result<Vec<AppliedMigration>> {
+        let exists: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = $1 AND tablename = $2)",
+        )
+        .bind(self.schema.as_str())
+        .bind(HISTORY_TABLE)
+        .fetch_one(pool)
+        .await?;
+        if !exists {
+            return Ok(Vec::new());
+        }
+        let sql = format!(
+            "SELECT version, name FROM {} ORDER BY version",
+            self.history_table()
+        );
+        let rows = sqlx::query(AssertSqlSafe(sql)).fetch_all(pool).await?;
+        rows.iter()
+            .map(|r| {
+                Ok(AppliedMigration {
+                    version: r.try_get(0)?,
+                    name: r.try_get(1)?,
+                })
+            })
+            .collect()
+    }
+
+    /// All migrations as one plain SQL script, for teams that run their own migration tool.
+    ///
+    /// The script creates the schema, points `search_path` at it for the duration of its
+    /// own transaction only, and applies every migration in order. It does not write
+    /// pgbox's history table: track it in your tool.
+    pub fn to_sql(&self) -> String {
+        let mut out = format!(
+            "-- pgbox schema {schema}: {n} migration(s). Run once, in one transaction.\n\
+             BEGIN;\n\
+             CREATE SCHEMA IF NOT EXISTS {schema};\n\
+             SET LOCAL search_path TO {schema};\n",
+            schema = self.schema.quoted(),
+            n = embedded::migrations::runner().get_migrations().len(),
+        );
+        for m in embedded::migrations::runner().get_migrations() {
+            out.push_str(&format!("\n-- V{}__{}\n", m.version(), m.name()));
+            out.push_str(m.sql().unwrap_or_default().trim_end());
+            out.push('\n');
+        }
+        out.push_str("\nCOMMIT;\n");
+        out
+    }
+
+    fn history_table(&self) -> String {
+        format!("{}.\"{HISTORY_TABLE}\"", self.schema.quoted())
+    }
+}
+
+/// A stable 64-bit lock id per schema (FNV-1a), so migrators of different schemas never
+/// wait for each other.
+fn advisory_lock_key(schema: &str) -> i64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in b"pgbox-migrate:".iter().chain(schema.as_bytes()) {
+        hash ^= u64::from(*b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash as i64
+}
+
+/// refinery's async driver traits, implemented for a sqlx connection. Each `execute` batch is
+/// one transaction whose `search_path` is the pgbox schema.
+struct SqlxMigrationConnection<'c> {
+    conn: &'c mut PgConnection,
+    schema: &'c Identifier,
+}
+
+impl AsyncTransaction for SqlxMigrationConnection<'_> {
+    type Error = sqlx::Error;
+
+    async fn execute<'a, T: Iterator<Item = &'a str> + Send + 'a>(
+        &'a mut self,
+        queries: T,
+    ) -> std::result::Result<usize, Self::Error> {
+        let mut tx = self.conn.begin().await?;
+        let set_path = format!("SET LOCAL search_path TO {}", self.schema.quoted());
+        sqlx::raw_sql(AssertSqlSafe(set_path))
+            .execute(&mut *tx)
+            .await?;
+        let mut count = 0;
+        for query in queries {
+            // Simple-query protocol: a migration file may hold many statements.
+            sqlx::raw_sql(AssertSqlSafe(query.to_owned()))
+                .execute(&mut *tx)
+                .await?;
+            count += 1;
+        }
+        tx.commit().await?;
+        Ok(count)
+    }
+}
+
+impl AsyncQuery<Vec<Migration>> for SqlxMigrationConnection<'_> {
+    async fn query<'a>(
+        &'a mut self,
+        query: &'a str,
+    ) -> std::result::Result<Vec<Migration>, Self::Error> {
+        let rows = sqlx::raw_sql(AssertSqlSafe(query.to_owned()))
+            .fetch_all(&mut *self.conn)
+            .await?;
+        rows.into_iter()
+            .map(|row| {
+                let applied_on: String = row.try_get(2)?;
+                let checksum: String = row.try_get(3)?;
+                let applied_on = OffsetDateTime::parse(&applied_on, &Rfc3339)
+                    .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+                let checksum = checksum
+                    .parse::<u64>()
+                    .map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+                Ok(Migration::applied(
+                    row.try_get(0)?,
+                    row.try_get(1)?,
+                    applied_on,
+                    checksum,
+                ))
+            })
+            .collect()
+    }
+}
+
+impl AsyncMigrate for SqlxMigrationConnection<'_> {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lock_keys_differ_per_schema_and_are_stable() {
+        assert_eq!(advisory_lock_key("pgbox"), advisory_lock_key("pgbox"));
+        assert_ne!(advisory_lock_key("pgbox"), advisory_lock_key("pgbox2"));
+    }
+
+    #[test]
+    fn plain_sql_targets_the_configured_schema() {
+        let sql = Migrator::new().schema("billing").unwrap().to_sql();
+        assert!(sql.contains("CREATE SCHEMA IF NOT EXISTS \"billing\""));
+        assert!(sql.contains("SET LOCAL search_path TO \"billing\""));
+        assert!(sql.contains("CREATE TABLE inbox"));
+        assert!(sql.trim_end().ends_with("COMMIT;"));
+    }
+}

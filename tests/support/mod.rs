@@ -1,0 +1,136 @@
+//! Test fixtures: every test gets a database of its own on a real PostgreSQL server.
+#![allow(dead_code)]
+
+pub mod local_pg;
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection, Executor, PgConnection, PgPool};
+use tokio::sync::OnceCell;
+
+static SERVER_URL: OnceCell<String> = OnceCell::const_new();
+
+/// The server every test database is created on.
+pub async fn server_url() -> String {
+    SERVER_URL
+        .get_or_init(|| async {
+            local_pg::database_url()
+                .await
+                .unwrap_or_else(|e| panic!("no PostgreSQL for the tests: {e}"))
+        })
+        .await
+        .clone()
+}
+
+/// A fresh, empty database, dropped (with its connections) when the value is dropped.
+/// Set `PGBOX_KEEP_TEST_DBS=1` to keep them for inspection.
+pub struct TestDb {
+    pub name: String,
+    pub pool: PgPool,
+    pub options: PgConnectOptions,
+    server: String,
+}
+
+impl TestDb {
+    /// A new empty database; pgbox is not migrated.
+    pub async fn empty() -> TestDb {
+        let server = server_url().await;
+        let name = format!("pgbox_test_{}", uuid::Uuid::now_v7().simple());
+        let mut admin = PgConnection::connect(&server).await.expect("connect to server");
+        admin
+            .execute(sqlx::AssertSqlSafe(format!(
+                "CREATE DATABASE \"{name}\" TEMPLATE template0"
+            )))
+            .await
+            .expect("create test database");
+        admin.close().await.ok();
+        let options = PgConnectOptions::from_str(&server)
+            .expect("server url")
+            .database(&name);
+        let pool = PgPoolOptions::new()
+            .max_connections(24)
+            .acquire_timeout(Duration::from_secs(30))
+            .connect_with(options.clone())
+            .await
+            .expect("connect to test database");
+        TestDb {
+            name,
+            pool,
+            options,
+            server,
+        }
+    }
+
+    /// A new database with pgbox migrated into the default schema.
+    pub async fn migrated() -> TestDb {
+        let db = Self::empty().await;
+        pgbox::migrate(&db.pool).await.expect("migrate");
+        db
+    }
+
+    /// A connection that is not part of the pool (for blocking scenarios and kill tests).
+    pub async fn connect(&self) -> PgConnection {
+        PgConnection::connect_with(&self.options)
+            .await
+            .expect("connect")
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        if std::env::var_os("PGBOX_KEEP_TEST_DBS").is_some() {
+            eprintln!("keeping test database {}", self.name);
+            return;
+        }
+        let server = self.server.clone();
+        let name = self.name.clone();
+        // Drop runs inside the test's runtime, which cannot be blocked on; use a thread with
+        // a runtime of its own. FORCE ends the pool's connections.
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                if let Ok(mut admin) = PgConnection::connect(&server).await {
+                    let _ = admin
+                        .execute(sqlx::AssertSqlSafe(format!(
+                            "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"
+                        )))
+                        .await;
+                    let _ = admin.close().await;
+                }
+            });
+        })
+        .join();
+    }
+}
+
+/// Logs to the test output when `RUST_LOG` is set.
+pub fn init_tracing() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+}
+
+/// Waits until some backend of this database is blocked on a lock (the positive signal that
+/// a claim is waiting, rather than guessing with a sleep). Panics after 10 s.
+pub async fn wait_for_lock_waiter(pool: &PgPool) {
+    for _ in 0..1000 {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity \
+             WHERE datname = current_database() AND wait_event_type = 'Lock'",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("no backend started waiting on a lock within 10 s");
+}
