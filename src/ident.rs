@@ -30,7 +30,9 @@ impl Identifier {
             return Err(invalid("must not be empty"));
         }
         if name.len() > MAX_IDENTIFIER_BYTES {
-            return Err(invalid("longer than 63 bytes (PostgreSQL would truncate it)"));
+            return Err(invalid(
+                "longer than 63 bytes (PostgreSQL would truncate it)",
+            ));
         }
         if name.as_bytes()[0].is_ascii_digit() {
             return Err(invalid("must not start with a digit"));
@@ -44,7 +46,9 @@ impl Identifier {
             ));
         }
         if name.starts_with("pg_") {
-            return Err(invalid("names starting with 'pg_' are reserved by PostgreSQL"));
+            return Err(invalid(
+                "names starting with 'pg_' are reserved by PostgreSQL",
+            ));
         }
         Ok(Identifier {
             name: name.to_owned(),
@@ -81,7 +85,14 @@ mod tests {
 
     #[test]
     fn accepts_plain_lowercase_names_and_keywords() {
-        for ok in ["pgbox", "a", "_private", "order", "points_v2", &"x".repeat(63)] {
+        for ok in [
+            "pgbox",
+            "a",
+            "_private",
+            "order",
+            "points_v2",
+            &"x".repeat(63),
+        ] {
             let id = Identifier::new("schema", ok).unwrap();
             assert_eq!(id.quoted(), format!("\"{ok}\""));
         }
@@ -102,7 +113,10 @@ mod tests {
             &"x".repeat(64),
         ] {
             assert!(
-                matches!(Identifier::new("schema", bad), Err(Error::InvalidIdentifier { .. })),
+                matches!(
+                    Identifier::new("schema", bad),
+                    Err(Error::InvalidIdentifier { .. })
+                ),
                 "{bad:?} was accepted"
             );
         }

@@ -11,8 +11,8 @@ use refinery_core::traits::r#async::{AsyncMigrate, AsyncQuery, AsyncTransaction}
 use sqlx::pool::PoolConnection;
 use sqlx::{AssertSqlSafe, Connection, PgConnection, PgPool, Postgres, Row};
 use time::OffsetDateTime;
-use tracing::Instrument;
 use time::format_description::well_known::Rfc3339;
+use tracing::Instrument;
 
 use crate::error::{Error, Result};
 use crate::ident::Identifier;
@@ -132,7 +132,7 @@ impl Migrator {
         runner.set_migration_table_name(self.history_table());
         let report = runner
             .run_async(&mut SqlxMigrationConnection {
-                conn: &mut **conn,
+                conn,
                 schema: &self.schema,
             })
             .await

@@ -61,7 +61,10 @@ async fn deliver(inbox: &Inbox, pool: &PgPool, key: &str) -> Outcome<()> {
 async fn first_delivery_takes_effect_and_redelivery_is_skipped() {
     let db = setup().await;
     let inbox = Inbox::new("points").unwrap();
-    assert_eq!(deliver(&inbox, &db.pool, "order-1").await, Outcome::Processed(()));
+    assert_eq!(
+        deliver(&inbox, &db.pool, "order-1").await,
+        Outcome::Processed(())
+    );
     let second = deliver(&inbox, &db.pool, "order-1").await;
     let Outcome::Duplicate(dup) = second else {
         panic!("expected a duplicate, got {second:?}")
@@ -86,7 +89,10 @@ async fn duplicate_waits_for_first_and_is_skipped_after_commit() {
     let (pool, inbox2) = (db.pool.clone(), inbox.clone());
     let second = tokio::spawn(async move { deliver(&inbox2, &pool, "k").await });
     wait_for_lock_waiter(&db.pool).await;
-    assert!(!second.is_finished(), "the duplicate must wait for the first transaction");
+    assert!(
+        !second.is_finished(),
+        "the duplicate must wait for the first transaction"
+    );
     first.commit().await.unwrap();
 
     let outcome = second.await.unwrap();
@@ -249,7 +255,11 @@ async fn stored_outcome_is_handed_back_to_every_duplicate() {
                 balance: 130
             })
         );
-        assert_eq!(dup.message_id.as_deref(), Some("msg-1"), "the first id is kept");
+        assert_eq!(
+            dup.message_id.as_deref(),
+            Some("msg-1"),
+            "the first id is kept"
+        );
         assert!(matches!(
             dup.outcome::<Vec<String>>(),
             Err(Error::DeserializeOutcome(_))
@@ -337,7 +347,10 @@ async fn in_progress_is_returned_within_the_timeout_and_the_transaction_stays_us
     ));
 
     for (wait, bound) in [
-        (Wait::Timeout(Duration::from_millis(200)), Duration::from_millis(200)),
+        (
+            Wait::Timeout(Duration::from_millis(200)),
+            Duration::from_millis(200),
+        ),
         (Wait::NoWait, Duration::ZERO),
     ] {
         let inbox = Inbox::builder("points").wait(wait).build().unwrap();
@@ -361,7 +374,10 @@ async fn in_progress_is_returned_within_the_timeout_and_the_transaction_stays_us
         assert!(!outcome.should_ack());
         // It did wait (no early give-up), and did not wait on forever.
         assert!(elapsed >= bound, "{wait:?} returned after {elapsed:?}");
-        assert!(elapsed < Duration::from_secs(5), "{wait:?} took {elapsed:?}");
+        assert!(
+            elapsed < Duration::from_secs(5),
+            "{wait:?} took {elapsed:?}"
+        );
         // Not poisoned, and the caller's own lock_timeout is back.
         let timeout: String = sqlx::query_scalar("SHOW lock_timeout")
             .fetch_one(&mut *tx)
@@ -463,7 +479,9 @@ async fn serializable_duplicate_race_yields_a_retryable_error_never_a_double_eff
             .execute(&mut *tx)
             .await?;
         let outcome = inbox
-            .process(&mut tx, "k", async |conn| record_effect(conn, "points", "k").await)
+            .process(&mut tx, "k", async |conn| {
+                record_effect(conn, "points", "k").await
+            })
             .await?;
         tx.commit().await?;
         Ok(outcome)
@@ -486,12 +504,20 @@ async fn serializable_duplicate_race_yields_a_retryable_error_never_a_double_eff
     let second = tokio::spawn(async move { serializable_attempt(&pool, &i).await });
     wait_for_lock_waiter(&db.pool).await;
     first.commit().await.unwrap();
-    let err = second.await.unwrap().expect_err("the racing duplicate must fail");
+    let err = second
+        .await
+        .unwrap()
+        .expect_err("the racing duplicate must fail");
     assert!(err.is_retryable(), "{err}");
     assert_eq!(err.db_kind(), Some(DbErrorKind::SerializationFailure));
 
     // The retry sees the committed record.
-    assert!(serializable_attempt(&db.pool, &inbox).await.unwrap().is_duplicate());
+    assert!(
+        serializable_attempt(&db.pool, &inbox)
+            .await
+            .unwrap()
+            .is_duplicate()
+    );
     assert_eq!(effects(&db.pool, "k").await, 1);
 }
 
@@ -569,7 +595,10 @@ async fn duplicates_are_pure_reads_with_no_transaction_id_and_no_dead_tuples() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(control_dead, 1, "statistics never arrived; the check is blind");
+    assert_eq!(
+        control_dead, 1,
+        "statistics never arrived; the check is blind"
+    );
     assert_eq!(dead("inbox").await, 0);
 }
 
@@ -610,7 +639,10 @@ async fn custom_schema_keeps_everything_inside_it() {
         .run(&db.pool)
         .await
         .unwrap();
-    let inbox = Inbox::builder("points").schema("messaging").build().unwrap();
+    let inbox = Inbox::builder("points")
+        .schema("messaging")
+        .build()
+        .unwrap();
     let mut tx = db.pool.begin().await.unwrap();
     let o = inbox
         .process(&mut tx, "k", async |_c| Ok::<_, Error>(1))
@@ -629,4 +661,45 @@ async fn custom_schema_keeps_everything_inside_it() {
     let mut tx = db.pool.begin().await.unwrap();
     let err = wrong.claim(&mut tx, "k").await.unwrap_err();
     assert_eq!(err.db_kind(), Some(DbErrorKind::MissingSchema), "{err}");
+}
+
+#[tokio::test]
+async fn purge_deletes_only_old_rows_of_its_own_consumer() {
+    let db = setup().await;
+    let points = Inbox::new("points").unwrap();
+    let email = Inbox::new("email").unwrap();
+    // 12,000 old rows (more than two purge batches), 5 recent ones, and another consumer's.
+    sqlx::query(
+        "INSERT INTO pgbox.inbox (consumer, key, processed_at) \
+         SELECT 'points', 'old-' || g, now() - interval '8 days' FROM generate_series(1, 12000) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query(
+        "INSERT INTO pgbox.inbox (consumer, key, processed_at) \
+         SELECT 'email', 'old-' || g, now() - interval '8 days' FROM generate_series(1, 10) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    for i in 0..5 {
+        assert!(deliver(&points, &db.pool, &format!("new-{i}")).await.is_processed());
+    }
+    let week = Duration::from_secs(7 * 24 * 3600);
+    assert_eq!(points.purge_older_than(&db.pool, week).await.unwrap(), 12_000);
+    assert_eq!(points.purge_older_than(&db.pool, week).await.unwrap(), 0);
+    let left: Vec<(String, i64)> = sqlx::query_as(
+        "SELECT consumer, count(*) FROM pgbox.inbox GROUP BY consumer ORDER BY consumer",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(left, vec![("email".into(), 10), ("points".into(), 5)]);
+    // A purged key is processed again: retention must outlast redelivery.
+    assert!(deliver(&points, &db.pool, "old-1").await.is_processed());
+    assert!(matches!(
+        email.purge_older_than(&db.pool, Duration::ZERO).await,
+        Err(Error::InvalidConfig(_))
+    ));
 }

@@ -155,7 +155,10 @@ mod tests {
         assert!(Key::new("x".repeat(MAX_KEY_BYTES)).validate().is_ok());
         assert!(matches!(
             Key::new("x".repeat(MAX_KEY_BYTES + 1)).validate(),
-            Err(Error::KeyTooLong { len: 1025, max: 1024 })
+            Err(Error::KeyTooLong {
+                len: 1025,
+                max: 1024
+            })
         ));
         // The limit is bytes, not characters: 342 three-byte characters are 1026 bytes.
         assert!(matches!(

@@ -11,6 +11,7 @@
 
 mod key;
 mod outcome;
+mod retention;
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -24,6 +25,7 @@ use tracing::Instrument;
 
 pub use self::key::{Key, MAX_CONSUMER_BYTES, MAX_KEY_BYTES, MAX_MESSAGE_ID_BYTES};
 pub use self::outcome::{Duplicate, Outcome, Verdict};
+pub use self::retention::PURGE_BATCH_ROWS;
 
 use crate::error::{Error, Result};
 use crate::ident::Identifier;
@@ -158,13 +160,13 @@ impl InboxBuilder {
     pub fn build(self) -> Result<Inbox> {
         key::validate_consumer(&self.consumer)?;
         let schema = Identifier::new("schema", &self.schema)?;
-        if let Wait::Timeout(d) = self.wait {
-            if d < Duration::from_millis(1) || d.as_millis() > i32::MAX as u128 {
-                return Err(Error::InvalidConfig(format!(
-                    "Wait::Timeout({d:?}) must be between 1 ms and {} ms",
-                    i32::MAX
-                )));
-            }
+        if let Wait::Timeout(d) = self.wait
+            && (d < Duration::from_millis(1) || d.as_millis() > i32::MAX as u128)
+        {
+            return Err(Error::InvalidConfig(format!(
+                "Wait::Timeout({d:?}) must be between 1 ms and {} ms",
+                i32::MAX
+            )));
         }
         Ok(Inbox {
             inner: Arc::new(Inner {
@@ -446,7 +448,12 @@ impl Inbox {
         Ok(())
     }
 
-    async fn store_rejection(&self, conn: &mut PgConnection, key: &str, reason: &str) -> Result<()> {
+    async fn store_rejection(
+        &self,
+        conn: &mut PgConnection,
+        key: &str,
+        reason: &str,
+    ) -> Result<()> {
         // text cannot hold NUL; keep the reason readable instead of failing the rejection.
         let reason = reason.replace('\0', "\\0");
         sqlx::query(AssertSqlSafe(self.inner.sql.reject.clone()))

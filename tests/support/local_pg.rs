@@ -22,10 +22,10 @@ const LOCAL_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
 
 /// A URL of a reachable server, as described in the module docs.
 pub async fn database_url() -> Result<String, String> {
-    if let Ok(url) = std::env::var("DATABASE_URL") {
-        if !url.is_empty() {
-            return Ok(url);
-        }
+    if let Ok(url) = std::env::var("DATABASE_URL")
+        && !url.is_empty()
+    {
+        return Ok(url);
     }
     if reachable(LOCAL_URL).await {
         return Ok(LOCAL_URL.to_owned());
@@ -45,11 +45,14 @@ pub async fn database_url() -> Result<String, String> {
     // cluster, the others wait on the lock and then find it running.
     let lock_path = dir.with_extension("lock");
     let lock = File::create(&lock_path).map_err(|e| format!("create {lock_path:?}: {e}"))?;
-    lock.lock().map_err(|e| format!("lock {lock_path:?}: {e}"))?;
+    lock.lock()
+        .map_err(|e| format!("lock {lock_path:?}: {e}"))?;
     if reachable(&url).await {
         return Ok(url);
     }
-    eprintln!("pgbox: no PostgreSQL reachable; starting a throwaway cluster in {dir:?} on port {port}");
+    eprintln!(
+        "pgbox: no PostgreSQL reachable; starting a throwaway cluster in {dir:?} on port {port}"
+    );
     let started = tokio::task::spawn_blocking(move || start_cluster(&dir, port))
         .await
         .map_err(|e| e.to_string())?;
@@ -138,14 +141,19 @@ fn start_cluster(dir: &Path, port: u16) -> Result<(), String> {
             find_bindir().ok_or("postgresql installed, but no initdb under /usr/lib/postgresql")?
         }
         None => {
-            return Err("no PostgreSQL found: set DATABASE_URL, or install the `postgresql` \
+            return Err(
+                "no PostgreSQL found: set DATABASE_URL, or install the `postgresql` \
                         package (e.g. `sudo apt-get install postgresql`)"
-                .into());
+                    .into(),
+            );
         }
     };
     fs::create_dir_all(dir).map_err(|e| format!("create {dir:?}: {e}"))?;
     if root {
-        run(Command::new("chown").arg("-R").arg("postgres:postgres").arg(dir))?;
+        run(Command::new("chown")
+            .arg("-R")
+            .arg("postgres:postgres")
+            .arg(dir))?;
     }
     let data = dir.join("data");
     if !data.join("PG_VERSION").exists() {
@@ -153,7 +161,16 @@ fn start_cluster(dir: &Path, port: u16) -> Result<(), String> {
         run(pg_command(root, &bindir.join("initdb"))
             .arg("-D")
             .arg(&data)
-            .args(["-U", "postgres", "-A", "trust", "-N", "-E", "UTF8", "--locale=C.UTF-8"]))?;
+            .args([
+                "-U",
+                "postgres",
+                "-A",
+                "trust",
+                "-N",
+                "-E",
+                "UTF8",
+                "--locale=C.UTF-8",
+            ]))?;
     }
     let options = format!(
         "-c listen_addresses=127.0.0.1 -p {port} -k {} -c fsync=off -c synchronous_commit=off \

@@ -38,7 +38,9 @@ impl TestDb {
     pub async fn empty() -> TestDb {
         let server = server_url().await;
         let name = format!("pgbox_test_{}", uuid::Uuid::now_v7().simple());
-        let mut admin = PgConnection::connect(&server).await.expect("connect to server");
+        let mut admin = PgConnection::connect(&server)
+            .await
+            .expect("connect to server");
         admin
             .execute(sqlx::AssertSqlSafe(format!(
                 "CREATE DATABASE \"{name}\" TEMPLATE template0"

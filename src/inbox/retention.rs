@@ -1,0 +1,55 @@
+//! Retention: delete old inbox rows in bounded, index-backed batches.
+
+use std::time::Duration;
+
+use sqlx::{AssertSqlSafe, PgPool};
+
+use super::Inbox;
+use crate::error::{Error, Result};
+
+/// Rows deleted per statement by [`Inbox::purge_older_than`]: small enough to keep each
+/// transaction short and its locks few, large enough to purge millions of rows quickly.
+pub const PURGE_BATCH_ROWS: i64 = 5_000;
+
+impl Inbox {
+    /// Deletes this consumer's rows recorded more than `older_than` ago (database clock),
+    /// in batches of [`PURGE_BATCH_ROWS`], each its own short transaction. Returns the number
+    /// of rows deleted.
+    ///
+    /// A message redelivered after its row is purged is processed again: `older_than` must
+    /// exceed the longest redelivery window (broker retries, dead-letter replays, producer
+    /// re-sends). Rows claimed by in-flight transactions are never touched, since they are
+    /// not yet committed.
+    pub async fn purge_older_than(&self, pool: &PgPool, older_than: Duration) -> Result<u64> {
+        if older_than.is_zero() {
+            return Err(Error::InvalidConfig(
+                "purge retention must be greater than zero".into(),
+            ));
+        }
+        let schema = self.inner.schema.quoted();
+        // The ctid subquery walks inbox_processed_at_idx; SKIP LOCKED leaves rows that a
+        // concurrent purge is deleting to that purge.
+        let sql = format!(
+            "DELETE FROM {schema}.inbox WHERE ctid = ANY(ARRAY(\
+               SELECT ctid FROM {schema}.inbox \
+               WHERE processed_at < now() - make_interval(secs => $2) AND consumer = $1 \
+               ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED))"
+        );
+        let mut total = 0;
+        loop {
+            let deleted = sqlx::query(AssertSqlSafe(sql.clone()))
+                .bind(&self.inner.consumer)
+                .bind(older_than.as_secs_f64())
+                .bind(PURGE_BATCH_ROWS)
+                .execute(pool)
+                .await?
+                .rows_affected();
+            total += deleted;
+            if deleted < PURGE_BATCH_ROWS as u64 {
+                break;
+            }
+        }
+        tracing::info!(consumer = %self.inner.consumer, deleted = total, ?older_than, "pgbox inbox purged");
+        Ok(total)
+    }
+}
