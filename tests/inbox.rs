@@ -684,10 +684,17 @@ async fn purge_deletes_only_old_rows_of_its_own_consumer() {
     .await
     .unwrap();
     for i in 0..5 {
-        assert!(deliver(&points, &db.pool, &format!("new-{i}")).await.is_processed());
+        assert!(
+            deliver(&points, &db.pool, &format!("new-{i}"))
+                .await
+                .is_processed()
+        );
     }
     let week = Duration::from_secs(7 * 24 * 3600);
-    assert_eq!(points.purge_older_than(&db.pool, week).await.unwrap(), 12_000);
+    assert_eq!(
+        points.purge_older_than(&db.pool, week).await.unwrap(),
+        12_000
+    );
     assert_eq!(points.purge_older_than(&db.pool, week).await.unwrap(), 0);
     let left: Vec<(String, i64)> = sqlx::query_as(
         "SELECT consumer, count(*) FROM pgbox.inbox GROUP BY consumer ORDER BY consumer",
