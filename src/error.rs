@@ -96,6 +96,42 @@ pub enum Error {
     #[error("the handler panicked; its transaction was aborted")]
     HandlerPanicked,
 
+    /// A versioned compare-and-set found another version than expected: someone else
+    /// updated the row since it was read. Retryable: re-read and re-apply.
+    #[error("version conflict on {table}: expected version {expected}, found {actual}")]
+    VersionConflict {
+        /// The (quoted) table.
+        table: String,
+        /// The version the update expected.
+        expected: i64,
+        /// The version found.
+        actual: i64,
+    },
+
+    /// The row to update does not exist (any more).
+    #[error("no such row in {table}")]
+    RowNotFound {
+        /// The (quoted) table.
+        table: String,
+    },
+
+    /// A state column holds a value that is not one of the state machine's states.
+    #[error("{table} holds unknown state {value:?}")]
+    UnknownState {
+        /// The (quoted) table.
+        table: String,
+        /// The stored value.
+        value: String,
+    },
+
+    /// A state machine declaration is unusable (duplicate names, unknown targets, cycles).
+    #[error("invalid state machine: {0}")]
+    InvalidStateMachine(String),
+
+    /// A sequence number below 1 was passed to in-order processing.
+    #[error("sequence numbers start at 1, got {0}")]
+    InvalidSequence(i64),
+
     /// A database error, classified by SQLSTATE.
     #[error("database error ({kind}): {source}")]
     Database {
@@ -113,11 +149,11 @@ pub enum Error {
 
 impl Error {
     /// Whether rolling back and retrying the whole transaction may succeed: serialization
-    /// failures, deadlocks, lock and statement timeouts, lost connections, pool timeouts and
-    /// [`Error::ConcurrentClaim`].
+    /// failures, deadlocks, lock and statement timeouts, lost connections, pool timeouts,
+    /// [`Error::ConcurrentClaim`] and [`Error::VersionConflict`].
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::ConcurrentClaim { .. } => true,
+            Error::ConcurrentClaim { .. } | Error::VersionConflict { .. } => true,
             Error::Database { kind, .. } => kind.is_retryable(),
             _ => false,
         }

@@ -12,6 +12,7 @@
 mod key;
 mod outcome;
 mod retention;
+mod sequence;
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
@@ -26,6 +27,7 @@ use tracing::Instrument;
 pub use self::key::{Key, MAX_CONSUMER_BYTES, MAX_KEY_BYTES, MAX_MESSAGE_ID_BYTES};
 pub use self::outcome::{Duplicate, Outcome, Verdict};
 pub use self::retention::PURGE_BATCH_ROWS;
+pub use self::sequence::{GapPolicy, Sequenced};
 
 use crate::error::{Error, Result};
 use crate::ident::Identifier;
@@ -77,6 +79,7 @@ struct Inner {
     schema: Identifier,
     wait: Wait,
     store_outcomes: bool,
+    gap_policy: GapPolicy,
     sql: Statements,
 }
 
@@ -133,6 +136,7 @@ pub struct InboxBuilder {
     schema: String,
     wait: Wait,
     store_outcomes: bool,
+    gap_policy: GapPolicy,
 }
 
 impl InboxBuilder {
@@ -156,6 +160,13 @@ impl InboxBuilder {
         self
     }
 
+    /// What [`Inbox::process_in_order`] does with a sequence number beyond the next one
+    /// (default [`GapPolicy::Wait`]).
+    pub fn on_gap(mut self, policy: GapPolicy) -> Self {
+        self.gap_policy = policy;
+        self
+    }
+
     /// Validates the settings.
     pub fn build(self) -> Result<Inbox> {
         key::validate_consumer(&self.consumer)?;
@@ -175,6 +186,7 @@ impl InboxBuilder {
                 schema,
                 wait: self.wait,
                 store_outcomes: self.store_outcomes,
+                gap_policy: self.gap_policy,
             }),
         })
     }
@@ -237,6 +249,7 @@ impl Inbox {
             schema: DEFAULT_SCHEMA.to_owned(),
             wait: Wait::Block,
             store_outcomes: true,
+            gap_policy: GapPolicy::Wait,
         }
     }
 
@@ -310,19 +323,7 @@ impl Inbox {
                 Claim::Duplicate(duplicate) => return Ok(Outcome::Duplicate(duplicate)),
                 Claim::InProgress => return Ok(Outcome::InProgress),
             };
-            let verdict = match AssertUnwindSafe(handler(&mut **tx)).catch_unwind().await {
-                Ok(Ok(verdict)) => verdict,
-                Ok(Err(error)) => {
-                    tracing::warn!("pgbox handler failed; transaction aborted, roll it back");
-                    abort_transaction(tx).await;
-                    return Err(error);
-                }
-                Err(panic) => {
-                    tracing::error!("pgbox handler panicked; transaction aborted");
-                    abort_transaction(tx).await;
-                    std::panic::resume_unwind(panic);
-                }
-            };
+            let verdict = run_handler(tx, handler).await?;
             match verdict {
                 Verdict::Accept(value) => {
                     if self.inner.store_outcomes {
@@ -464,6 +465,27 @@ impl Inbox {
             .await?;
         tracing::info!(reason = %reason, "pgbox message rejected");
         Ok(())
+    }
+}
+
+/// Runs a handler on the claim's transaction. An error or a panic aborts the transaction on
+/// the server first (see [`abort_transaction`]); a panic then resumes unwinding.
+pub(crate) async fn run_handler<V, E, F>(conn: &mut PgConnection, handler: F) -> Result<V, E>
+where
+    F: AsyncFnOnce(&mut PgConnection) -> Result<V, E>,
+{
+    match AssertUnwindSafe(handler(&mut *conn)).catch_unwind().await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => {
+            tracing::warn!("pgbox handler failed; transaction aborted, roll it back");
+            abort_transaction(conn).await;
+            Err(error)
+        }
+        Err(panic) => {
+            tracing::error!("pgbox handler panicked; transaction aborted");
+            abort_transaction(conn).await;
+            std::panic::resume_unwind(panic);
+        }
     }
 }
 

@@ -1,0 +1,299 @@
+//! State-machine transitions on a business row: stale and early messages told apart from
+//! illegal ones, with one guarded UPDATE.
+//!
+//! A ride must never move back to "driver departed" when that message arrives after
+//! "driver arrived". Declare the states and their allowed successors; pgbox derives from the
+//! (acyclic) graph which states come before which, and [`StateTable::transition`] answers:
+//!
+//! | result | meaning | consumer does |
+//! |---|---|---|
+//! | `Applied { from }` | moved from an allowed predecessor | commit, ack |
+//! | `AlreadyInState` | a replay: already there, nothing written | commit, ack |
+//! | `Stale { current }` | an older message: the row is past it | skip, ack |
+//! | `TooEarly { current }` | arrived before its predecessor | redeliver later |
+//! | `Illegal { current }` | no path either way: a bug or bad data | error / dead-letter |
+//! | `NotFound` | no such row | per business rule |
+
+use std::collections::HashMap;
+use std::fmt;
+use std::marker::PhantomData;
+
+use sqlx::postgres::PgArguments;
+use sqlx::{Arguments, AssertSqlSafe, Encode, PgConnection, Postgres, Row, Type};
+
+use crate::error::{Error, Result};
+use crate::ident::Identifier;
+
+/// A set of states stored as text, and which transitions between them are allowed.
+///
+/// ```
+/// #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// enum Order { Created, Paid, Shipped, Cancelled }
+///
+/// impl pgbox::StateMachine for Order {
+///     const STATES: &'static [Self] = &[Order::Created, Order::Paid, Order::Shipped, Order::Cancelled];
+///     fn name(self) -> &'static str {
+///         match self {
+///             Order::Created => "created",
+///             Order::Paid => "paid",
+///             Order::Shipped => "shipped",
+///             Order::Cancelled => "cancelled",
+///         }
+///     }
+///     fn next(self) -> &'static [Self] {
+///         match self {
+///             Order::Created => &[Order::Paid, Order::Cancelled],
+///             Order::Paid => &[Order::Shipped, Order::Cancelled],
+///             Order::Shipped | Order::Cancelled => &[],
+///         }
+///     }
+/// }
+/// let orders = pgbox::StateTable::<Order>::new("orders").unwrap();
+/// ```
+pub trait StateMachine: Copy + Eq + fmt::Debug + Send + Sync + 'static {
+    /// Every state, each once.
+    const STATES: &'static [Self];
+    /// The text stored in the status column. Unique per state, non-empty.
+    fn name(self) -> &'static str;
+    /// The states this one may move to directly. The graph must be acyclic, so that "older"
+    /// and "newer" are well defined.
+    fn next(self) -> &'static [Self];
+}
+
+/// What [`StateTable::transition`] found and did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Transition<S> {
+    /// The row moved from `from` to the requested state.
+    Applied {
+        /// The state before.
+        from: S,
+    },
+    /// The row already is in the requested state (a replayed message). Nothing written.
+    AlreadyInState,
+    /// The row is already past the requested state: an older message. Nothing written.
+    Stale {
+        /// The row's state.
+        current: S,
+    },
+    /// The requested state is ahead, but not directly: a predecessor message is missing so
+    /// far. Nothing written; redeliver later.
+    TooEarly {
+        /// The row's state.
+        current: S,
+    },
+    /// No path leads from the row's state to the requested one or back: an error.
+    Illegal {
+        /// The row's state.
+        current: S,
+    },
+    /// No row with that id.
+    NotFound,
+}
+
+/// The graph facts derived once from a [`StateMachine`].
+#[derive(Debug)]
+struct Graph {
+    index: HashMap<&'static str, usize>,
+    /// `reach[a][b]`: b can be reached from a in one or more steps.
+    reach: Vec<Vec<bool>>,
+    /// Names of the direct predecessors of each state.
+    predecessors: Vec<Vec<&'static str>>,
+}
+
+impl Graph {
+    fn new<S: StateMachine>() -> Result<Self> {
+        let states = S::STATES;
+        let mut index = HashMap::new();
+        for (i, s) in states.iter().enumerate() {
+            let name = s.name();
+            if name.is_empty() || name.contains('\0') {
+                return Err(Error::InvalidStateMachine(format!(
+                    "state {s:?} has an unusable name {name:?}"
+                )));
+            }
+            if index.insert(name, i).is_some() {
+                return Err(Error::InvalidStateMachine(format!(
+                    "two states are named {name:?}"
+                )));
+            }
+        }
+        let n = states.len();
+        let mut reach = vec![vec![false; n]; n];
+        let mut predecessors = vec![Vec::new(); n];
+        for (i, s) in states.iter().enumerate() {
+            for t in s.next() {
+                let j = *index.get(t.name()).ok_or_else(|| {
+                    Error::InvalidStateMachine(format!("{s:?} -> {t:?}: {t:?} is not in STATES"))
+                })?;
+                reach[i][j] = true;
+                predecessors[j].push(s.name());
+            }
+        }
+        // Transitive closure (Floyd–Warshall); state machines are small.
+        for k in 0..n {
+            for i in 0..n {
+                if reach[i][k] {
+                    for j in 0..n {
+                        if reach[k][j] {
+                            reach[i][j] = true;
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(i) = (0..n).find(|&i| reach[i][i]) {
+            return Err(Error::InvalidStateMachine(format!(
+                "{:?} can reach itself; the transition graph must be acyclic",
+                states[i]
+            )));
+        }
+        Ok(Graph {
+            index,
+            reach,
+            predecessors,
+        })
+    }
+}
+
+/// A table with a text status column driven by the state machine `S`.
+#[derive(Debug)]
+pub struct StateTable<S> {
+    schema: Option<Identifier>,
+    table: Identifier,
+    id: Identifier,
+    status: Identifier,
+    graph: Graph,
+    states: PhantomData<S>,
+}
+
+impl<S: StateMachine> StateTable<S> {
+    /// The table `name` with columns `id` and `status`; validates the state machine.
+    pub fn new(name: &str) -> Result<Self> {
+        Ok(StateTable {
+            schema: None,
+            table: Identifier::new("table", name)?,
+            id: Identifier::new("column", "id")?,
+            status: Identifier::new("column", "status")?,
+            graph: Graph::new::<S>()?,
+            states: PhantomData,
+        })
+    }
+
+    /// Qualifies the table with a schema.
+    pub fn schema(mut self, schema: &str) -> Result<Self> {
+        self.schema = Some(Identifier::new("schema", schema)?);
+        Ok(self)
+    }
+
+    /// The primary-key column (default `id`).
+    pub fn id_column(mut self, column: &str) -> Result<Self> {
+        self.id = Identifier::new("column", column)?;
+        Ok(self)
+    }
+
+    /// The status column (default `status`), of type `text`.
+    pub fn status_column(mut self, column: &str) -> Result<Self> {
+        self.status = Identifier::new("column", column)?;
+        Ok(self)
+    }
+
+    fn qualified(&self) -> String {
+        match &self.schema {
+            Some(schema) => format!("{schema}.{}", self.table),
+            None => self.table.quoted(),
+        }
+    }
+
+    fn parse(&self, value: &str) -> Result<S> {
+        self.graph
+            .index
+            .get(value)
+            .map(|&i| S::STATES[i])
+            .ok_or_else(|| Error::UnknownState {
+                table: self.qualified(),
+                value: value.to_owned(),
+            })
+    }
+
+    /// Moves row `id` to `to` if its current state is a direct predecessor of `to`.
+    ///
+    /// One statement: it locks the row (`FOR UPDATE`), so concurrent transitions of one row
+    /// serialize, and updates it only `WHERE status = ANY(predecessors of to)`.
+    pub async fn transition<'q, I>(
+        &self,
+        conn: &mut PgConnection,
+        id: I,
+        to: S,
+    ) -> Result<Transition<S>>
+    where
+        I: Encode<'q, Postgres> + Type<Postgres> + 'q,
+    {
+        let to_index = self.graph.index[to.name()];
+        let (t, id_col, status) = (self.qualified(), &self.id, &self.status);
+        let sql = format!(
+            "WITH current AS (SELECT {status}::text AS status FROM {t} WHERE {id_col} = $1 FOR UPDATE), \
+             updated AS (UPDATE {t} SET {status} = $2 \
+                 WHERE {id_col} = $1 AND {status} = ANY($3) AND EXISTS (SELECT 1 FROM current) \
+                 RETURNING 1) \
+             SELECT (SELECT status FROM current), EXISTS (SELECT 1 FROM updated)"
+        );
+        let mut args = PgArguments::default();
+        args.add(id).map_err(sqlx::Error::Encode)?;
+        args.add(to.name()).map_err(sqlx::Error::Encode)?;
+        args.add(&self.graph.predecessors[to_index])
+            .map_err(sqlx::Error::Encode)?;
+        let row = sqlx::query_with(AssertSqlSafe(sql), args)
+            .fetch_one(conn)
+            .await?;
+        let current: Option<String> = row.try_get(0)?;
+        let applied: bool = row.try_get(1)?;
+        let Some(current) = current else {
+            return Ok(Transition::NotFound);
+        };
+        let current = self.parse(&current)?;
+        let result = if applied {
+            Transition::Applied { from: current }
+        } else if current == to {
+            Transition::AlreadyInState
+        } else {
+            let c = self.graph.index[current.name()];
+            if self.graph.reach[to_index][c] {
+                Transition::Stale { current }
+            } else if self.graph.reach[c][to_index] {
+                Transition::TooEarly { current }
+            } else {
+                Transition::Illegal { current }
+            }
+        };
+        match result {
+            Transition::Applied { from } => {
+                tracing::debug!(table = %t, ?from, ?to, "pgbox transition applied")
+            }
+            Transition::Illegal { current } => {
+                tracing::warn!(table = %t, ?current, ?to, "pgbox illegal transition refused")
+            }
+            other => tracing::info!(table = %t, ?to, result = ?other, "pgbox transition skipped"),
+        }
+        Ok(result)
+    }
+
+    /// The row's current state, `None` if there is no such row.
+    pub async fn current<'q, I>(&self, conn: &mut PgConnection, id: I) -> Result<Option<S>>
+    where
+        I: Encode<'q, Postgres> + Type<Postgres> + 'q,
+    {
+        let sql = format!(
+            "SELECT {}::text FROM {} WHERE {} = $1",
+            self.status,
+            self.qualified(),
+            self.id
+        );
+        let mut args = PgArguments::default();
+        args.add(id).map_err(sqlx::Error::Encode)?;
+        let value: Option<String> = sqlx::query_scalar_with(AssertSqlSafe(sql), args)
+            .fetch_optional(conn)
+            .await?;
+        value.map(|v| self.parse(&v)).transpose()
+    }
+}
