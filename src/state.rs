@@ -132,13 +132,10 @@ impl Graph {
         }
         // Transitive closure (Floyd–Warshall); state machines are small.
         for k in 0..n {
-            for i in 0..n {
-                if reach[i][k] {
-                    for j in 0..n {
-                        if reach[k][j] {
-                            reach[i][j] = true;
-                        }
-                    }
+            let via_k = reach[k].clone();
+            for row in reach.iter_mut().filter(|row| row[k]) {
+                for (cell, &through) in row.iter_mut().zip(&via_k) {
+                    *cell |= through;
                 }
             }
         }
