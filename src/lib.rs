@@ -7,14 +7,22 @@
     rust_2018_idioms
 )]
 
+mod consumer;
 mod error;
 mod ident;
 pub mod inbox;
 mod migrate;
+mod outbox;
+mod relay;
 mod retry;
 mod state;
+pub mod transport;
 mod version;
 
+/// Cancels a [`Relay`] or [`Consumer`] run (re-exported from `tokio-util`).
+pub use tokio_util::sync::CancellationToken;
+
+pub use crate::consumer::{Consumer, ConsumerBuilder, ConsumerStats};
 pub use crate::error::{DbErrorKind, Error, Result};
 pub use crate::ident::{Identifier, MAX_IDENTIFIER_BYTES};
 pub use crate::inbox::{
@@ -24,6 +32,8 @@ pub use crate::inbox::{
 pub use crate::migrate::{
     AppliedMigration, DEFAULT_SCHEMA, HISTORY_TABLE, MigrationReport, Migrator, migrate,
 };
+pub use crate::outbox::{Envelope, MAX_TOPIC_BYTES, Message, Outbox};
+pub use crate::relay::{DeadLetter, DeadLetters, Relay, RelayBuilder, RoundReport, WakeUp};
 pub use crate::retry::{RetryPolicy, Retryable};
 pub use crate::state::{StateMachine, StateTable, Transition};
 pub use crate::version::{VersionedTable, VersionedUpdate};

@@ -1,0 +1,327 @@
+//! The consumer runner: receive from a [`PgQueue`], process through the inbox, ack.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use sqlx::PgConnection;
+use sqlx::postgres::PgListener;
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::error::{Error, Result};
+use crate::inbox::{Inbox, Key, Outcome};
+use crate::outbox::Envelope;
+use crate::retry::RetryPolicy;
+use crate::transport::{Delivery, PgQueue};
+
+type KeyFn = Arc<dyn Fn(&Envelope) -> String + Send + Sync>;
+
+/// Builder for a [`Consumer`].
+pub struct ConsumerBuilder {
+    queue: PgQueue,
+    topic: String,
+    inbox: Inbox,
+    concurrency: usize,
+    max_deliveries: i32,
+    visibility_timeout: Duration,
+    backoff: RetryPolicy,
+    poll_interval: Duration,
+    key: Option<KeyFn>,
+}
+
+impl fmt::Debug for ConsumerBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConsumerBuilder")
+            .field("topic", &self.topic)
+            .field("consumer", &self.inbox.consumer())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConsumerBuilder {
+    /// Messages handled at once (default 8). Each holds a connection while it runs.
+    pub fn concurrency(mut self, n: usize) -> Self {
+        self.concurrency = n;
+        self
+    }
+
+    /// Deliveries before a message is dead-lettered (default 10).
+    pub fn max_deliveries(mut self, n: i32) -> Self {
+        self.max_deliveries = n;
+        self
+    }
+
+    /// How long a received message stays hidden before it is redelivered to someone else
+    /// (default 30 s). Must exceed the handler's worst case.
+    pub fn visibility_timeout(mut self, timeout: Duration) -> Self {
+        self.visibility_timeout = timeout;
+        self
+    }
+
+    /// Delay before a failed message is redelivered (default 100 ms base, 1 min cap).
+    pub fn backoff(mut self, policy: RetryPolicy) -> Self {
+        self.backoff = policy;
+        self
+    }
+
+    /// How often to look for messages without a notification (default 1 s).
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// The inbox key of a message (default: its message id, which survives re-publishing).
+    /// Use a business key when a producer may publish the same event twice under two ids.
+    pub fn key(mut self, key: impl Fn(&Envelope) -> String + Send + Sync + 'static) -> Self {
+        self.key = Some(Arc::new(key));
+        self
+    }
+
+    /// Validates the settings.
+    pub fn build(self) -> Result<Consumer> {
+        if self.concurrency == 0 {
+            return Err(Error::InvalidConfig(
+                "consumer concurrency must be at least 1".into(),
+            ));
+        }
+        if self.max_deliveries < 1 {
+            return Err(Error::InvalidConfig(
+                "consumer max_deliveries must be at least 1".into(),
+            ));
+        }
+        if self.topic.is_empty() || self.poll_interval.is_zero() {
+            return Err(Error::InvalidConfig(
+                "consumer needs a topic and a positive poll interval".into(),
+            ));
+        }
+        Ok(Consumer {
+            queue: self.queue,
+            topic: self.topic,
+            inbox: self.inbox,
+            concurrency: self.concurrency,
+            max_deliveries: self.max_deliveries,
+            visibility_timeout: self.visibility_timeout,
+            backoff: self.backoff,
+            poll_interval: self.poll_interval,
+            key: self.key,
+        })
+    }
+}
+
+/// Counts of what a [`Consumer::run`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerStats {
+    /// Handler ran and committed.
+    pub processed: u64,
+    /// Skipped by the inbox as already processed (then acked).
+    pub duplicates: u64,
+    /// Rejected by the handler for good (then acked).
+    pub rejected: u64,
+    /// Failed and sent back for redelivery.
+    pub retried: u64,
+    /// Moved to the queue's dead letters.
+    pub dead_lettered: u64,
+}
+
+/// Runs a handler for every message of a topic, exactly once in effect.
+///
+/// Per delivery: begin → [`Inbox::process`] (key from the builder, default the message id)
+/// → commit → ack. A handler error rolls back and nacks with backoff; after
+/// `max_deliveries` the message is dead-lettered. A crash between commit and ack only means
+/// a redelivery, which the inbox reports as a duplicate and which is then acked.
+pub struct Consumer {
+    queue: PgQueue,
+    topic: String,
+    inbox: Inbox,
+    concurrency: usize,
+    max_deliveries: i32,
+    visibility_timeout: Duration,
+    backoff: RetryPolicy,
+    poll_interval: Duration,
+    key: Option<KeyFn>,
+}
+
+impl fmt::Debug for Consumer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Consumer")
+            .field("topic", &self.topic)
+            .field("consumer", &self.inbox.consumer())
+            .field("concurrency", &self.concurrency)
+            .finish_non_exhaustive()
+    }
+}
+
+enum Settled {
+    Processed,
+    Duplicate,
+    Rejected,
+    Retried,
+    DeadLettered,
+}
+
+impl Consumer {
+    /// A consumer of `topic` on `queue`, deduplicating through `inbox`.
+    pub fn builder(queue: PgQueue, topic: impl Into<String>, inbox: Inbox) -> ConsumerBuilder {
+        ConsumerBuilder {
+            queue,
+            topic: topic.into(),
+            inbox,
+            concurrency: 8,
+            max_deliveries: 10,
+            visibility_timeout: Duration::from_secs(30),
+            backoff: RetryPolicy::new()
+                .base_delay(Duration::from_millis(100))
+                .max_delay(Duration::from_secs(60)),
+            poll_interval: Duration::from_secs(1),
+            key: None,
+        }
+    }
+
+    /// Processes messages until `shutdown` is cancelled, then finishes the ones in hand and
+    /// returns what it did. The handler gets the message and the transaction's connection.
+    pub async fn run<F, E>(&self, handler: F, shutdown: CancellationToken) -> Result<ConsumerStats>
+    where
+        F: AsyncFnOnce(&Envelope, &mut PgConnection) -> Result<(), E> + Clone,
+        E: From<Error> + fmt::Display,
+    {
+        let mut stats = ConsumerStats::default();
+        let mut in_flight = FuturesUnordered::new();
+        let mut listener = match PgListener::connect_with(self.queue.pool()).await {
+            Ok(mut l) => l.listen(&self.queue.channel()).await.ok().map(|()| l),
+            Err(_) => None,
+        };
+        loop {
+            let stopping = shutdown.is_cancelled();
+            if stopping && in_flight.is_empty() {
+                return Ok(stats);
+            }
+            let free = self.concurrency - in_flight.len();
+            let mut received = 0;
+            if !stopping && free > 0 {
+                match self
+                    .queue
+                    .receive(&self.topic, free, self.visibility_timeout)
+                    .await
+                {
+                    Ok(batch) => {
+                        received = batch.len();
+                        for delivery in batch {
+                            in_flight.push(self.handle(delivery, handler.clone()));
+                        }
+                    }
+                    Err(e) => tracing::warn!(error = %e, "pgbox consumer receive failed"),
+                }
+            }
+            if received > 0 && in_flight.len() < self.concurrency {
+                continue; // there may be more right away
+            }
+            let wait = tokio::time::sleep(self.poll_interval);
+            tokio::select! {
+                Some(settled) = in_flight.next(), if !in_flight.is_empty() => {
+                    count(&mut stats, settled);
+                }
+                _ = shutdown.cancelled(), if !stopping => {}
+                _ = wait => {}
+                _ = async { listener.as_mut().expect("guarded").try_recv().await }, if listener.is_some() && !stopping => {}
+            }
+            // Settle whatever else finished meanwhile.
+            while let Some(Some(settled)) = futures_util::FutureExt::now_or_never(in_flight.next())
+            {
+                count(&mut stats, settled);
+            }
+        }
+    }
+
+    async fn handle<F, E>(&self, delivery: Delivery, handler: F) -> Settled
+    where
+        F: AsyncFnOnce(&Envelope, &mut PgConnection) -> Result<(), E>,
+        E: From<Error> + fmt::Display,
+    {
+        let envelope = &delivery.envelope;
+        let key = match &self.key {
+            Some(f) => f(envelope),
+            None => envelope.id.to_string(),
+        };
+        let span = tracing::info_span!(
+            "pgbox.consumer.handle",
+            topic = %envelope.topic,
+            message_id = %envelope.id,
+            delivery = delivery.delivery,
+        );
+        async {
+            let result = self.process(&key, envelope, handler).await;
+            let settled = match result {
+                Ok(Outcome::Processed(())) => Settled::Processed,
+                Ok(Outcome::Duplicate(_)) => Settled::Duplicate,
+                Ok(Outcome::Rejected(_)) => Settled::Rejected,
+                Ok(Outcome::InProgress) => {
+                    return self.retry(&delivery, "in progress elsewhere").await;
+                }
+                Err(e) => return self.retry(&delivery, &e.to_string()).await,
+            };
+            if let Err(e) = self.queue.ack(&delivery).await {
+                // Committed but not acked: the redelivery will be a duplicate.
+                tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
+            }
+            settled
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn process<F, E>(
+        &self,
+        key: &str,
+        envelope: &Envelope,
+        handler: F,
+    ) -> Result<Outcome<()>, E>
+    where
+        F: AsyncFnOnce(&Envelope, &mut PgConnection) -> Result<(), E>,
+        E: From<Error>,
+    {
+        let mut tx = self.queue.pool().begin().await.map_err(Error::from)?;
+        let key = Key::new(key).with_message_id(envelope.id.to_string());
+        let outcome = self
+            .inbox
+            .process(&mut tx, key, async |conn: &mut PgConnection| {
+                handler(envelope, conn).await
+            })
+            .await?;
+        tx.commit().await.map_err(Error::from)?;
+        Ok(outcome)
+    }
+
+    async fn retry(&self, delivery: &Delivery, error: &str) -> Settled {
+        let outcome = if delivery.delivery >= self.max_deliveries {
+            self.queue
+                .dead_letter(delivery, error)
+                .await
+                .map(|_| Settled::DeadLettered)
+        } else {
+            let delay = self.backoff.delay_after(delivery.delivery as u32);
+            self.queue
+                .nack(delivery, delay, error)
+                .await
+                .map(|_| Settled::Retried)
+        };
+        outcome.unwrap_or_else(|e| {
+            // The visibility timeout will bring it back.
+            tracing::warn!(error = %e, "pgbox nack failed");
+            Settled::Retried
+        })
+    }
+}
+
+fn count(stats: &mut ConsumerStats, settled: Settled) {
+    match settled {
+        Settled::Processed => stats.processed += 1,
+        Settled::Duplicate => stats.duplicates += 1,
+        Settled::Rejected => stats.rejected += 1,
+        Settled::Retried => stats.retried += 1,
+        Settled::DeadLettered => stats.dead_lettered += 1,
+    }
+}

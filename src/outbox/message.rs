@@ -1,0 +1,134 @@
+//! Outgoing messages.
+
+use std::collections::BTreeMap;
+
+use serde::Serialize;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::error::{Error, Result};
+use crate::inbox::Key;
+
+/// The longest topic name, in bytes.
+pub const MAX_TOPIC_BYTES: usize = 255;
+
+/// A message to publish: topic, optional ordering key, payload, headers, and an id.
+///
+/// The id is a UUIDv7 assigned when the message is built and kept through every re-publish:
+/// it is the consumer side's default dedup key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    pub(crate) id: Uuid,
+    pub(crate) topic: String,
+    pub(crate) ordering_key: Option<String>,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) content_type: String,
+    pub(crate) headers: BTreeMap<String, String>,
+}
+
+impl Message {
+    /// A message whose payload is `value` serialized as JSON.
+    pub fn json<T: Serialize + ?Sized>(topic: impl Into<String>, value: &T) -> Result<Self> {
+        let payload = serde_json::to_vec(value).map_err(Error::SerializeOutcome)?;
+        Ok(Self::bytes(topic, payload).content_type("application/json"))
+    }
+
+    /// A message with a raw payload (`application/octet-stream` unless changed).
+    pub fn bytes(topic: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
+        Message {
+            id: Uuid::now_v7(),
+            topic: topic.into(),
+            ordering_key: None,
+            payload: payload.into(),
+            content_type: "application/octet-stream".into(),
+            headers: BTreeMap::new(),
+        }
+    }
+
+    /// The entity this message is about. Messages of one key are published one at a time,
+    /// in commit order; messages without a key have no order.
+    pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
+        self.ordering_key = Some(key.into());
+        self
+    }
+
+    /// Sets the payload's content type.
+    pub fn content_type(mut self, content_type: impl Into<String>) -> Self {
+        self.content_type = content_type.into();
+        self
+    }
+
+    /// Adds a header.
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// The message id (UUIDv7).
+    pub fn id(&self) -> Uuid {
+        self.id
+    }
+
+    /// The topic.
+    pub fn topic(&self) -> &str {
+        &self.topic
+    }
+
+    pub(crate) fn validate(&self) -> Result<()> {
+        let bad = |field, reason| Err(Error::InvalidField { field, reason });
+        if self.topic.is_empty() {
+            return bad("topic", "must not be empty");
+        }
+        if self.topic.len() > MAX_TOPIC_BYTES {
+            return bad("topic", "longer than 255 bytes");
+        }
+        if self.topic.contains('\0') {
+            return bad("topic", "contains a NUL byte");
+        }
+        if let Some(key) = &self.ordering_key {
+            Key::new(key.as_str()).validate()?;
+        }
+        if self.content_type.contains('\0') {
+            return bad("content type", "contains a NUL byte");
+        }
+        if self
+            .headers
+            .iter()
+            .any(|(k, v)| k.contains('\0') || v.contains('\0'))
+        {
+            return bad("header", "contains a NUL byte");
+        }
+        Ok(())
+    }
+}
+
+/// A message as stored in the outbox or a queue, handed to publishers and consumers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Envelope {
+    /// Position in the outbox (publication order).
+    pub seq: i64,
+    /// The id assigned at enqueue.
+    pub id: Uuid,
+    /// The topic.
+    pub topic: String,
+    /// The ordering key, if any.
+    pub ordering_key: Option<String>,
+    /// The payload.
+    pub payload: Vec<u8>,
+    /// The payload's content type.
+    pub content_type: String,
+    /// Headers, including `traceparent` when one was propagated.
+    pub headers: BTreeMap<String, String>,
+    /// When the producer's transaction enqueued it.
+    pub created_at: OffsetDateTime,
+    /// Publish attempts that failed before this one.
+    pub attempts: i32,
+}
+
+impl Envelope {
+    /// Deserializes a JSON payload.
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T> {
+        serde_json::from_slice(&self.payload).map_err(Error::DeserializeOutcome)
+    }
+}
