@@ -16,6 +16,7 @@ mod outbox;
 mod relay;
 mod retry;
 mod state;
+mod status;
 pub mod transport;
 mod version;
 
@@ -36,4 +37,5 @@ pub use crate::outbox::{Envelope, MAX_TOPIC_BYTES, Message, Outbox};
 pub use crate::relay::{DeadLetter, DeadLetters, Relay, RelayBuilder, RoundReport, WakeUp};
 pub use crate::retry::{RetryPolicy, Retryable};
 pub use crate::state::{StateMachine, StateTable, Transition};
+pub use crate::status::{DEAD_LETTER_COUNT_CAP, Status, TopicStatus, status};
 pub use crate::version::{VersionedTable, VersionedUpdate};

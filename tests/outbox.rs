@@ -472,3 +472,49 @@ async fn an_idle_relay_wakes_on_notify_long_before_its_poll_interval() {
         task.await.unwrap().unwrap();
     }
 }
+
+#[tokio::test]
+async fn status_reports_backlog_age_and_dead_letters_per_topic() {
+    let db = TestDb::migrated().await;
+    let empty = pgbox::status(&db.pool, "pgbox").await.unwrap();
+    assert!(empty.topics.is_empty());
+
+    enqueue(
+        &db.pool,
+        (0..5)
+            .map(|i| Message::bytes("orders", format!("o{i}")))
+            .collect(),
+    )
+    .await;
+    enqueue(
+        &db.pool,
+        vec![Message::bytes("refunds", "poison").ordering_key("r")],
+    )
+    .await;
+    let recorder = Recorder::default();
+    recorder.poison.store(true, Ordering::SeqCst);
+    let relay = Relay::builder(db.pool.clone(), recorder.clone())
+        .max_attempts(1)
+        .batch_size(2)
+        .build()
+        .unwrap();
+    relay.relay_once().await.unwrap(); // publishes o0, o1 only (batch of 2)
+
+    let status = pgbox::status(&db.pool, "pgbox").await.unwrap();
+    let topics: Vec<_> = status.topics.iter().map(|t| t.topic.as_str()).collect();
+    assert_eq!(topics, ["orders", "refunds"]);
+    let orders = &status.topics[0];
+    assert_eq!(orders.outbox_backlog_estimate, 3);
+    assert!(orders.outbox_oldest_pending.unwrap() <= status.taken_at);
+    assert_eq!(orders.outbox_dead_letters, 0);
+    relay.relay_once().await.unwrap();
+    relay.relay_once().await.unwrap();
+    let status = pgbox::status(&db.pool, "pgbox").await.unwrap();
+    let refunds = status.topics.iter().find(|t| t.topic == "refunds").unwrap();
+    assert_eq!(refunds.outbox_dead_letters, 1);
+    assert_eq!(refunds.outbox_backlog_estimate, 0);
+    assert!(matches!(
+        pgbox::status(&db.pool, "Bad Schema").await,
+        Err(Error::InvalidIdentifier { .. })
+    ));
+}
