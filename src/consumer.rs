@@ -7,7 +7,6 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
 use sqlx::PgConnection;
-use sqlx::postgres::PgListener;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -190,48 +189,66 @@ impl Consumer {
     {
         let mut stats = ConsumerStats::default();
         let mut in_flight = FuturesUnordered::new();
-        let mut listener = match PgListener::connect_with(self.queue.pool()).await {
-            Ok(mut l) => l.listen(&self.queue.channel()).await.ok().map(|()| l),
-            Err(_) => None,
-        };
+        let mut listener = crate::listen::listen(self.queue.pool(), &self.queue.channel())
+            .await
+            .inspect_err(|e| tracing::warn!(error = %e, "pgbox consumer cannot LISTEN; polling"))
+            .ok();
         loop {
             let stopping = shutdown.is_cancelled();
             if stopping && in_flight.is_empty() {
                 return Ok(stats);
             }
             let free = self.concurrency - in_flight.len();
-            let mut received = 0;
             if !stopping && free > 0 {
-                match self
+                // Keep driving the handlers in flight while receiving: they may hold the
+                // pool's connections, and the receive may be waiting for one of them.
+                let receive = self
                     .queue
-                    .receive(&self.topic, free, self.visibility_timeout)
-                    .await
-                {
-                    Ok(batch) => {
-                        received = batch.len();
+                    .receive(&self.topic, free, self.visibility_timeout);
+                tokio::pin!(receive);
+                let received = loop {
+                    tokio::select! {
+                        r = &mut receive => break r,
+                        Some(settled) = in_flight.next(), if !in_flight.is_empty() => {
+                            count(&mut stats, settled);
+                        }
+                    }
+                };
+                match received {
+                    Ok(batch) if !batch.is_empty() => {
                         for delivery in batch {
                             in_flight.push(self.handle(delivery, handler.clone()));
                         }
+                        if in_flight.len() < self.concurrency {
+                            continue; // there may be more right away
+                        }
                     }
-                    Err(e) => tracing::warn!(error = %e, "pgbox consumer receive failed"),
+                    Ok(_) => {}
+                    // Don't spin on a database that is down: fall through to the wait.
+                    Err(e) => tracing::warn!(error = %e, "pgbox consumer receive failed; retrying"),
                 }
             }
-            if received > 0 && in_flight.len() < self.concurrency {
-                continue; // there may be more right away
-            }
             let wait = tokio::time::sleep(self.poll_interval);
+            let mut lost_listener = false;
             tokio::select! {
                 Some(settled) = in_flight.next(), if !in_flight.is_empty() => {
                     count(&mut stats, settled);
                 }
                 _ = shutdown.cancelled(), if !stopping => {}
                 _ = wait => {}
-                _ = async { listener.as_mut().expect("guarded").try_recv().await }, if listener.is_some() && !stopping => {}
+                // Ok(None) means the connection dropped and reconnects on the next call;
+                // missed notifications are covered by the receive at the top of the loop.
+                n = async { listener.as_mut().expect("guarded").try_recv().await },
+                    if listener.is_some() && !stopping =>
+                {
+                    if let Err(e) = n {
+                        tracing::warn!(error = %e, "pgbox consumer lost LISTEN; polling");
+                        lost_listener = true;
+                    }
+                }
             }
-            // Settle whatever else finished meanwhile.
-            while let Some(Some(settled)) = futures_util::FutureExt::now_or_never(in_flight.next())
-            {
-                count(&mut stats, settled);
+            if lost_listener {
+                listener = None;
             }
         }
     }

@@ -77,11 +77,12 @@ pub enum Error {
     #[error("stored outcome does not deserialize into the requested type: {0}")]
     DeserializeOutcome(#[source] serde_json::Error),
 
-    /// A concurrent transaction recorded the same key, but this transaction's snapshot cannot
-    /// see it (REPEATABLE READ or SERIALIZABLE). Roll back and retry: the retry will see a
-    /// [`Duplicate`](crate::Outcome::Duplicate). Always retryable.
+    /// The claim found the key taken, but the row was gone when it was read back (a purge
+    /// deleted it in between, or a watermark row vanished). Rare; roll back and retry.
+    /// (Under REPEATABLE READ or SERIALIZABLE, a key committed after the snapshot surfaces
+    /// as a serialization failure, SQLSTATE 40001, which is retryable too.)
     #[error(
-        "key {key:?} of consumer {consumer:?} was recorded by a concurrent transaction invisible to this snapshot; roll back and retry"
+        "key {key:?} of consumer {consumer:?} was taken, then vanished before it could be read; roll back and retry"
     )]
     ConcurrentClaim {
         /// The consumer.
@@ -90,11 +91,24 @@ pub enum Error {
         key: String,
     },
 
-    /// The handler panicked. The transaction was aborted so that it cannot commit; the panic
-    /// is resumed after this is logged, so this variant is only seen by `claim`-level callers
-    /// that inspect poisoned transactions.
-    #[error("the handler panicked; its transaction was aborted")]
-    HandlerPanicked,
+    /// The handler returned `Ok`, but a statement inside it failed and aborted the
+    /// transaction (the handler swallowed that error). Nothing of the transaction can commit,
+    /// and COMMIT would silently roll back; pgbox reports it instead of `Processed`. Roll back;
+    /// the redelivery runs the handler again.
+    #[error(
+        "the handler returned Ok, but a statement inside it failed and aborted the transaction; nothing was recorded"
+    )]
+    TransactionAbortedInHandler,
+
+    /// `store_outcome` or `reject` was called for a key this transaction did not claim, or
+    /// that already has an outcome.
+    #[error("key {key:?} of consumer {consumer:?} is not claimed by this transaction")]
+    NotClaimed {
+        /// The consumer.
+        consumer: String,
+        /// The key.
+        key: String,
+    },
 
     /// A versioned compare-and-set found another version than expected: someone else
     /// updated the row since it was read. Retryable: re-read and re-apply.

@@ -11,6 +11,7 @@ mod consumer;
 mod error;
 mod ident;
 pub mod inbox;
+mod listen;
 mod migrate;
 mod outbox;
 mod relay;

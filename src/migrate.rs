@@ -93,25 +93,20 @@ impl Migrator {
     /// Applies every pending migration.
     ///
     /// Holds a session advisory lock (derived from the schema name) on one pooled connection
-    /// while it works; on any error that connection is closed rather than returned to the
-    /// pool, which also releases the lock.
+    /// while it works; on any error, or if this future is dropped before it completes, that
+    /// connection is closed rather than returned to the pool, which releases the lock.
     pub async fn run(&self, pool: &PgPool) -> Result<MigrationReport> {
         let span = tracing::info_span!("pgbox.migrate", schema = self.schema.as_str());
         async {
-            let mut conn = pool.acquire().await?;
-            match self.run_locked(&mut conn).await {
-                Ok(report) => {
-                    for m in &report.applied {
-                        tracing::info!(version = m.version, name = %m.name, "pgbox migration applied");
-                    }
-                    Ok(report)
-                }
-                Err(e) => {
-                    // The session may still hold the advisory lock or be mid-transaction.
-                    let _ = conn.detach().close().await;
-                    Err(e)
-                }
+            let mut guard = SessionGuard(Some(pool.acquire().await?));
+            let conn = guard.0.as_mut().expect("just set");
+            let report = self.run_locked(conn).await?;
+            // Success: the lock was released, the connection may go back to the pool.
+            drop(guard.0.take());
+            for m in &report.applied {
+                tracing::info!(version = m.version, name = %m.name, "pgbox migration applied");
             }
+            Ok(report)
         }
         .instrument(span)
         .await
@@ -191,7 +186,7 @@ impl Migrator {
             "-- pgbox schema {schema}: {n} migration(s). Run once, in one transaction.\n\
              BEGIN;\n\
              CREATE SCHEMA IF NOT EXISTS {schema};\n\
-             SET LOCAL search_path TO {schema};\n",
+             SET LOCAL search_path TO {schema}, pg_temp;\n",
             schema = self.schema.quoted(),
             n = embedded::migrations::runner().get_migrations().len(),
         );
@@ -206,6 +201,20 @@ impl Migrator {
 
     fn history_table(&self) -> String {
         format!("{}.\"{HISTORY_TABLE}\"", self.schema.quoted())
+    }
+}
+
+/// Owns the migrating connection. Unless the run completed, dropping it (on an error, or when
+/// the caller drops the `run` future, e.g. on a start-up timeout) closes the connection
+/// instead of returning it to the pool: the server then ends the session, which releases the
+/// advisory lock and rolls back any half-applied migration.
+struct SessionGuard(Option<PoolConnection<Postgres>>);
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        if let Some(conn) = self.0.take() {
+            drop(conn.detach());
+        }
     }
 }
 
@@ -235,7 +244,9 @@ impl AsyncTransaction for SqlxMigrationConnection<'_> {
         queries: T,
     ) -> std::result::Result<usize, Self::Error> {
         let mut tx = self.conn.begin().await?;
-        let set_path = format!("SET LOCAL search_path TO {}", self.schema.quoted());
+        // pg_temp last: otherwise it is searched first, and a session's temporary table
+        // could shadow a pgbox table inside functions created here.
+        let set_path = format!("SET LOCAL search_path TO {}, pg_temp", self.schema.quoted());
         sqlx::raw_sql(AssertSqlSafe(set_path))
             .execute(&mut *tx)
             .await?;
@@ -296,7 +307,7 @@ mod tests {
     fn plain_sql_targets_the_configured_schema() {
         let sql = Migrator::new().schema("billing").unwrap().to_sql();
         assert!(sql.contains("CREATE SCHEMA IF NOT EXISTS \"billing\""));
-        assert!(sql.contains("SET LOCAL search_path TO \"billing\""));
+        assert!(sql.contains("SET LOCAL search_path TO \"billing\", pg_temp"));
         assert!(sql.contains("CREATE TABLE inbox"));
         assert!(sql.trim_end().ends_with("COMMIT;"));
     }

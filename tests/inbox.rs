@@ -710,3 +710,125 @@ async fn purge_deletes_only_old_rows_of_its_own_consumer() {
         Err(Error::InvalidConfig(_))
     ));
 }
+
+#[tokio::test]
+async fn a_handler_that_swallows_a_failed_statement_is_reported_not_processed() {
+    let db = setup().await;
+    db.pool
+        .execute("CREATE TABLE uniq (k text PRIMARY KEY); INSERT INTO uniq VALUES ('taken')")
+        .await
+        .unwrap();
+    for store in [false, true] {
+        let inbox = Inbox::new("points").unwrap();
+        let key = format!("k-{store}");
+        let mut tx = db.pool.begin().await.unwrap();
+        let result = inbox
+            .process(&mut tx, key.as_str(), async |conn| {
+                record_effect(conn, "points", "swallowed").await?;
+                // A failing statement whose error the handler ignores.
+                let _ = sqlx::query("INSERT INTO uniq VALUES ('taken')")
+                    .execute(&mut *conn)
+                    .await;
+                Ok::<_, Error>(if store { Some(42) } else { None })
+            })
+            .await;
+        assert!(
+            matches!(result, Err(Error::TransactionAbortedInHandler)),
+            "store={store}: {result:?}"
+        );
+        drop(tx);
+        assert_eq!(inbox_rows(&db.pool, &key).await, 0);
+    }
+    // Without the check the outcome says Processed, yet nothing is recorded: the reason the
+    // check is on by default.
+    let unchecked = Inbox::builder("points")
+        .verify_transaction(false)
+        .build()
+        .unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    let outcome = unchecked
+        .process(&mut tx, "k-unchecked", async |conn| {
+            let _ = sqlx::query("INSERT INTO uniq VALUES ('taken')")
+                .execute(&mut *conn)
+                .await;
+            Ok::<(), Error>(())
+        })
+        .await
+        .unwrap();
+    assert!(outcome.is_processed());
+    let _ = tx.commit().await;
+    assert_eq!(inbox_rows(&db.pool, "k-unchecked").await, 0);
+}
+
+#[tokio::test]
+async fn an_outcome_with_a_nul_character_is_a_typed_error_before_any_sql() {
+    let db = setup().await;
+    let inbox = Inbox::new("points").unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    let result = inbox
+        .process(&mut tx, "k", async |conn| {
+            record_effect(conn, "points", "k").await?;
+            Ok::<_, Error>(serde_json::json!({"note": "a\u{0}b"}))
+        })
+        .await;
+    assert!(
+        matches!(
+            result,
+            Err(Error::InvalidField {
+                field: "outcome",
+                ..
+            })
+        ),
+        "{result:?}"
+    );
+    let _ = tx.commit().await;
+    assert_eq!(inbox_rows(&db.pool, "k").await, 0);
+    assert_eq!(effects(&db.pool, "k").await, 0);
+}
+
+#[tokio::test]
+async fn a_session_temp_table_cannot_shadow_the_inbox_in_bounded_claims() {
+    let db = setup().await;
+    let inbox = Inbox::builder("points").wait(Wait::NoWait).build().unwrap();
+    assert!(deliver(&inbox, &db.pool, "k").await.is_processed());
+    let mut tx = db.pool.begin().await.unwrap();
+    sqlx::query("CREATE TEMP TABLE inbox (LIKE pgbox.inbox INCLUDING ALL) ON COMMIT DROP")
+        .execute(&mut *tx)
+        .await
+        .unwrap();
+    let claim = inbox.claim(&mut tx, "k").await.unwrap();
+    assert!(matches!(claim, Claim::Duplicate(_)), "{claim:?}");
+}
+
+#[tokio::test]
+async fn a_claim_token_cannot_write_through_another_transaction() {
+    let db = setup().await;
+    let inbox = Inbox::new("points").unwrap();
+    // Claimed, then rolled back: the token is worthless.
+    let mut first = db.pool.begin().await.unwrap();
+    let Claim::Claimed(token) = inbox.claim(&mut first, "a").await.unwrap() else {
+        panic!()
+    };
+    first.rollback().await.unwrap();
+    let mut other = db.pool.begin().await.unwrap();
+    let err = token.store_outcome(&mut other, &1).await.unwrap_err();
+    assert!(matches!(err, Error::NotClaimed { .. }), "{err}");
+    drop(other);
+
+    // A stale token cannot overwrite a record another transaction committed.
+    let mut stale = db.pool.begin().await.unwrap();
+    let Claim::Claimed(token) = inbox.claim(&mut stale, "b").await.unwrap() else {
+        panic!()
+    };
+    stale.rollback().await.unwrap();
+    assert!(deliver(&inbox, &db.pool, "b").await.is_processed());
+    let mut other = db.pool.begin().await.unwrap();
+    let err = token.reject(&mut other, "late").await.unwrap_err();
+    assert!(matches!(err, Error::NotClaimed { .. }), "{err}");
+    other.commit().await.unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    let Claim::Duplicate(d) = inbox.claim(&mut tx, "b").await.unwrap() else {
+        panic!()
+    };
+    assert!(!d.was_rejected());
+}

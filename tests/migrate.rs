@@ -127,3 +127,39 @@ async fn migrating_an_unreachable_server_is_a_connection_error() {
     let err = pgbox::migrate(&pool).await.unwrap_err();
     assert!(err.is_retryable(), "{err}");
 }
+
+#[tokio::test]
+async fn a_cancelled_migration_never_leaves_the_advisory_lock_held() {
+    let db = TestDb::empty().await;
+    // Cancel runs at many points, some of them while the lock is held.
+    for i in 0..80u64 {
+        let _ = tokio::time::timeout(
+            std::time::Duration::from_micros(i * 250),
+            pgbox::migrate(&db.pool),
+        )
+        .await;
+    }
+    // Closed sessions end asynchronously on the server; give them a moment.
+    let mut held: i64 = -1;
+    for _ in 0..100 {
+        held = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_locks l JOIN pg_database d ON d.oid = l.database \
+             WHERE l.locktype = 'advisory' AND d.datname = current_database()",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if held == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        held, 0,
+        "a cancelled migrate left its advisory lock on a pooled connection"
+    );
+    tokio::time::timeout(std::time::Duration::from_secs(10), pgbox::migrate(&db.pool))
+        .await
+        .expect("migrate blocked on a leaked lock")
+        .unwrap();
+}

@@ -76,7 +76,7 @@ async fn ten_thousand_messages_take_effect_once_each_in_per_key_order() {
     let shutdown = CancellationToken::new();
     let mut tasks = Vec::new();
     for _ in 0..3 {
-        let pool = pool_of(3).await;
+        let pool = pool_of(2).await;
         let relay = Relay::builder(pool.clone(), PgQueue::new(pool))
             .batch_size(200)
             .poll_interval(Duration::from_millis(200))

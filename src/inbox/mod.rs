@@ -80,6 +80,7 @@ struct Inner {
     wait: Wait,
     store_outcomes: bool,
     gap_policy: GapPolicy,
+    verify_transaction: bool,
     sql: Statements,
 }
 
@@ -91,6 +92,7 @@ struct Statements {
     read: Arc<str>,
     store_outcome: Arc<str>,
     reject: Arc<str>,
+    verify: Arc<str>,
 }
 
 impl Statements {
@@ -119,12 +121,19 @@ impl Statements {
                  FROM {s}.inbox WHERE consumer = $1 AND key = $2"
             )
             .into(),
+            // Only the row this transaction claimed: recorded at this transaction's start
+            // (`now()` is constant within a transaction) and not settled yet.
             store_outcome: format!(
-                "UPDATE {s}.inbox SET outcome = $3 WHERE consumer = $1 AND key = $2"
+                "UPDATE {s}.inbox SET outcome = $3 WHERE consumer = $1 AND key = $2 \
+                 AND processed_at = now() AND outcome IS NULL AND rejection IS NULL"
             )
             .into(),
-            reject: format!("UPDATE {s}.inbox SET rejection = $3 WHERE consumer = $1 AND key = $2")
-                .into(),
+            reject: format!(
+                "UPDATE {s}.inbox SET rejection = $3 WHERE consumer = $1 AND key = $2 \
+                 AND processed_at = now() AND outcome IS NULL AND rejection IS NULL"
+            )
+            .into(),
+            verify: "SELECT 1".into(),
         }
     }
 }
@@ -137,6 +146,7 @@ pub struct InboxBuilder {
     wait: Wait,
     store_outcomes: bool,
     gap_policy: GapPolicy,
+    verify_transaction: bool,
 }
 
 impl InboxBuilder {
@@ -157,6 +167,17 @@ impl InboxBuilder {
     /// stored and cost nothing.
     pub fn store_outcomes(mut self, store: bool) -> Self {
         self.store_outcomes = store;
+        self
+    }
+
+    /// Whether to check, after a handler returns `Ok`, that its transaction is still alive
+    /// (default `true`). A handler that swallows a failed statement leaves the transaction
+    /// aborted; COMMIT then silently rolls back, and without the check the message would be
+    /// acked as processed while nothing was recorded. The check rides on the outcome's UPDATE
+    /// when there is one, and costs one `SELECT 1` round trip otherwise. Turn it off only for
+    /// handlers that propagate every database error.
+    pub fn verify_transaction(mut self, verify: bool) -> Self {
+        self.verify_transaction = verify;
         self
     }
 
@@ -187,6 +208,7 @@ impl InboxBuilder {
                 wait: self.wait,
                 store_outcomes: self.store_outcomes,
                 gap_policy: self.gap_policy,
+                verify_transaction: self.verify_transaction,
             }),
         })
     }
@@ -225,7 +247,7 @@ impl Claimed {
         tx: &mut Transaction<'_, Postgres>,
         outcome: &T,
     ) -> Result<()> {
-        let json = serde_json::to_value(outcome).map_err(Error::SerializeOutcome)?;
+        let json = outcome_json(outcome)?;
         self.inbox.store_json(tx, &self.key, json).await
     }
 
@@ -250,6 +272,7 @@ impl Inbox {
             wait: Wait::Block,
             store_outcomes: true,
             gap_policy: GapPolicy::Wait,
+            verify_transaction: true,
         }
     }
 
@@ -271,7 +294,13 @@ impl Inbox {
     /// successes to ack as well.
     ///
     /// - The handler's return value is stored (unless it is JSON `null` or storing is off)
-    ///   and returned to later duplicates: one extra statement.
+    ///   and returned to later duplicates.
+    /// - After the handler, one statement (the outcome's UPDATE, else `SELECT 1`) checks the
+    ///   transaction is still alive: a handler that swallowed a failed statement gets
+    ///   [`Error::TransactionAbortedInHandler`], never `Processed`.
+    /// - Not cancel-safe: if this future is dropped while the handler runs, roll the
+    ///   transaction back (dropping it does); committing would record the key with only part
+    ///   of the handler's work.
     /// - A handler error is returned unchanged. The transaction is then aborted on the server
     ///   so that nothing of it can commit: roll it back (dropping it does).
     /// - A handler panic aborts the transaction the same way, then resumes unwinding.
@@ -326,23 +355,31 @@ impl Inbox {
             let verdict = run_handler(tx, handler).await?;
             match verdict {
                 Verdict::Accept(value) => {
-                    if self.inner.store_outcomes {
-                        let json = match serde_json::to_value(&value) {
-                            Ok(json) => json,
+                    let json = if self.inner.store_outcomes {
+                        match outcome_json(&value) {
+                            Ok(json) => Some(json).filter(|j| !j.is_null()),
                             Err(e) => {
                                 abort_transaction(tx).await;
-                                return Err(Error::SerializeOutcome(e).into());
+                                return Err(e.into());
                             }
-                        };
-                        if !json.is_null() {
-                            self.store_json(tx, &claimed.key, json).await?;
                         }
+                    } else {
+                        None
+                    };
+                    // The UPDATE doubles as the liveness check; without one, ask explicitly.
+                    match json {
+                        Some(json) => self.store_json(tx, &claimed.key, json).await,
+                        None if self.inner.verify_transaction => self.verify_alive(tx).await,
+                        None => Ok(()),
                     }
+                    .map_err(handler_aborted)?;
                     tracing::debug!("pgbox message processed");
                     Ok(Outcome::Processed(value))
                 }
                 Verdict::Reject(reason) => {
-                    self.store_rejection(tx, &claimed.key, &reason).await?;
+                    self.store_rejection(tx, &claimed.key, &reason)
+                        .await
+                        .map_err(handler_aborted)?;
                     Ok(Outcome::Rejected(reason))
                 }
             }
@@ -440,13 +477,33 @@ impl Inbox {
         key: &str,
         json: serde_json::Value,
     ) -> Result<()> {
-        sqlx::query(AssertSqlSafe(self.inner.sql.store_outcome.clone()))
+        let done = sqlx::query(AssertSqlSafe(self.inner.sql.store_outcome.clone()))
             .bind(&self.inner.consumer)
             .bind(key)
             .bind(sqlx::types::Json(json))
             .execute(conn)
             .await?;
+        self.expect_one_row(done.rows_affected(), key)
+    }
+
+    /// Fails with the server's "transaction is aborted" error if a statement inside the
+    /// handler failed.
+    pub(crate) async fn verify_alive(&self, conn: &mut PgConnection) -> Result<()> {
+        sqlx::query(AssertSqlSafe(self.inner.sql.verify.clone()))
+            .execute(conn)
+            .await?;
         Ok(())
+    }
+
+    fn expect_one_row(&self, rows: u64, key: &str) -> Result<()> {
+        if rows == 1 {
+            Ok(())
+        } else {
+            Err(Error::NotClaimed {
+                consumer: self.inner.consumer.clone(),
+                key: key.to_owned(),
+            })
+        }
     }
 
     async fn store_rejection(
@@ -457,14 +514,47 @@ impl Inbox {
     ) -> Result<()> {
         // text cannot hold NUL; keep the reason readable instead of failing the rejection.
         let reason = reason.replace('\0', "\\0");
-        sqlx::query(AssertSqlSafe(self.inner.sql.reject.clone()))
+        let done = sqlx::query(AssertSqlSafe(self.inner.sql.reject.clone()))
             .bind(&self.inner.consumer)
             .bind(key)
             .bind(&reason)
             .execute(conn)
             .await?;
+        self.expect_one_row(done.rows_affected(), key)?;
         tracing::info!(reason = %reason, "pgbox message rejected");
         Ok(())
+    }
+}
+
+/// Serializes a handler's outcome for the jsonb column, which cannot hold NUL characters:
+/// refused here, with a typed error, rather than failing in the database on every redelivery.
+fn outcome_json<T: Serialize + ?Sized>(value: &T) -> Result<serde_json::Value> {
+    fn has_nul(v: &serde_json::Value) -> bool {
+        match v {
+            serde_json::Value::String(s) => s.contains('\0'),
+            serde_json::Value::Array(items) => items.iter().any(has_nul),
+            serde_json::Value::Object(map) => {
+                map.iter().any(|(k, v)| k.contains('\0') || has_nul(v))
+            }
+            _ => false,
+        }
+    }
+    let json = serde_json::to_value(value).map_err(Error::SerializeOutcome)?;
+    if has_nul(&json) {
+        return Err(Error::InvalidField {
+            field: "outcome",
+            reason: "contains a NUL character, which jsonb cannot store",
+        });
+    }
+    Ok(json)
+}
+
+/// A statement after the handler failing with "transaction is aborted" means the handler
+/// swallowed an error: say so.
+pub(crate) fn handler_aborted(e: Error) -> Error {
+    match e.db_kind() {
+        Some(crate::DbErrorKind::TransactionAborted) => Error::TransactionAbortedInHandler,
+        _ => e,
     }
 }
 

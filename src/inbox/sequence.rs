@@ -104,7 +104,7 @@ impl Inbox {
                 .bind(seq)
                 .execute(&mut **tx)
                 .await
-                .map_err(Error::from)?;
+                .map_err(|e| super::handler_aborted(Error::from(e)))?;
             if skipped > 0 {
                 tracing::warn!(skipped, "pgbox sequence gap skipped by policy");
             }

@@ -17,7 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sqlx::postgres::{PgListener, PgRow};
+use sqlx::postgres::PgRow;
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, PgPool, Row};
 use tokio_util::sync::CancellationToken;
@@ -245,11 +245,8 @@ impl<P: Publisher> Relay<P> {
                 return Ok(());
             }
             if self.wake_up == WakeUp::Notify && listener.is_none() {
-                match PgListener::connect_with(&self.pool).await {
-                    Ok(mut l) => match l.listen(&self.channel()).await {
-                        Ok(()) => listener = Some(l),
-                        Err(e) => tracing::warn!(error = %e, "pgbox relay cannot LISTEN; polling"),
-                    },
+                match crate::listen::listen(&self.pool, &self.channel()).await {
+                    Ok(l) => listener = Some(l),
                     Err(e) => tracing::warn!(error = %e, "pgbox relay cannot LISTEN; polling"),
                 }
             }

@@ -52,7 +52,7 @@ impl TestDb {
             .expect("server url")
             .database(&name);
         let pool = PgPoolOptions::new()
-            .max_connections(24)
+            .max_connections(10)
             .acquire_timeout(Duration::from_secs(30))
             .connect_with(options.clone())
             .await
