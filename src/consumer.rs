@@ -13,6 +13,7 @@ use tracing::Instrument;
 use crate::error::{Error, Result};
 use crate::inbox::{Inbox, Key, Outcome};
 use crate::outbox::Envelope;
+use crate::outbox::trace::{TRACEPARENT, with_incoming};
 use crate::retry::RetryPolicy;
 use crate::transport::{Delivery, PgQueue};
 
@@ -268,6 +269,7 @@ impl Consumer {
             topic = %envelope.topic,
             message_id = %envelope.id,
             delivery = delivery.delivery,
+            traceparent = envelope.headers.get(TRACEPARENT).map(String::as_str),
         );
         async {
             let result = self.process(&key, envelope, handler).await;
@@ -302,12 +304,16 @@ impl Consumer {
     {
         let mut tx = self.queue.pool().begin().await.map_err(Error::from)?;
         let key = Key::new(key).with_message_id(envelope.id.to_string());
-        let outcome = self
-            .inbox
-            .process(&mut tx, key, async |conn: &mut PgConnection| {
-                handler(envelope, conn).await
-            })
-            .await?;
+        // Messages the handler enqueues continue this message's trace.
+        let incoming = envelope.headers.get(TRACEPARENT).cloned();
+        let outcome = with_incoming(
+            incoming,
+            self.inbox
+                .process(&mut tx, key, async |conn: &mut PgConnection| {
+                    handler(envelope, conn).await
+                }),
+        )
+        .await?;
         tx.commit().await.map_err(Error::from)?;
         Ok(outcome)
     }

@@ -79,6 +79,38 @@ impl fmt::Debug for Identifier {
     }
 }
 
+/// A table, optionally schema-qualified: the table name of the business-row helpers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TableRef {
+    schema: Option<Identifier>,
+    table: Identifier,
+}
+
+impl TableRef {
+    /// An unqualified table, resolved through `search_path`.
+    pub(crate) fn new(table: &str) -> Result<Self> {
+        Ok(TableRef {
+            schema: None,
+            table: Identifier::new("table", table)?,
+        })
+    }
+
+    /// Qualifies the table with `schema`.
+    pub(crate) fn in_schema(mut self, schema: &str) -> Result<Self> {
+        self.schema = Some(Identifier::new("schema", schema)?);
+        Ok(self)
+    }
+}
+
+impl fmt::Display for TableRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.schema {
+            Some(schema) => write!(f, "{schema}.{}", self.table),
+            None => write!(f, "{}", self.table),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -34,7 +34,7 @@ pub use crate::inbox::{
 pub use crate::migrate::{
     AppliedMigration, DEFAULT_SCHEMA, HISTORY_TABLE, MigrationReport, Migrator, migrate,
 };
-pub use crate::outbox::{Envelope, MAX_TOPIC_BYTES, Message, Outbox};
+pub use crate::outbox::{Envelope, MAX_TOPIC_BYTES, Message, Outbox, TRACEPARENT};
 pub use crate::relay::{DeadLetter, DeadLetters, Relay, RelayBuilder, RoundReport, WakeUp};
 pub use crate::retry::{RetryPolicy, Retryable};
 pub use crate::state::{StateMachine, StateTable, Transition};

@@ -22,7 +22,7 @@ use sqlx::postgres::PgArguments;
 use sqlx::{Arguments, AssertSqlSafe, Encode, PgConnection, Postgres, Row, Type};
 
 use crate::error::{Error, Result};
-use crate::ident::Identifier;
+use crate::ident::{Identifier, TableRef};
 
 /// A set of states stored as text, and which transitions between them are allowed.
 ///
@@ -156,8 +156,7 @@ impl Graph {
 /// A table with a text status column driven by the state machine `S`.
 #[derive(Debug)]
 pub struct StateTable<S> {
-    schema: Option<Identifier>,
-    table: Identifier,
+    table: TableRef,
     id: Identifier,
     status: Identifier,
     graph: Graph,
@@ -168,8 +167,7 @@ impl<S: StateMachine> StateTable<S> {
     /// The table `name` with columns `id` and `status`; validates the state machine.
     pub fn new(name: &str) -> Result<Self> {
         Ok(StateTable {
-            schema: None,
-            table: Identifier::new("table", name)?,
+            table: TableRef::new(name)?,
             id: Identifier::new("column", "id")?,
             status: Identifier::new("column", "status")?,
             graph: Graph::new::<S>()?,
@@ -179,7 +177,7 @@ impl<S: StateMachine> StateTable<S> {
 
     /// Qualifies the table with a schema.
     pub fn schema(mut self, schema: &str) -> Result<Self> {
-        self.schema = Some(Identifier::new("schema", schema)?);
+        self.table = self.table.in_schema(schema)?;
         Ok(self)
     }
 
@@ -196,10 +194,7 @@ impl<S: StateMachine> StateTable<S> {
     }
 
     fn qualified(&self) -> String {
-        match &self.schema {
-            Some(schema) => format!("{schema}.{}", self.table),
-            None => self.table.quoted(),
-        }
+        self.table.to_string()
     }
 
     fn parse(&self, value: &str) -> Result<S> {

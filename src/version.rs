@@ -13,7 +13,7 @@ use sqlx::postgres::PgArguments;
 use sqlx::{Arguments, AssertSqlSafe, Encode, PgConnection, Postgres, Row, Type};
 
 use crate::error::{Error, Result};
-use crate::ident::Identifier;
+use crate::ident::{Identifier, TableRef};
 
 /// A table whose rows carry an integer (`bigint`) version column. Names are validated once
 /// and always quoted; values are always bound parameters.
@@ -33,8 +33,7 @@ use crate::ident::Identifier;
 /// ```
 #[derive(Debug, Clone)]
 pub struct VersionedTable {
-    schema: Option<Identifier>,
-    table: Identifier,
+    table: TableRef,
     id: Identifier,
     version: Identifier,
 }
@@ -44,8 +43,7 @@ impl VersionedTable {
     /// set), with columns `id` and `version`.
     pub fn new(name: &str) -> Result<Self> {
         Ok(VersionedTable {
-            schema: None,
-            table: Identifier::new("table", name)?,
+            table: TableRef::new(name)?,
             id: Identifier::new("column", "id")?,
             version: Identifier::new("column", "version")?,
         })
@@ -53,7 +51,7 @@ impl VersionedTable {
 
     /// Qualifies the table with a schema.
     pub fn schema(mut self, schema: &str) -> Result<Self> {
-        self.schema = Some(Identifier::new("schema", schema)?);
+        self.table = self.table.in_schema(schema)?;
         Ok(self)
     }
 
@@ -125,10 +123,7 @@ impl VersionedTable {
     }
 
     fn qualified(&self) -> String {
-        match &self.schema {
-            Some(schema) => format!("{schema}.{}", self.table),
-            None => self.table.quoted(),
-        }
+        self.table.to_string()
     }
 }
 

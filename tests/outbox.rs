@@ -518,3 +518,97 @@ async fn status_reports_backlog_age_and_dead_letters_per_topic() {
         Err(Error::InvalidIdentifier { .. })
     ));
 }
+
+#[tokio::test]
+async fn trace_context_travels_from_a_consumed_message_to_the_messages_it_causes() {
+    let db = TestDb::migrated().await;
+    let incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    // A message arrives in the queue carrying a trace.
+    let recorder = Recorder::default();
+    enqueue(
+        &db.pool,
+        vec![Message::bytes("orders", "o1").header("traceparent", incoming)],
+    )
+    .await;
+    let relay = Relay::builder(db.pool.clone(), PgQueue::new(db.pool.clone()))
+        .build()
+        .unwrap();
+    relay.relay_once().await.unwrap();
+
+    // Its handler enqueues a follow-up in the same transaction.
+    let consumer = Consumer::builder(
+        PgQueue::new(db.pool.clone()),
+        "orders",
+        Inbox::new("c").unwrap(),
+    )
+    .poll_interval(Duration::from_millis(50))
+    .build()
+    .unwrap();
+    let shutdown = CancellationToken::new();
+    let s = shutdown.clone();
+    let run = tokio::spawn(async move {
+        consumer
+            .run(
+                async |_m: &Envelope, conn: &mut sqlx::PgConnection| {
+                    let mut tx = sqlx::Connection::begin(&mut *conn)
+                        .await
+                        .map_err(Error::from)?; // savepoint
+                    Outbox::new()
+                        .enqueue(&mut tx, Message::bytes("invoices", "i1"))
+                        .await?;
+                    tx.commit().await.map_err(Error::from)?;
+                    Ok::<(), Error>(())
+                },
+                s,
+            )
+            .await
+    });
+    let follow_up = Relay::builder(db.pool.clone(), recorder.clone())
+        .build()
+        .unwrap();
+    eventually(Duration::from_secs(20), "follow-up", async || {
+        follow_up.relay_once().await.unwrap();
+        !recorder.published.lock().unwrap().is_empty()
+    })
+    .await;
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    let published = recorder.published.lock().unwrap()[0].clone();
+    let traceparent = published
+        .headers
+        .get(pgbox::TRACEPARENT)
+        .expect("propagated");
+    assert!(
+        traceparent.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"),
+        "{traceparent}"
+    );
+    assert_ne!(traceparent, incoming, "a new parent id for the new hop");
+
+    // Outside any span and handler: no header. An explicit header is kept as given.
+    let mut tx = db.pool.begin().await.unwrap();
+    Outbox::new()
+        .enqueue(&mut tx, Message::bytes("x", "plain"))
+        .await
+        .unwrap();
+    Outbox::new()
+        .enqueue(
+            &mut tx,
+            Message::bytes("x", "explicit").header("traceparent", incoming),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let headers: Vec<(String, Option<String>)> = sqlx::query_as(
+        "SELECT convert_from(payload, 'UTF8'), headers->>'traceparent' FROM pgbox.outbox WHERE topic = 'x' ORDER BY seq",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        headers,
+        vec![
+            ("plain".into(), None),
+            ("explicit".into(), Some(incoming.into()))
+        ]
+    );
+}

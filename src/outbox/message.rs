@@ -127,6 +127,24 @@ pub struct Envelope {
 }
 
 impl Envelope {
+    /// Decodes a row of the outbox or the queue (same columns); `attempts` is passed in
+    /// because the two tables count attempts differently.
+    pub(crate) fn from_row(row: &sqlx::postgres::PgRow, attempts: i32) -> Result<Self> {
+        use sqlx::Row;
+        let headers: sqlx::types::Json<BTreeMap<String, String>> = row.try_get("headers")?;
+        Ok(Envelope {
+            seq: row.try_get("seq")?,
+            id: row.try_get("message_id")?,
+            topic: row.try_get("topic")?,
+            ordering_key: row.try_get("ordering_key")?,
+            payload: row.try_get("payload")?,
+            content_type: row.try_get("content_type")?,
+            headers: headers.0,
+            created_at: row.try_get("created_at")?,
+            attempts,
+        })
+    }
+
     /// Deserializes a JSON payload.
     pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T> {
         serde_json::from_slice(&self.payload).map_err(Error::DeserializeOutcome)

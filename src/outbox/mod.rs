@@ -2,6 +2,7 @@
 //! [`Relay`](crate::Relay) publishes them after commit.
 
 mod message;
+pub(crate) mod trace;
 
 use std::sync::Arc;
 
@@ -11,6 +12,7 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 pub use self::message::{Envelope, MAX_TOPIC_BYTES, Message};
+pub use self::trace::TRACEPARENT;
 
 use crate::error::Result;
 use crate::ident::Identifier;
@@ -118,7 +120,12 @@ impl Outbox {
         let mut payloads = Vec::with_capacity(n);
         let mut types = Vec::with_capacity(n);
         let mut headers = Vec::with_capacity(n);
-        for m in messages {
+        for mut m in messages {
+            if !m.headers.contains_key(TRACEPARENT)
+                && let Some(traceparent) = trace::outgoing()
+            {
+                m.headers.insert(TRACEPARENT.to_owned(), traceparent);
+            }
             ids.push(m.id);
             topics.push(m.topic);
             keys.push(m.ordering_key);

@@ -13,12 +13,10 @@
 
 mod dead_letters;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::PgRow;
-use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, PgPool, Row};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -377,16 +375,5 @@ impl<P: Publisher> Relay<P> {
 }
 
 fn decode(row: &PgRow) -> Result<Envelope> {
-    let headers: Json<BTreeMap<String, String>> = row.try_get("headers")?;
-    Ok(Envelope {
-        seq: row.try_get("seq")?,
-        id: row.try_get("message_id")?,
-        topic: row.try_get("topic")?,
-        ordering_key: row.try_get("ordering_key")?,
-        payload: row.try_get("payload")?,
-        content_type: row.try_get("content_type")?,
-        headers: headers.0,
-        created_at: row.try_get("created_at")?,
-        attempts: row.try_get("attempts")?,
-    })
+    Envelope::from_row(row, row.try_get("attempts")?)
 }

@@ -1,6 +1,5 @@
 //! The built-in transport: a durable per-topic queue in PostgreSQL.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -176,23 +175,12 @@ impl PgQueue {
 }
 
 fn decode_delivery(row: &PgRow) -> Result<Delivery> {
-    let headers: Json<BTreeMap<String, String>> = row.try_get("headers")?;
     let deliveries: i32 = row.try_get("deliveries")?;
-    let seq: i64 = row.try_get("seq")?;
+    let envelope = Envelope::from_row(row, deliveries - 1)?;
     Ok(Delivery {
-        envelope: Envelope {
-            seq,
-            id: row.try_get("message_id")?,
-            topic: row.try_get("topic")?,
-            ordering_key: row.try_get("ordering_key")?,
-            payload: row.try_get("payload")?,
-            content_type: row.try_get("content_type")?,
-            headers: headers.0,
-            created_at: row.try_get("created_at")?,
-            attempts: deliveries - 1,
-        },
+        queue_seq: envelope.seq,
+        envelope,
         delivery: deliveries,
-        queue_seq: seq,
     })
 }
 

@@ -1,0 +1,92 @@
+//! W3C trace context (`traceparent`) carried in message headers.
+//!
+//! pgbox does not depend on OpenTelemetry. It propagates the context it can see: while the
+//! [`Consumer`](crate::Consumer) runs a handler for a message that carried a `traceparent`,
+//! messages enqueued by that handler continue the same trace (same trace id, a new parent
+//! id), so a chain of services shares one trace id. Outside a handler, when a `tracing` span
+//! is active, enqueue starts a new trace. An explicit `traceparent` header always wins.
+
+use std::future::Future;
+
+/// The header name.
+pub const TRACEPARENT: &str = "traceparent";
+
+tokio::task_local! {
+    static INCOMING: Option<String>;
+}
+
+/// Runs `f` with `traceparent` as the incoming trace context.
+pub(crate) async fn with_incoming<F: Future>(traceparent: Option<String>, f: F) -> F::Output {
+    INCOMING.scope(traceparent, f).await
+}
+
+/// The `traceparent` for a message enqueued now, if there is a context to propagate.
+pub(crate) fn outgoing() -> Option<String> {
+    let incoming = INCOMING.try_with(|t| t.clone()).ok().flatten();
+    if let Some((trace_id, flags)) = incoming.as_deref().and_then(parse) {
+        return Some(format!("00-{trace_id}-{:016x}-{flags}", nonzero_u64()));
+    }
+    if tracing::Span::current().is_disabled() {
+        return None;
+    }
+    let trace_id = u128::from(nonzero_u64()) << 64 | u128::from(fastrand::u64(..));
+    Some(format!("00-{trace_id:032x}-{:016x}-01", nonzero_u64()))
+}
+
+fn nonzero_u64() -> u64 {
+    fastrand::u64(1..)
+}
+
+/// `(trace-id, flags)` of a valid version-00 traceparent.
+fn parse(header: &str) -> Option<(&str, &str)> {
+    let mut parts = header.split('-');
+    let (version, trace_id, parent_id, flags) =
+        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let hex = |s: &str, len: usize| {
+        s.len() == len
+            && s.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let valid = version == "00"
+        && parts.next().is_none()
+        && hex(trace_id, 32)
+        && trace_id != "0".repeat(32)
+        && hex(parent_id, 16)
+        && parent_id != "0".repeat(16)
+        && hex(flags, 2);
+    valid.then_some((trace_id, flags))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn continues_an_incoming_trace_with_a_new_parent_id() {
+        let incoming = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".to_owned();
+        let out = with_incoming(Some(incoming.clone()), async { outgoing() })
+            .await
+            .unwrap();
+        assert!(out.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"));
+        assert!(out.ends_with("-01"));
+        assert_ne!(out, incoming);
+        assert!(parse(&out).is_some());
+    }
+
+    #[tokio::test]
+    async fn nothing_without_context_and_malformed_headers_are_ignored() {
+        assert_eq!(outgoing(), None);
+        for bad in [
+            "garbage",
+            "01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+        ] {
+            assert!(parse(bad).is_none(), "{bad}");
+            assert_eq!(
+                with_incoming(Some(bad.into()), async { outgoing() }).await,
+                None
+            );
+        }
+    }
+}
