@@ -1,4 +1,4 @@
-//! The consumer runner: receive from a [`PgQueue`], process through the inbox, ack.
+//! The consumer runner: receive from a [`Subscriber`], process through the inbox, ack.
 
 use std::fmt;
 use std::sync::Arc;
@@ -15,13 +15,15 @@ use crate::inbox::{Inbox, Key, Outcome};
 use crate::outbox::Envelope;
 use crate::outbox::trace::{TRACEPARENT, with_incoming};
 use crate::retry::RetryPolicy;
-use crate::transport::{Delivery, PgQueue};
+use crate::transport::Subscriber;
+use sqlx::PgPool;
 
 type KeyFn = Arc<dyn Fn(&Envelope) -> String + Send + Sync>;
 
 /// Builder for a [`Consumer`].
-pub struct ConsumerBuilder {
-    queue: PgQueue,
+pub struct ConsumerBuilder<S> {
+    pool: PgPool,
+    source: S,
     topic: String,
     inbox: Inbox,
     concurrency: usize,
@@ -32,7 +34,7 @@ pub struct ConsumerBuilder {
     key: Option<KeyFn>,
 }
 
-impl fmt::Debug for ConsumerBuilder {
+impl<S> fmt::Debug for ConsumerBuilder<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ConsumerBuilder")
             .field("topic", &self.topic)
@@ -41,7 +43,7 @@ impl fmt::Debug for ConsumerBuilder {
     }
 }
 
-impl ConsumerBuilder {
+impl<S: Subscriber> ConsumerBuilder<S> {
     /// Messages handled at once (default 8). Each holds a connection while it runs.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n;
@@ -81,7 +83,7 @@ impl ConsumerBuilder {
     }
 
     /// Validates the settings.
-    pub fn build(self) -> Result<Consumer> {
+    pub fn build(self) -> Result<Consumer<S>> {
         if self.concurrency == 0 {
             return Err(Error::InvalidConfig(
                 "consumer concurrency must be at least 1".into(),
@@ -98,7 +100,8 @@ impl ConsumerBuilder {
             ));
         }
         Ok(Consumer {
-            queue: self.queue,
+            pool: self.pool,
+            source: self.source,
             topic: self.topic,
             inbox: self.inbox,
             concurrency: self.concurrency,
@@ -133,8 +136,9 @@ pub struct ConsumerStats {
 /// → commit → ack. A handler error rolls back and nacks with backoff; after
 /// `max_deliveries` the message is dead-lettered. A crash between commit and ack only means
 /// a redelivery, which the inbox reports as a duplicate and which is then acked.
-pub struct Consumer {
-    queue: PgQueue,
+pub struct Consumer<S> {
+    pool: PgPool,
+    source: S,
     topic: String,
     inbox: Inbox,
     concurrency: usize,
@@ -145,7 +149,7 @@ pub struct Consumer {
     key: Option<KeyFn>,
 }
 
-impl fmt::Debug for Consumer {
+impl<S> fmt::Debug for Consumer<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Consumer")
             .field("topic", &self.topic)
@@ -163,11 +167,18 @@ enum Settled {
     DeadLettered,
 }
 
-impl Consumer {
-    /// A consumer of `topic` on `queue`, deduplicating through `inbox`.
-    pub fn builder(queue: PgQueue, topic: impl Into<String>, inbox: Inbox) -> ConsumerBuilder {
+impl<S: Subscriber> Consumer<S> {
+    /// A consumer of `topic` from `source`, deduplicating through `inbox` in the database
+    /// of `pool` (the database its handler writes to, which need not be the transport's).
+    pub fn builder(
+        pool: PgPool,
+        source: S,
+        topic: impl Into<String>,
+        inbox: Inbox,
+    ) -> ConsumerBuilder<S> {
         ConsumerBuilder {
-            queue,
+            pool,
+            source,
             topic: topic.into(),
             inbox,
             concurrency: 8,
@@ -190,10 +201,15 @@ impl Consumer {
     {
         let mut stats = ConsumerStats::default();
         let mut in_flight = FuturesUnordered::new();
-        let mut listener = crate::listen::listen(self.queue.pool(), &self.queue.channel())
-            .await
-            .inspect_err(|e| tracing::warn!(error = %e, "pgbox consumer cannot LISTEN; polling"))
-            .ok();
+        let mut listener = match self.source.wake_channel() {
+            Some((pool, channel)) => crate::listen::listen(&pool, &channel)
+                .await
+                .inspect_err(
+                    |e| tracing::warn!(error = %e, "pgbox consumer cannot LISTEN; polling"),
+                )
+                .ok(),
+            None => None,
+        };
         loop {
             let stopping = shutdown.is_cancelled();
             if stopping && in_flight.is_empty() {
@@ -204,7 +220,7 @@ impl Consumer {
                 // Keep driving the handlers in flight while receiving: they may hold the
                 // pool's connections, and the receive may be waiting for one of them.
                 let receive = self
-                    .queue
+                    .source
                     .receive(&self.topic, free, self.visibility_timeout);
                 tokio::pin!(receive);
                 let received = loop {
@@ -254,12 +270,13 @@ impl Consumer {
         }
     }
 
-    async fn handle<F, E>(&self, delivery: Delivery, handler: F) -> Settled
+    async fn handle<F, E>(&self, delivery: S::Delivery, handler: F) -> Settled
     where
         F: AsyncFnOnce(&Envelope, &mut PgConnection) -> Result<(), E>,
         E: From<Error> + fmt::Display,
     {
-        let envelope = &delivery.envelope;
+        let envelope = self.source.envelope(&delivery);
+        let attempt = self.source.attempt(&delivery);
         let key = match &self.key {
             Some(f) => f(envelope),
             None => envelope.id.to_string(),
@@ -268,7 +285,7 @@ impl Consumer {
             "pgbox.consumer.handle",
             topic = %envelope.topic,
             message_id = %envelope.id,
-            delivery = delivery.delivery,
+            delivery = attempt,
             traceparent = envelope.headers.get(TRACEPARENT).map(String::as_str),
         );
         async {
@@ -282,7 +299,7 @@ impl Consumer {
                 }
                 Err(e) => return self.retry(&delivery, &e.to_string()).await,
             };
-            if let Err(e) = self.queue.ack(&delivery).await {
+            if let Err(e) = self.source.ack(&delivery).await {
                 // Committed but not acked: the redelivery will be a duplicate.
                 tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
             }
@@ -302,7 +319,7 @@ impl Consumer {
         F: AsyncFnOnce(&Envelope, &mut PgConnection) -> Result<(), E>,
         E: From<Error>,
     {
-        let mut tx = self.queue.pool().begin().await.map_err(Error::from)?;
+        let mut tx = self.pool.begin().await.map_err(Error::from)?;
         let key = Key::new(key).with_message_id(envelope.id.to_string());
         // Messages the handler enqueues continue this message's trace.
         let incoming = envelope.headers.get(TRACEPARENT).cloned();
@@ -318,15 +335,16 @@ impl Consumer {
         Ok(outcome)
     }
 
-    async fn retry(&self, delivery: &Delivery, error: &str) -> Settled {
-        let outcome = if delivery.delivery >= self.max_deliveries {
-            self.queue
+    async fn retry(&self, delivery: &S::Delivery, error: &str) -> Settled {
+        let attempt = self.source.attempt(delivery);
+        let outcome = if attempt >= self.max_deliveries {
+            self.source
                 .dead_letter(delivery, error)
                 .await
                 .map(|_| Settled::DeadLettered)
         } else {
-            let delay = self.backoff.delay_after(delivery.delivery as u32);
-            self.queue
+            let delay = self.backoff.delay_after(attempt.max(1) as u32);
+            self.source
                 .nack(delivery, delay, error)
                 .await
                 .map(|_| Settled::Retried)

@@ -89,12 +89,14 @@ async fn ten_thousand_messages_take_effect_once_each_in_per_key_order() {
         }));
     }
     for _ in 0..3 {
+        let pool = pool_of(6).await;
         let consumer = Consumer::builder(
-            PgQueue::new(db.pool.clone()),
+            pool.clone(),
+            PgQueue::new(pool),
             "steps",
             Inbox::new("effects").unwrap(),
         )
-        .concurrency(8)
+        .concurrency(4)
         .poll_interval(Duration::from_millis(200))
         .build()
         .unwrap();
@@ -537,6 +539,7 @@ async fn trace_context_travels_from_a_consumed_message_to_the_messages_it_causes
 
     // Its handler enqueues a follow-up in the same transaction.
     let consumer = Consumer::builder(
+        db.pool.clone(),
         PgQueue::new(db.pool.clone()),
         "orders",
         Inbox::new("c").unwrap(),

@@ -8,9 +8,13 @@
 mod postgres;
 
 use std::future::Future;
+use std::time::Duration;
+
+use sqlx::PgPool;
 
 pub use self::postgres::{Delivery, PgQueue};
 
+use crate::error::Result;
 use crate::outbox::Envelope;
 
 /// Why a message could not be published.
@@ -37,5 +41,50 @@ pub struct DiscardPublisher;
 impl Publisher for DiscardPublisher {
     async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
         vec![Ok(()); batch.len()]
+    }
+}
+
+/// The receiving side of a transport, as the [`Consumer`](crate::Consumer) runner uses it:
+/// receive with a visibility timeout, then ack, nack with a delay, or dead-letter.
+pub trait Subscriber: Send + Sync {
+    /// A received message plus whatever the transport needs to settle it.
+    type Delivery: Send + Sync;
+
+    /// Up to `max` messages of `topic`, hidden from other receivers for `visibility`.
+    fn receive(
+        &self,
+        topic: &str,
+        max: usize,
+        visibility: Duration,
+    ) -> impl Future<Output = Result<Vec<Self::Delivery>>> + Send;
+
+    /// The message inside a delivery.
+    fn envelope<'d>(&self, delivery: &'d Self::Delivery) -> &'d Envelope;
+
+    /// 1 for a first delivery, 2 for the first redelivery, and so on.
+    fn attempt(&self, delivery: &Self::Delivery) -> i32;
+
+    /// Done with it; `false` if the delivery was stale (already redelivered or acked).
+    fn ack(&self, delivery: &Self::Delivery) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Redeliver it after `delay`.
+    fn nack(
+        &self,
+        delivery: &Self::Delivery,
+        delay: Duration,
+        error: &str,
+    ) -> impl Future<Output = Result<bool>> + Send;
+
+    /// Give up on it: park it where an operator can look.
+    fn dead_letter(
+        &self,
+        delivery: &Self::Delivery,
+        error: &str,
+    ) -> impl Future<Output = Result<bool>> + Send;
+
+    /// A PostgreSQL `LISTEN` channel (and a pool to listen with) notified when messages
+    /// arrive, if the transport has one; the consumer polls otherwise.
+    fn wake_channel(&self) -> Option<(PgPool, String)> {
+        None
     }
 }

@@ -7,7 +7,7 @@ use sqlx::postgres::PgRow;
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, PgPool, Row};
 
-use super::{PublishError, Publisher};
+use super::{PublishError, Publisher, Subscriber};
 use crate::error::{Error, Result};
 use crate::ident::Identifier;
 use crate::migrate::DEFAULT_SCHEMA;
@@ -218,5 +218,42 @@ impl Publisher for PgQueue {
         // One statement: the whole batch is in, or none of it.
         let result = result.map_err(|e: Error| PublishError(e.to_string()));
         vec![result; batch.len()]
+    }
+}
+
+impl Subscriber for PgQueue {
+    type Delivery = Delivery;
+
+    async fn receive(
+        &self,
+        topic: &str,
+        max: usize,
+        visibility: Duration,
+    ) -> Result<Vec<Delivery>> {
+        PgQueue::receive(self, topic, max, visibility).await
+    }
+
+    fn envelope<'d>(&self, delivery: &'d Delivery) -> &'d Envelope {
+        &delivery.envelope
+    }
+
+    fn attempt(&self, delivery: &Delivery) -> i32 {
+        delivery.delivery
+    }
+
+    async fn ack(&self, delivery: &Delivery) -> Result<bool> {
+        PgQueue::ack(self, delivery).await
+    }
+
+    async fn nack(&self, delivery: &Delivery, delay: Duration, error: &str) -> Result<bool> {
+        PgQueue::nack(self, delivery, delay, error).await
+    }
+
+    async fn dead_letter(&self, delivery: &Delivery, error: &str) -> Result<bool> {
+        PgQueue::dead_letter(self, delivery, error).await
+    }
+
+    fn wake_channel(&self) -> Option<(PgPool, String)> {
+        Some((self.pool.clone(), self.channel()))
     }
 }
