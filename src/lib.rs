@@ -38,5 +38,8 @@ pub use crate::outbox::{Envelope, MAX_TOPIC_BYTES, Message, Outbox, TRACEPARENT}
 pub use crate::relay::{DeadLetter, DeadLetters, Relay, RelayBuilder, RoundReport, WakeUp};
 pub use crate::retry::{RetryPolicy, Retryable};
 pub use crate::state::{StateMachine, StateTable, Transition};
-pub use crate::status::{DEAD_LETTER_COUNT_CAP, Status, TopicStatus, status};
+pub use crate::status::{
+    ConsumerInbox, DEAD_LETTER_COUNT_CAP, INBOX_COUNT_CAP, Status, TopicStatus, inbox_status,
+    status,
+};
 pub use crate::version::{VersionedTable, VersionedUpdate};

@@ -104,3 +104,57 @@ pub async fn status(pool: &PgPool, schema: &str) -> Result<Status> {
         taken_at,
     })
 }
+
+/// Rows are counted per consumer up to this many (an index-only scan that stops there).
+pub const INBOX_COUNT_CAP: i64 = 1_000_000;
+
+/// One consumer's inbox.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerInbox {
+    /// The consumer name.
+    pub consumer: String,
+    /// Rows recorded (counted up to [`INBOX_COUNT_CAP`]).
+    pub rows: i64,
+    /// The oldest row (what the next purge would delete first).
+    pub oldest_processed_at: Option<OffsetDateTime>,
+    /// The newest row (is the consumer alive?).
+    pub newest_processed_at: Option<OffsetDateTime>,
+}
+
+/// Per-consumer inbox summary of the pgbox tables in `schema`: index lookups only.
+pub async fn inbox_status(pool: &PgPool, schema: &str) -> Result<Vec<ConsumerInbox>> {
+    let s = Identifier::new("schema", schema)?;
+    let consumers = format!(
+        "WITH RECURSIVE c(consumer) AS (\
+           (SELECT consumer FROM {s}.inbox ORDER BY consumer LIMIT 1) \
+           UNION ALL \
+           SELECT (SELECT consumer FROM {s}.inbox WHERE consumer > c.consumer ORDER BY consumer LIMIT 1) \
+           FROM c WHERE c.consumer IS NOT NULL) \
+         SELECT consumer FROM c WHERE consumer IS NOT NULL"
+    );
+    let names: Vec<String> = sqlx::query_scalar(AssertSqlSafe(consumers))
+        .fetch_all(pool)
+        .await?;
+    let per_consumer = format!(
+        "SELECT \
+           (SELECT count(*) FROM (SELECT 1 FROM {s}.inbox WHERE consumer = $1 LIMIT $2) n), \
+           (SELECT processed_at FROM {s}.inbox WHERE consumer = $1 ORDER BY processed_at LIMIT 1), \
+           (SELECT processed_at FROM {s}.inbox WHERE consumer = $1 ORDER BY processed_at DESC LIMIT 1)"
+    );
+    let mut out = Vec::with_capacity(names.len());
+    for consumer in names {
+        let row = sqlx::query(AssertSqlSafe(per_consumer.clone()))
+            .bind(&consumer)
+            .bind(INBOX_COUNT_CAP)
+            .fetch_one(pool)
+            .await?;
+        out.push(ConsumerInbox {
+            consumer,
+            rows: row.try_get(0)?,
+            oldest_processed_at: row.try_get(1)?,
+            newest_processed_at: row.try_get(2)?,
+        });
+    }
+    Ok(out)
+}

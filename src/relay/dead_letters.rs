@@ -73,23 +73,23 @@ impl DeadLetters {
             .bind(limit)
             .fetch_all(&self.pool)
             .await?;
-        rows.iter()
-            .map(|r| {
-                let headers: Json<BTreeMap<String, String>> = r.try_get("headers")?;
-                Ok(DeadLetter {
-                    seq: r.try_get("seq")?,
-                    message_id: r.try_get("message_id")?,
-                    topic: r.try_get("topic")?,
-                    ordering_key: r.try_get("ordering_key")?,
-                    headers: headers.0,
-                    payload_bytes: r.try_get("payload_bytes")?,
-                    attempts: r.try_get("attempts")?,
-                    last_error: r.try_get("last_error")?,
-                    created_at: r.try_get("created_at")?,
-                    dead_at: r.try_get("dead_at")?,
-                })
-            })
-            .collect()
+        rows.iter().map(decode).collect()
+    }
+
+    /// One dead letter and its payload, if it exists.
+    pub async fn get(&self, id: Uuid) -> Result<Option<(DeadLetter, Vec<u8>)>> {
+        let sql = format!(
+            "SELECT seq, message_id, topic, ordering_key, headers, octet_length(payload) AS payload_bytes, \
+                    attempts, last_error, created_at, dead_at, payload \
+             FROM {}.outbox_dead_letters WHERE message_id = $1",
+            self.schema
+        );
+        let row = sqlx::query(AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|r| Ok((decode(&r)?, r.try_get("payload")?)))
+            .transpose()
     }
 
     /// Moves these dead letters back into the outbox at their original positions, with
@@ -135,4 +135,20 @@ impl DeadLetters {
         tracing::warn!(discarded = n, "pgbox dead letters discarded");
         Ok(n)
     }
+}
+
+fn decode(r: &sqlx::postgres::PgRow) -> Result<DeadLetter> {
+    let headers: Json<BTreeMap<String, String>> = r.try_get("headers")?;
+    Ok(DeadLetter {
+        seq: r.try_get("seq")?,
+        message_id: r.try_get("message_id")?,
+        topic: r.try_get("topic")?,
+        ordering_key: r.try_get("ordering_key")?,
+        headers: headers.0,
+        payload_bytes: r.try_get("payload_bytes")?,
+        attempts: r.try_get("attempts")?,
+        last_error: r.try_get("last_error")?,
+        created_at: r.try_get("created_at")?,
+        dead_at: r.try_get("dead_at")?,
+    })
 }

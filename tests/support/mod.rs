@@ -72,6 +72,13 @@ impl TestDb {
         db
     }
 
+    /// A URL of this database, for spawned processes.
+    pub fn url(&self) -> String {
+        let mut url = url::Url::parse(&self.server).expect("server url");
+        url.set_path(&self.name);
+        url.to_string()
+    }
+
     /// A connection that is not part of the pool (for blocking scenarios and kill tests).
     pub async fn connect(&self) -> PgConnection {
         PgConnection::connect_with(&self.options)

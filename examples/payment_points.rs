@@ -1,0 +1,553 @@
+//! The payment/points scenario, end to end, with faults injected on request.
+//!
+//! A user pays for an order. The payments service marks the order paid (a state-machine
+//! transition) and writes `PaymentSucceeded` to its outbox in the same transaction. A relay
+//! publishes it to the built-in Postgres queue. The points service consumes it and grants 30
+//! points exactly once per order: a ledger row (unique per order) and the user's total,
+//! raised through an optimistic version check, all inside `inbox.process`.
+//!
+//! Two services, two schemas, as in production: `payments` + `payments_pgbox` (the outbox) and
+//! `points` + `points_pgbox` (the inbox, next to the data it protects); the queue lives in
+//! `broker`. These schemas are dropped and recreated at start, and left for inspection.
+//!
+//! ```text
+//! cargo run --example payment_points -- --orders 2000 --consumers 4 \
+//!     --duplicate-rate 0.3 --producer-retries 0.1 --crash-rate 0.05
+//! ```
+//!
+//! Uses `DATABASE_URL` when set, else the local bootstrap of the tests.
+
+#[path = "../tests/support/local_pg.rs"]
+mod local_pg;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use pgbox::transport::{Delivery, PgQueue, PublishError, Publisher, Subscriber};
+use pgbox::{
+    CancellationToken, Consumer, Envelope, Inbox, Message, Migrator, Outbox, Relay, RetryPolicy,
+    StateMachine, StateTable, Transition, VersionedTable,
+};
+use serde::{Deserialize, Serialize};
+use sqlx::{PgConnection, PgPool};
+
+/// The payment/points example: exactly-once points under duplicates, retries and crashes.
+#[derive(Parser, Debug, Clone)]
+#[command(version, about, long_about = None)]
+struct Args {
+    /// Orders to create and pay.
+    #[arg(long, default_value_t = 200)]
+    orders: u64,
+    /// Points-service consumer instances (each handles 4 messages at a time).
+    #[arg(long, default_value_t = 2)]
+    consumers: usize,
+    /// Probability that the transport delivers a message twice (a redelivery).
+    #[arg(long, default_value_t = 0.0)]
+    duplicate_rate: f64,
+    /// Probability that the payments service re-sends an order's event as a new message
+    /// with a new message id (a producer retry): dedup by message id would fail here.
+    #[arg(long, default_value_t = 0.0)]
+    producer_retries: f64,
+    /// Probability, per delivery, that the consumer process crashes: before the handler's
+    /// work, in the middle of it, or after commit but before the ack (a third each).
+    #[arg(long, default_value_t = 0.0)]
+    crash_rate: f64,
+    /// Give up (exit 1) if the run takes longer than this many seconds.
+    #[arg(long, default_value_t = 600)]
+    timeout_secs: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum OrderState {
+    Created,
+    Paid,
+}
+
+impl StateMachine for OrderState {
+    const STATES: &'static [Self] = &[OrderState::Created, OrderState::Paid];
+    fn name(self) -> &'static str {
+        match self {
+            OrderState::Created => "created",
+            OrderState::Paid => "paid",
+        }
+    }
+    fn next(self) -> &'static [Self] {
+        match self {
+            OrderState::Created => &[OrderState::Paid],
+            OrderState::Paid => &[],
+        }
+    }
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct PaymentSucceeded {
+    order_id: i64,
+    user_id: i64,
+}
+
+#[derive(Default)]
+struct Counters {
+    deliveries: AtomicU64,
+    acks: AtomicU64,
+    duplicated_by_transport: AtomicU64,
+    producer_resends: AtomicU64,
+    crashes: AtomicU64,
+    version_conflicts: AtomicU64,
+}
+
+/// The transport, with redelivery injected: some messages are published twice.
+struct DuplicatingPublisher {
+    inner: PgQueue,
+    rate: f64,
+    counters: Arc<Counters>,
+}
+
+impl Publisher for DuplicatingPublisher {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        let results = self.inner.publish(batch).await;
+        let again: Vec<Envelope> = batch
+            .iter()
+            .filter(|_| fastrand::f64() < self.rate)
+            .cloned()
+            .collect();
+        if !again.is_empty() && results.iter().all(Result::is_ok) {
+            // Same message, same id, delivered a second time.
+            if self.inner.publish(&again).await.iter().all(Result::is_ok) {
+                self.counters
+                    .duplicated_by_transport
+                    .fetch_add(again.len() as u64, Relaxed);
+            }
+        }
+        results
+    }
+}
+
+/// The consumer's view of the queue, with crashes between commit and ack injected.
+struct CrashingSubscriber {
+    inner: PgQueue,
+    ack_crash_rate: f64,
+    counters: Arc<Counters>,
+}
+
+impl Subscriber for CrashingSubscriber {
+    type Delivery = Delivery;
+
+    async fn receive(
+        &self,
+        topic: &str,
+        max: usize,
+        visibility: Duration,
+    ) -> pgbox::Result<Vec<Delivery>> {
+        let batch = self.inner.receive(topic, max, visibility).await?;
+        self.counters
+            .deliveries
+            .fetch_add(batch.len() as u64, Relaxed);
+        Ok(batch)
+    }
+    fn envelope<'d>(&self, delivery: &'d Delivery) -> &'d Envelope {
+        &delivery.envelope
+    }
+    fn attempt(&self, delivery: &Delivery) -> i32 {
+        delivery.delivery
+    }
+    async fn ack(&self, delivery: &Delivery) -> pgbox::Result<bool> {
+        if fastrand::f64() < self.ack_crash_rate {
+            self.counters.crashes.fetch_add(1, Relaxed);
+            panic!("injected crash: after commit, before ack");
+        }
+        let acked = self.inner.ack(delivery).await?;
+        self.counters.acks.fetch_add(u64::from(acked), Relaxed);
+        Ok(acked)
+    }
+    async fn nack(&self, delivery: &Delivery, delay: Duration, error: &str) -> pgbox::Result<bool> {
+        self.inner.nack(delivery, delay, error).await
+    }
+    async fn dead_letter(&self, delivery: &Delivery, error: &str) -> pgbox::Result<bool> {
+        self.inner.dead_letter(delivery, error).await
+    }
+    fn wake_channel(&self) -> Option<(PgPool, String)> {
+        self.inner.wake_channel()
+    }
+}
+
+const SETUP: &str = "
+DROP SCHEMA IF EXISTS payments, payments_pgbox, points, points_pgbox, broker CASCADE;
+CREATE SCHEMA payments;
+CREATE TABLE payments.orders (id bigint PRIMARY KEY, user_id bigint NOT NULL, status text NOT NULL);
+CREATE SCHEMA points;
+CREATE TABLE points.ledger (order_id bigint PRIMARY KEY, user_id bigint NOT NULL, points bigint NOT NULL);
+CREATE TABLE points.accounts (id bigint PRIMARY KEY, total bigint NOT NULL, version bigint NOT NULL);
+";
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    // Injected crashes are expected: keep their panic messages out of the output.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| payload.downcast_ref::<String>().map(String::as_str));
+        if !message.is_some_and(|m| m.starts_with("injected crash")) {
+            default_hook(info);
+        }
+    }));
+    for (name, p) in [
+        ("--duplicate-rate", args.duplicate_rate),
+        ("--producer-retries", args.producer_retries),
+        ("--crash-rate", args.crash_rate),
+    ] {
+        anyhow::ensure!(
+            (0.0..=1.0).contains(&p),
+            "{name} must be between 0 and 1, got {p}"
+        );
+    }
+    anyhow::ensure!(args.consumers >= 1, "--consumers must be at least 1");
+    let url = local_pg::database_url()
+        .await
+        .map_err(|e| anyhow::anyhow!(e))?;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&url)
+        .await?;
+
+    sqlx::raw_sql(SETUP).execute(&pool).await?;
+    for schema in ["payments_pgbox", "points_pgbox", "broker"] {
+        Migrator::new().schema(schema)?.run(&pool).await?;
+    }
+    let users = (args.orders / 10).max(1) as i64;
+    sqlx::query("INSERT INTO points.accounts SELECT g, 0, 0 FROM generate_series(1, $1) g")
+        .bind(users)
+        .execute(&pool)
+        .await?;
+    sqlx::query(
+        "INSERT INTO payments.orders SELECT g, 1 + g % $2, 'created' FROM generate_series(1, $1) g",
+    )
+    .bind(args.orders as i64)
+    .bind(users)
+    .execute(&pool)
+    .await?;
+
+    let counters = Arc::new(Counters::default());
+    let shutdown = CancellationToken::new();
+    let started = Instant::now();
+
+    // The relay of the payments service: its outbox → the broker's queue.
+    let relay = Relay::builder(
+        pool.clone(),
+        DuplicatingPublisher {
+            inner: PgQueue::with_schema(pool.clone(), "broker")?,
+            rate: args.duplicate_rate,
+            counters: counters.clone(),
+        },
+    )
+    .schema("payments_pgbox")
+    .batch_size(500)
+    .build()?;
+    let relay_task = tokio::spawn({
+        let s = shutdown.clone();
+        async move { relay.run(s).await }
+    });
+
+    // The points service: K consumer instances, each restarted when it crashes.
+    let mut consumer_tasks = Vec::new();
+    for _ in 0..args.consumers {
+        consumer_tasks.push(tokio::spawn(supervise_consumer(
+            url.clone(),
+            args.clone(),
+            counters.clone(),
+            shutdown.clone(),
+        )));
+    }
+
+    // The payments service pays every order.
+    pay_orders(&pool, &args, &counters).await?;
+
+    // Wait for every paid order to be rewarded.
+    let deadline = started + Duration::from_secs(args.timeout_secs);
+    let mut last_progress = Instant::now();
+    loop {
+        let rewarded: i64 = sqlx::query_scalar("SELECT count(*) FROM points.ledger")
+            .fetch_one(&pool)
+            .await?;
+        let backlog: i64 = sqlx::query_scalar(
+            "SELECT (SELECT count(*) FROM payments_pgbox.outbox) + (SELECT count(*) FROM broker.queue)",
+        )
+        .fetch_one(&pool)
+        .await?;
+        if rewarded as u64 == args.orders && backlog == 0 {
+            break;
+        }
+        if last_progress.elapsed() > Duration::from_secs(2) {
+            eprintln!(
+                "  … {rewarded}/{} orders rewarded, {backlog} messages in flight, {:.0?}",
+                args.orders,
+                started.elapsed()
+            );
+            last_progress = Instant::now();
+        }
+        if Instant::now() > deadline {
+            eprintln!("timed out after {:?}", started.elapsed());
+            std::process::exit(1);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let elapsed = started.elapsed();
+    shutdown.cancel();
+    relay_task.await??;
+    for t in consumer_tasks {
+        t.await??;
+    }
+
+    report_and_check(&pool, &args, &counters, elapsed).await
+}
+
+/// Each order: one transaction that moves it to paid and writes the event to the outbox.
+/// With `--producer-retries`, some events are sent again in a second transaction, as a
+/// producer does when it cannot tell whether its first attempt went through.
+async fn pay_orders(pool: &PgPool, args: &Args, counters: &Counters) -> anyhow::Result<()> {
+    let orders = StateTable::<OrderState>::new("orders")?.schema("payments")?;
+    let outbox = Outbox::with_schema("payments_pgbox")?;
+    for order_id in 1..=args.orders as i64 {
+        let mut tx = pool.begin().await?;
+        let user_id: i64 = sqlx::query_scalar("SELECT user_id FROM payments.orders WHERE id = $1")
+            .bind(order_id)
+            .fetch_one(&mut *tx)
+            .await?;
+        match orders
+            .transition(&mut tx, order_id, OrderState::Paid)
+            .await?
+        {
+            Transition::Applied { .. } => {}
+            other => anyhow::bail!("order {order_id}: unexpected {other:?}"),
+        }
+        let event = PaymentSucceeded { order_id, user_id };
+        outbox
+            .enqueue(
+                &mut tx,
+                Message::json("payment-succeeded", &event)?.ordering_key(format!("user-{user_id}")),
+            )
+            .await?;
+        tx.commit().await?;
+
+        if fastrand::f64() < args.producer_retries {
+            // The same business event under a new message id.
+            let mut tx = pool.begin().await?;
+            outbox
+                .enqueue(
+                    &mut tx,
+                    Message::json("payment-succeeded", &event)?
+                        .ordering_key(format!("user-{user_id}")),
+                )
+                .await?;
+            tx.commit().await?;
+            counters.producer_resends.fetch_add(1, Relaxed);
+        }
+    }
+    Ok(())
+}
+
+/// Runs one consumer instance; when an injected crash kills it, starts a new one, as a
+/// process supervisor would. Messages it had in hand come back after their visibility
+/// timeout.
+async fn supervise_consumer(
+    url: String,
+    args: Args,
+    counters: Arc<Counters>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    loop {
+        let task = tokio::spawn(run_consumer(
+            url.clone(),
+            args.clone(),
+            counters.clone(),
+            shutdown.clone(),
+        ));
+        match task.await {
+            Ok(result) => return result,
+            Err(e) if e.is_panic() => continue, // crashed: restart
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+async fn run_consumer(
+    url: String,
+    args: Args,
+    counters: Arc<Counters>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    // Each instance has its own pool, like a separate process.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(6)
+        .connect(&url)
+        .await?;
+    let inbox = Inbox::builder("points-service")
+        .schema("points_pgbox")
+        .build()?;
+    let consumer = Consumer::builder(
+        pool.clone(),
+        CrashingSubscriber {
+            inner: PgQueue::with_schema(pool.clone(), "broker")?,
+            ack_crash_rate: args.crash_rate / 3.0,
+            counters: counters.clone(),
+        },
+        "payment-succeeded",
+        inbox,
+    )
+    .concurrency(4)
+    .visibility_timeout(Duration::from_secs(2))
+    .poll_interval(Duration::from_millis(250))
+    .max_deliveries(1_000)
+    .backoff(
+        RetryPolicy::new()
+            .base_delay(Duration::from_millis(5))
+            .max_delay(Duration::from_millis(200)),
+    )
+    // The inbox key is the ORDER ID, the business key, not the message id: a producer
+    // retry publishes the same payment under a new message id, which a message-id key
+    // would process twice (60 points). The order id is the same in both.
+    .key(|envelope| match envelope.json::<PaymentSucceeded>() {
+        Ok(event) => format!("order-{}", event.order_id),
+        Err(_) => envelope.id.to_string(),
+    })
+    .build()?;
+    let accounts = VersionedTable::new("accounts")?.schema("points")?;
+    let crash_rate = args.crash_rate;
+    consumer
+        .run(
+            async |envelope: &Envelope, conn: &mut PgConnection| {
+                let event: PaymentSucceeded = envelope.json()?;
+                let roll = fastrand::f64();
+                if roll < crash_rate / 3.0 {
+                    counters.crashes.fetch_add(1, Relaxed);
+                    panic!("injected crash: before the handler's work");
+                }
+                sqlx::query(
+                    "INSERT INTO points.ledger (order_id, user_id, points) VALUES ($1, $2, 30)",
+                )
+                .bind(event.order_id)
+                .bind(event.user_id)
+                .execute(&mut *conn)
+                .await
+                .map_err(pgbox::Error::from)?;
+                if roll < crash_rate * 2.0 / 3.0 {
+                    counters.crashes.fetch_add(1, Relaxed);
+                    panic!("injected crash: inside the handler");
+                }
+                let version = accounts
+                    .current_version(conn, event.user_id)
+                    .await?
+                    .ok_or_else(|| {
+                        pgbox::Error::InvalidConfig(format!("no account {}", event.user_id))
+                    })?;
+                let updated = accounts
+                    .update(event.user_id, version)
+                    .add("total", 30_i64)
+                    .execute(conn)
+                    .await;
+                if let Err(pgbox::Error::VersionConflict { .. }) = updated {
+                    counters.version_conflicts.fetch_add(1, Relaxed);
+                }
+                updated?;
+                Ok::<(), pgbox::Error>(())
+            },
+            shutdown,
+        )
+        .await?;
+    Ok(())
+}
+
+async fn report_and_check(
+    pool: &PgPool,
+    args: &Args,
+    counters: &Counters,
+    elapsed: Duration,
+) -> anyhow::Result<()> {
+    let paid: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM payments.orders WHERE status = 'paid'")
+            .fetch_one(pool)
+            .await?;
+    let granted: i64 =
+        sqlx::query_scalar("SELECT coalesce(sum(points), 0)::bigint FROM points.ledger")
+            .fetch_one(pool)
+            .await?;
+    let totals: i64 =
+        sqlx::query_scalar("SELECT coalesce(sum(total), 0)::bigint FROM points.accounts")
+            .fetch_one(pool)
+            .await?;
+    let rewarded_twice: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT order_id FROM points.ledger GROUP BY order_id HAVING count(*) > 1) t",
+    )
+    .fetch_one(pool)
+    .await?;
+    let unrewarded: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM payments.orders o WHERE o.status = 'paid' \
+         AND NOT EXISTS (SELECT 1 FROM points.ledger l WHERE l.order_id = o.id)",
+    )
+    .fetch_one(pool)
+    .await?;
+    let deliveries = counters.deliveries.load(Relaxed);
+    let processed: i64 = sqlx::query_scalar("SELECT count(*) FROM points_pgbox.inbox")
+        .fetch_one(pool)
+        .await?;
+    let acks = counters.acks.load(Relaxed);
+    let rate = args.orders as f64 / elapsed.as_secs_f64();
+    println!();
+    println!("  orders                      {:>10}", args.orders);
+    println!("  paid                        {paid:>10}");
+    println!("  deliveries                  {deliveries:>10}");
+    println!(
+        "  duplicated by transport     {:>10}",
+        counters.duplicated_by_transport.load(Relaxed)
+    );
+    println!(
+        "  re-sent by producer         {:>10}",
+        counters.producer_resends.load(Relaxed)
+    );
+    println!(
+        "  duplicates absorbed         {:>10}",
+        acks.saturating_sub(processed as u64)
+    );
+    println!(
+        "  crashes injected            {:>10}",
+        counters.crashes.load(Relaxed)
+    );
+    println!(
+        "  version conflicts retried   {:>10}",
+        counters.version_conflicts.load(Relaxed)
+    );
+    println!("  points granted              {granted:>10}");
+    println!("  elapsed                     {:>10.2?}", elapsed);
+    println!("  orders per second           {rate:>10.0}");
+    println!();
+    let mut failed = false;
+    let mut check = |ok: bool, what: String| {
+        println!("  [{}] {what}", if ok { "ok" } else { "FAILED" });
+        failed |= !ok;
+    };
+    check(
+        granted == 30 * paid,
+        format!("points granted = 30 × paid orders ({granted} = 30 × {paid})"),
+    );
+    check(
+        totals == granted,
+        format!("account totals = ledger ({totals} = {granted})"),
+    );
+    check(
+        rewarded_twice == 0,
+        format!("no order rewarded twice ({rewarded_twice})"),
+    );
+    check(
+        unrewarded == 0,
+        format!("no paid order unrewarded ({unrewarded})"),
+    );
+    if failed {
+        std::process::exit(1);
+    }
+    Ok(())
+}

@@ -1,0 +1,467 @@
+//! `pgbox`: migrations, status, dead letters and retention, for operators and deploy scripts.
+//!
+//! Exit codes: 0 success; 1 other failure; 2 bad usage; 3 cannot connect (bad URL or
+//! unreachable server); 4 the pgbox schema is missing (run `pgbox migrate`); 5 an id was not
+//! found; 6 refused (a retention below the floor without `--force`).
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use pgbox::{DbErrorKind, DeadLetter, DeadLetters, Error, Inbox, Migrator};
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+use uuid::Uuid;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "pgbox",
+    version,
+    about = "Operate pgbox: migrations, status, dead letters, retention."
+)]
+struct Cli {
+    /// PostgreSQL connection URL.
+    #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
+    database_url: Option<String>,
+    /// The pgbox schema.
+    #[arg(long, default_value = pgbox::DEFAULT_SCHEMA, global = true)]
+    schema: String,
+    /// Machine-readable JSON output.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Apply pending migrations (safe to run from several instances at once).
+    Migrate {
+        /// Print the migrations as one SQL script instead of applying them.
+        #[arg(long)]
+        print_sql: bool,
+    },
+    /// Backlog, oldest pending message and dead letters per topic; rows per consumer.
+    Status,
+    /// Inspect, replay or discard outbox dead letters.
+    DeadLetters {
+        #[command(subcommand)]
+        action: DeadLetterAction,
+    },
+    /// Delete old inbox rows in batches (index-backed).
+    Purge {
+        /// Delete rows older than this: `90s`, `30m`, `12h`, `7d`.
+        #[arg(long, value_parser = parse_age)]
+        older_than: Duration,
+        /// Only this consumer's rows (default: every consumer).
+        #[arg(long)]
+        consumer: Option<String>,
+        /// The shortest retention accepted without `--force`: a key purged before its last
+        /// redelivery is processed again.
+        #[arg(long, value_parser = parse_age, default_value = "1d")]
+        min_retention: Duration,
+        /// Purge even below `--min-retention`.
+        #[arg(long)]
+        force: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum DeadLetterAction {
+    /// List dead letters, oldest first.
+    List {
+        /// At most this many.
+        #[arg(long, default_value_t = 100)]
+        limit: i64,
+    },
+    /// Show one dead letter with its payload.
+    Show {
+        /// Message id.
+        id: Uuid,
+    },
+    /// Put dead letters back in the outbox at their original positions.
+    Replay {
+        /// Message ids.
+        #[arg(required_unless_present = "all")]
+        ids: Vec<Uuid>,
+        /// Replay every dead letter.
+        #[arg(long, conflicts_with = "ids")]
+        all: bool,
+    },
+    /// Delete dead letters for good, releasing their ordering keys.
+    Discard {
+        /// Message ids.
+        #[arg(required = true)]
+        ids: Vec<Uuid>,
+    },
+}
+
+/// A failure with the exit code it maps to.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl From<Error> for Failure {
+    fn from(e: Error) -> Self {
+        let code = match e.db_kind() {
+            Some(DbErrorKind::ConnectionLost | DbErrorKind::PoolTimedOut) => 3,
+            Some(DbErrorKind::MissingSchema) => 4,
+            _ if matches!(
+                e,
+                Error::InvalidIdentifier { .. } | Error::InvalidConsumerName { .. }
+            ) =>
+            {
+                2
+            }
+            _ => 1,
+        };
+        let hint = if code == 4 {
+            " (run `pgbox migrate`)"
+        } else {
+            ""
+        };
+        Failure {
+            code,
+            message: format!("{e}{hint}"),
+        }
+    }
+}
+
+fn fail(code: u8, message: impl Into<String>) -> Failure {
+    Failure {
+        code,
+        message: message.into(),
+    }
+}
+
+fn parse_age(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("{s:?}: add a unit (s, m, h, d)"))?;
+    let (n, unit) = s.split_at(split);
+    let n: u64 = n
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a number then a unit"))?;
+    let secs = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => return Err(format!("{s:?}: unknown unit {unit:?} (s, m, h, d)")),
+    };
+    n.checked_mul(secs)
+        .map(Duration::from_secs)
+        .ok_or_else(|| format!("{s:?}: too large"))
+}
+
+fn time_text(t: Option<OffsetDateTime>) -> String {
+    t.and_then(|t| t.format(&Rfc3339).ok())
+        .unwrap_or_else(|| "-".into())
+}
+
+fn time_json(t: Option<OffsetDateTime>) -> Value {
+    t.and_then(|t| t.format(&Rfc3339).ok())
+        .map_or(Value::Null, Value::String)
+}
+
+fn print(json_mode: bool, value: Value, text: impl FnOnce() -> String) {
+    if json_mode {
+        println!("{}", serde_json::to_string_pretty(&value).expect("json"));
+    } else {
+        print!("{}", text());
+    }
+}
+
+async fn connect(url: Option<&str>) -> Result<PgPool, Failure> {
+    let url = url.ok_or_else(|| fail(2, "no database: pass --database-url or set DATABASE_URL"))?;
+    let options: sqlx::postgres::PgConnectOptions = url
+        .parse()
+        .map_err(|e| fail(3, format!("bad database URL: {e}")))?;
+    PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_with(options)
+        .await
+        .map_err(|e| fail(3, format!("cannot connect: {e}")))
+}
+
+async fn ensure_schema(pool: &PgPool, schema: &str) -> Result<(), Failure> {
+    let applied = Migrator::new().schema(schema)?.applied(pool).await?;
+    if applied.is_empty() {
+        return Err(fail(
+            4,
+            format!("schema {schema:?} has no pgbox tables (run `pgbox migrate`)"),
+        ));
+    }
+    Ok(())
+}
+
+fn dead_letter_json(d: &DeadLetter) -> Value {
+    json!({
+        "message_id": d.message_id,
+        "seq": d.seq,
+        "topic": d.topic,
+        "ordering_key": d.ordering_key,
+        "attempts": d.attempts,
+        "last_error": d.last_error,
+        "payload_bytes": d.payload_bytes,
+        "headers": d.headers,
+        "created_at": time_json(Some(d.created_at)),
+        "dead_at": time_json(Some(d.dead_at)),
+    })
+}
+
+async fn run(cli: Cli) -> Result<(), Failure> {
+    let json_mode = cli.json;
+    let schema = cli.schema.as_str();
+    match cli.command {
+        Command::Migrate { print_sql: true } => {
+            let sql = Migrator::new().schema(schema)?.to_sql();
+            print(json_mode, json!({ "sql": sql }), || sql.clone());
+        }
+        Command::Migrate { print_sql: false } => {
+            let pool = connect(cli.database_url.as_deref()).await?;
+            let report = Migrator::new().schema(schema)?.run(&pool).await?;
+            let applied: Vec<Value> = report
+                .applied
+                .iter()
+                .map(|m| json!({"version": m.version, "name": m.name}))
+                .collect();
+            print(
+                json_mode,
+                json!({ "schema": schema, "applied": applied }),
+                || {
+                    if report.applied.is_empty() {
+                        format!("schema {schema:?} is up to date\n")
+                    } else {
+                        report
+                            .applied
+                            .iter()
+                            .map(|m| format!("applied V{}__{}\n", m.version, m.name))
+                            .collect()
+                    }
+                },
+            );
+        }
+        Command::Status => {
+            let pool = connect(cli.database_url.as_deref()).await?;
+            ensure_schema(&pool, schema).await?;
+            let status = pgbox::status(&pool, schema).await?;
+            let inboxes = pgbox::inbox_status(&pool, schema).await?;
+            let topics: Vec<Value> = status
+                .topics
+                .iter()
+                .map(|t| {
+                    json!({
+                        "topic": t.topic,
+                        "outbox_backlog_estimate": t.outbox_backlog_estimate,
+                        "outbox_oldest_pending": time_json(t.outbox_oldest_pending),
+                        "outbox_dead_letters": t.outbox_dead_letters,
+                        "queue_backlog_estimate": t.queue_backlog_estimate,
+                        "queue_oldest": time_json(t.queue_oldest),
+                        "queue_dead_letters": t.queue_dead_letters,
+                    })
+                })
+                .collect();
+            let consumers: Vec<Value> = inboxes
+                .iter()
+                .map(|c| {
+                    json!({
+                        "consumer": c.consumer,
+                        "rows": c.rows,
+                        "oldest_processed_at": time_json(c.oldest_processed_at),
+                        "newest_processed_at": time_json(c.newest_processed_at),
+                    })
+                })
+                .collect();
+            let value = json!({
+                "schema": schema,
+                "taken_at": time_json(Some(status.taken_at)),
+                "topics": topics,
+                "consumers": consumers,
+            });
+            print(json_mode, value, || {
+                let age = |t: Option<OffsetDateTime>| match t {
+                    Some(t) => format!("{:.1}s", (status.taken_at - t).as_seconds_f64()),
+                    None => "-".into(),
+                };
+                let mut out = String::from(
+                    "TOPIC                    OUTBOX(~) OLDEST      DEAD  QUEUE(~) OLDEST      DEAD\n",
+                );
+                if status.topics.is_empty() {
+                    out.push_str("(no pending messages, no dead letters)\n");
+                }
+                for t in &status.topics {
+                    out.push_str(&format!(
+                        "{:<24} {:>9} {:<11} {:>4}  {:>8} {:<11} {:>4}\n",
+                        t.topic,
+                        t.outbox_backlog_estimate,
+                        age(t.outbox_oldest_pending),
+                        t.outbox_dead_letters,
+                        t.queue_backlog_estimate,
+                        age(t.queue_oldest),
+                        t.queue_dead_letters
+                    ));
+                }
+                out.push_str("\nCONSUMER                 INBOX ROWS  OLDEST                          NEWEST\n");
+                if inboxes.is_empty() {
+                    out.push_str("(no inbox rows)\n");
+                }
+                for c in &inboxes {
+                    out.push_str(&format!(
+                        "{:<24} {:>10}  {:<31} {}\n",
+                        c.consumer,
+                        c.rows,
+                        time_text(c.oldest_processed_at),
+                        time_text(c.newest_processed_at)
+                    ));
+                }
+                out
+            });
+        }
+        Command::DeadLetters { action } => {
+            let pool = connect(cli.database_url.as_deref()).await?;
+            ensure_schema(&pool, schema).await?;
+            let dead = DeadLetters::with_schema(pool, schema)?;
+            match action {
+                DeadLetterAction::List { limit } => {
+                    let list = dead.list(limit).await?;
+                    let value = Value::Array(list.iter().map(dead_letter_json).collect());
+                    print(json_mode, value, || {
+                        if list.is_empty() {
+                            return "no dead letters\n".into();
+                        }
+                        list.iter()
+                            .map(|d| {
+                                format!(
+                                    "{}  {}  key={}  attempts={}  error={}\n",
+                                    d.message_id,
+                                    d.topic,
+                                    d.ordering_key.as_deref().unwrap_or("-"),
+                                    d.attempts,
+                                    d.last_error.as_deref().unwrap_or("-")
+                                )
+                            })
+                            .collect()
+                    });
+                }
+                DeadLetterAction::Show { id } => {
+                    let (d, payload) = dead
+                        .get(id)
+                        .await?
+                        .ok_or_else(|| fail(5, format!("no dead letter {id}")))?;
+                    let text_payload = String::from_utf8_lossy(&payload).into_owned();
+                    let mut value = dead_letter_json(&d);
+                    value["payload"] = Value::String(text_payload.clone());
+                    print(json_mode, value.clone(), || {
+                        format!("{}\n", serde_json::to_string_pretty(&value).expect("json"))
+                    });
+                }
+                DeadLetterAction::Replay { ids, all } => {
+                    let n = if all {
+                        dead.replay_all().await?
+                    } else {
+                        let n = dead.replay(&ids).await?;
+                        if n < ids.len() as u64 {
+                            return Err(fail(
+                                5,
+                                format!(
+                                    "replayed {n} of {}: some ids are not dead letters",
+                                    ids.len()
+                                ),
+                            ));
+                        }
+                        n
+                    };
+                    print(json_mode, json!({ "replayed": n }), || {
+                        format!("replayed {n}\n")
+                    });
+                }
+                DeadLetterAction::Discard { ids } => {
+                    let n = dead.discard(&ids).await?;
+                    if n < ids.len() as u64 {
+                        return Err(fail(
+                            5,
+                            format!(
+                                "discarded {n} of {}: some ids are not dead letters",
+                                ids.len()
+                            ),
+                        ));
+                    }
+                    print(json_mode, json!({ "discarded": n }), || {
+                        format!("discarded {n}\n")
+                    });
+                }
+            }
+        }
+        Command::Purge {
+            older_than,
+            consumer,
+            min_retention,
+            force,
+        } => {
+            if older_than < min_retention && !force {
+                return Err(fail(
+                    6,
+                    format!(
+                        "refusing to purge rows younger than the {}s retention floor \
+                         (a message redelivered after its row is gone is processed again); \
+                         pass --force to override",
+                        min_retention.as_secs()
+                    ),
+                ));
+            }
+            let pool = connect(cli.database_url.as_deref()).await?;
+            ensure_schema(&pool, schema).await?;
+            let consumers = match consumer {
+                Some(c) => vec![c],
+                None => pgbox::inbox_status(&pool, schema)
+                    .await?
+                    .into_iter()
+                    .map(|c| c.consumer)
+                    .collect(),
+            };
+            let mut deleted = serde_json::Map::new();
+            let mut total = 0;
+            for name in consumers {
+                let inbox = Inbox::builder(name.clone()).schema(schema).build()?;
+                let n = inbox.purge_older_than(&pool, older_than).await?;
+                total += n;
+                deleted.insert(name, json!(n));
+            }
+            print(
+                json_mode,
+                json!({ "deleted": deleted, "total": total }),
+                || {
+                    format!(
+                        "deleted {total} inbox rows older than {}s\n",
+                        older_than.as_secs()
+                    )
+                },
+            );
+        }
+    }
+    Ok(())
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let json_mode = cli.json;
+    match run(cli).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            if json_mode {
+                eprintln!("{}", json!({ "error": f.message, "exit_code": f.code }));
+            } else {
+                eprintln!("pgbox: {}", f.message);
+            }
+            ExitCode::from(f.code)
+        }
+    }
+}

@@ -1,0 +1,297 @@
+//! The payment/points example and the `pgbox` CLI, run as a user runs them: spawned
+//! processes against a real database, checked independently with SQL.
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+use pgbox::transport::{PublishError, Publisher};
+use pgbox::{Envelope, Message, Outbox, Relay};
+use support::TestDb;
+
+/// target/debug/examples/<name>, next to this test binary's directory.
+fn example_path(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    exe.parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name)
+}
+
+fn pgbox_cli(url: Option<&str>, args: &[&str]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_pgbox"));
+    cmd.args(args).env_remove("DATABASE_URL");
+    if let Some(url) = url {
+        cmd.env("DATABASE_URL", url);
+    }
+    cmd.output().expect("run pgbox")
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn json(o: &Output) -> serde_json::Value {
+    serde_json::from_slice(&o.stdout).unwrap_or_else(|e| panic!("not JSON ({e}): {}", stdout(o)))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payment_points_example_under_faults_keeps_its_invariants() {
+    let db = TestDb::empty().await;
+    let url = db.url();
+    let example = example_path("payment_points");
+    assert!(
+        example.exists(),
+        "{example:?} not built (cargo test builds examples)"
+    );
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(example)
+            .args([
+                "--orders",
+                "2000",
+                "--consumers",
+                "4",
+                "--duplicate-rate",
+                "0.3",
+                "--producer-retries",
+                "0.1",
+                "--crash-rate",
+                "0.05",
+            ])
+            .env("DATABASE_URL", url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text = stdout(&out);
+    eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the example failed");
+    assert!(text.contains("[ok] no order rewarded twice"));
+
+    // Independently: every paid order has exactly 30 points, once; the totals agree.
+    let q = |sql: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    assert_eq!(
+        q("SELECT count(*) FROM payments.orders WHERE status = 'paid'").await,
+        2000
+    );
+    assert_eq!(q("SELECT count(*) FROM points.ledger").await, 2000);
+    assert_eq!(
+        q("SELECT count(DISTINCT order_id) FROM points.ledger").await,
+        2000
+    );
+    assert_eq!(
+        q("SELECT sum(points)::bigint FROM points.ledger").await,
+        60_000
+    );
+    assert_eq!(
+        q("SELECT sum(total)::bigint FROM points.accounts").await,
+        60_000
+    );
+    assert_eq!(
+        q("SELECT count(*) FROM payments.orders o LEFT JOIN points.ledger l ON l.order_id = o.id WHERE l.order_id IS NULL").await,
+        0
+    );
+    // The faults really happened: more deliveries than orders reached the consumers.
+    assert!(q("SELECT count(*) FROM points_pgbox.inbox").await == 2000);
+}
+
+struct AlwaysFails;
+impl Publisher for AlwaysFails {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        vec![Err(PublishError("broker down".into())); batch.len()]
+    }
+}
+
+#[tokio::test]
+async fn cli_migrate_status_dead_letters_and_purge() {
+    let db = TestDb::empty().await;
+    let url = db.url();
+    let url = url.as_str();
+
+    // migrate twice: applies, then nothing to do.
+    let first = pgbox_cli(Some(url), &["migrate", "--json"]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    assert!(!json(&first)["applied"].as_array().unwrap().is_empty());
+    let second = pgbox_cli(Some(url), &["migrate"]);
+    assert!(second.status.success());
+    assert!(
+        stdout(&second).contains("up to date"),
+        "{}",
+        stdout(&second)
+    );
+    let sql = pgbox_cli(None, &["migrate", "--print-sql", "--schema", "billing"]);
+    assert!(sql.status.success());
+    assert!(stdout(&sql).contains("CREATE SCHEMA IF NOT EXISTS \"billing\""));
+
+    // status, empty.
+    let empty = pgbox_cli(Some(url), &["status"]);
+    assert!(empty.status.success());
+    assert!(
+        stdout(&empty).contains("no pending messages"),
+        "{}",
+        stdout(&empty)
+    );
+
+    // A busy database: pending messages, a dead letter, inbox rows.
+    let mut tx = db.pool.begin().await.unwrap();
+    let ids = Outbox::new()
+        .enqueue_batch(
+            &mut tx,
+            vec![
+                Message::bytes("orders", "{\"order\":1}").ordering_key("o1"),
+                Message::bytes("orders", "{\"order\":2}").ordering_key("o2"),
+            ],
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let relay = Relay::builder(db.pool.clone(), AlwaysFails)
+        .max_attempts(1)
+        .batch_size(1)
+        .build()
+        .unwrap();
+    relay.relay_once().await.unwrap();
+    sqlx::query(
+        "INSERT INTO pgbox.inbox (consumer, key, processed_at) \
+         SELECT 'points', 'k' || g, now() - interval '10 days' FROM generate_series(1, 30) g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let busy = json(&pgbox_cli(Some(url), &["status", "--json"]));
+    let topic = &busy["topics"][0];
+    assert_eq!(topic["topic"], "orders");
+    assert_eq!(topic["outbox_backlog_estimate"], 1);
+    assert_eq!(topic["outbox_dead_letters"], 1);
+    assert_eq!(busy["consumers"][0]["consumer"], "points");
+    assert_eq!(busy["consumers"][0]["rows"], 30);
+
+    // dead letters: list, show, replay, discard.
+    let list = json(&pgbox_cli(Some(url), &["dead-letters", "list", "--json"]));
+    assert_eq!(list.as_array().unwrap().len(), 1);
+    let dead_id = list[0]["message_id"].as_str().unwrap().to_owned();
+    assert_eq!(dead_id, ids[0].to_string());
+    assert_eq!(list[0]["last_error"], "broker down");
+    let show = pgbox_cli(Some(url), &["dead-letters", "show", &dead_id, "--json"]);
+    assert!(show.status.success());
+    assert_eq!(json(&show)["payload"], "{\"order\":1}");
+    let replay = pgbox_cli(Some(url), &["dead-letters", "replay", &dead_id]);
+    assert!(
+        replay.status.success(),
+        "{}",
+        String::from_utf8_lossy(&replay.stderr)
+    );
+    let back: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox WHERE message_id = $1")
+        .bind(ids[0])
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(back, 1);
+    relay.relay_once().await.unwrap(); // dead again (attempts reset, max 1)
+    let discard = pgbox_cli(Some(url), &["dead-letters", "discard", &dead_id, "--json"]);
+    assert!(discard.status.success());
+    assert_eq!(json(&discard)["discarded"], 1);
+    let unknown = uuid::Uuid::now_v7().to_string();
+    assert_eq!(
+        pgbox_cli(Some(url), &["dead-letters", "show", &unknown])
+            .status
+            .code(),
+        Some(5)
+    );
+    assert_eq!(
+        pgbox_cli(Some(url), &["dead-letters", "replay", &unknown])
+            .status
+            .code(),
+        Some(5)
+    );
+    assert_eq!(
+        pgbox_cli(Some(url), &["dead-letters", "discard", &unknown])
+            .status
+            .code(),
+        Some(5)
+    );
+
+    // purge: the floor refuses a short retention unless forced.
+    let refused = pgbox_cli(Some(url), &["purge", "--older-than", "1h"]);
+    assert_eq!(refused.status.code(), Some(6));
+    let purged = json(&pgbox_cli(
+        Some(url),
+        &["purge", "--older-than", "7d", "--json"],
+    ));
+    assert_eq!(purged["total"], 30);
+    let forced = pgbox_cli(
+        Some(url),
+        &[
+            "purge",
+            "--older-than",
+            "1s",
+            "--force",
+            "--consumer",
+            "points",
+        ],
+    );
+    assert!(forced.status.success());
+}
+
+#[tokio::test]
+async fn cli_errors_have_clear_messages_and_exit_codes() {
+    let db = TestDb::empty().await; // not migrated
+    let url = db.url();
+    let cases: Vec<(Option<&str>, Vec<&str>, i32, &str)> = vec![
+        (Some("not a url"), vec!["status"], 3, "bad database URL"),
+        (
+            Some("postgres://postgres@127.0.0.1:1/nothing"),
+            vec!["status"],
+            3,
+            "cannot connect",
+        ),
+        (None, vec!["status"], 2, "DATABASE_URL"),
+        (Some(url.as_str()), vec!["status"], 4, "pgbox migrate"),
+        (
+            Some(url.as_str()),
+            vec!["dead-letters", "list"],
+            4,
+            "pgbox migrate",
+        ),
+        (
+            Some(url.as_str()),
+            vec!["status", "--schema", "Bad Name"],
+            2,
+            "invalid schema",
+        ),
+        (
+            Some(url.as_str()),
+            vec!["purge", "--older-than", "7 parsecs"],
+            2,
+            "unit",
+        ),
+        (
+            Some(url.as_str()),
+            vec!["frobnicate"],
+            2,
+            "unrecognized subcommand",
+        ),
+    ];
+    for (url, args, code, needle) in cases {
+        let out = pgbox_cli(url, &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err:?} lacks {needle:?}");
+    }
+}
