@@ -832,3 +832,32 @@ async fn a_claim_token_cannot_write_through_another_transaction() {
     };
     assert!(!d.was_rejected());
 }
+
+#[tokio::test]
+async fn batch_claim_dedups_many_keys_in_one_statement() {
+    let db = setup().await;
+    let inbox = Inbox::new("points").unwrap();
+    assert!(deliver(&inbox, &db.pool, "old").await.is_processed());
+    let mut tx = db.pool.begin().await.unwrap();
+    let claimed = inbox
+        .claim_batch(&mut tx, ["a", "old", "b", "a", "c"])
+        .await
+        .unwrap();
+    assert_eq!(claimed, [true, false, true, false, true]);
+    // A bad key anywhere refuses the whole batch before any SQL; the transaction stays usable.
+    let err = inbox.claim_batch(&mut tx, ["d", ""]).await.unwrap_err();
+    assert!(matches!(err, Error::EmptyKey));
+    tx.commit().await.unwrap();
+    for k in ["a", "b", "c", "old"] {
+        assert_eq!(inbox_rows(&db.pool, k).await, 1, "{k}");
+    }
+    assert_eq!(inbox_rows(&db.pool, "d").await, 0);
+    let mut tx = db.pool.begin().await.unwrap();
+    let again = inbox.claim_batch(&mut tx, ["a", "b", "e"]).await.unwrap();
+    assert_eq!(again, [false, false, true]);
+    let none: Vec<bool> = inbox
+        .claim_batch(&mut tx, Vec::<&str>::new())
+        .await
+        .unwrap();
+    assert!(none.is_empty());
+}

@@ -9,6 +9,7 @@
 //! - a later delivery finds the committed row and is a pure read: no tuple written, no WAL,
 //!   no transaction id, and the transaction is never aborted by a unique violation.
 
+mod batch;
 mod key;
 mod outcome;
 mod retention;
