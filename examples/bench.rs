@@ -147,15 +147,27 @@ async fn dead_tuples(pool: &PgPool, table: &str) -> anyhow::Result<i64> {
     .await?)
 }
 
-async fn reset(pool: &PgPool) -> anyhow::Result<()> {
-    sqlx::raw_sql(
-        "TRUNCATE bench_effects, pgbox.inbox, pgbox.outbox, pgbox.outbox_dead_letters, pgbox.queue;
-         VACUUM (ANALYZE) bench_effects; VACUUM (ANALYZE) pgbox.inbox; VACUUM (ANALYZE) pgbox.outbox;
-         SELECT pg_stat_reset();",
-    )
-    .execute(pool)
-    .await?;
+/// Runs statements one by one (VACUUM refuses to run in the implicit transaction of a
+/// multi-statement query).
+async fn run_each(pool: &PgPool, statements: &[&'static str]) -> anyhow::Result<()> {
+    for s in statements {
+        sqlx::raw_sql(*s).execute(pool).await?;
+    }
     Ok(())
+}
+
+async fn reset(pool: &PgPool) -> anyhow::Result<()> {
+    run_each(
+        pool,
+        &[
+            "TRUNCATE bench_effects, pgbox.inbox, pgbox.outbox, pgbox.outbox_dead_letters, pgbox.queue",
+            "VACUUM (ANALYZE) bench_effects",
+            "VACUUM (ANALYZE) pgbox.inbox",
+            "VACUUM (ANALYZE) pgbox.outbox",
+            "SELECT pg_stat_reset()",
+        ],
+    )
+    .await
 }
 
 struct Bench {
@@ -462,9 +474,11 @@ async fn main() -> anyhow::Result<()> {
             )
             .execute(&pool)
             .await?;
-            sqlx::raw_sql("VACUUM (ANALYZE) pgbox.inbox; SELECT pg_stat_reset();")
-                .execute(&pool)
-                .await?;
+            run_each(
+                &pool,
+                &["VACUUM (ANALYZE) pgbox.inbox", "SELECT pg_stat_reset()"],
+            )
+            .await?;
             Ok(())
         })
     };
@@ -691,9 +705,11 @@ async fn fill_backlog(pool: &PgPool, n: usize, payload: &str) -> anyhow::Result<
         tx.commit().await?;
         left -= k;
     }
-    sqlx::raw_sql("VACUUM (ANALYZE) pgbox.outbox; SELECT pg_stat_reset();")
-        .execute(pool)
-        .await?;
+    run_each(
+        pool,
+        &["VACUUM (ANALYZE) pgbox.outbox", "SELECT pg_stat_reset()"],
+    )
+    .await?;
     Ok(())
 }
 
