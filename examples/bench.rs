@@ -160,10 +160,13 @@ async fn reset(pool: &PgPool) -> anyhow::Result<()> {
     run_each(
         pool,
         &[
-            "TRUNCATE bench_effects, pgbox.inbox, pgbox.outbox, pgbox.outbox_dead_letters, pgbox.queue",
+            "TRUNCATE bench_effects, pgbox.inbox, pgbox.outbox, pgbox.outbox_dead_letters, pgbox.queue, inbox_messages",
+            "SELECT mq_clear_all()",
             "VACUUM (ANALYZE) bench_effects",
             "VACUUM (ANALYZE) pgbox.inbox",
             "VACUUM (ANALYZE) pgbox.outbox",
+            "VACUUM (ANALYZE) inbox_messages",
+            "VACUUM (ANALYZE) mq_msgs",
             "SELECT pg_stat_reset()",
         ],
     )
@@ -330,9 +333,11 @@ async fn main() -> anyhow::Result<()> {
         .max_connections(8)
         .connect_with(options.clone())
         .await?;
+    let pool08 = peers::pool08(&server, "pgbox_bench").await?;
     pgbox::migrate(&pool).await?;
     pool.execute("CREATE TABLE bench_effects (k text NOT NULL, payload text NOT NULL)")
         .await?;
+    peers::setup(&pool, &options).await?;
     fingerprint(&pool).await?;
     println!(
         "run: clients={:?} duration={}s payload={}B batch={} backlog={}",
@@ -466,11 +471,11 @@ async fn main() -> anyhow::Result<()> {
         .await?;
 
     // I2: 100 % duplicates.
-    const DUP_KEYS: u64 = 50_000;
+    const DUP_KEYS: u64 = 5_000;
     let preload = |pool: PgPool| {
         boxed(async move {
             sqlx::query(
-                "INSERT INTO pgbox.inbox (consumer, key) SELECT 'bench', 'k' || g FROM generate_series(0, 49999) g",
+                "INSERT INTO pgbox.inbox (consumer, key) SELECT 'bench', 'k' || g FROM generate_series(0, 4999) g",
             )
             .execute(&pool)
             .await?;
@@ -501,6 +506,61 @@ async fn main() -> anyhow::Result<()> {
                         .await?;
                     tx.commit().await?;
                     anyhow::ensure!(outcome.is_duplicate(), "expected a duplicate");
+                    Ok(())
+                })
+            }),
+        )
+        .await?;
+
+    // Peer: txbox, on I1 and I2, used as its README says.
+    let p = payload.clone();
+    bench
+        .run(
+            "I1 peer txbox 0.2.0",
+            1,
+            "4",
+            Some("inbox_messages"),
+            Some("B0 BEGIN/INSERT/COMMIT"),
+            None,
+            Arc::new(move |pool, i| {
+                let p = p.clone();
+                boxed(async move {
+                    anyhow::ensure!(peers::txbox_process(&pool, &format!("k{i}"), &p).await?);
+                    Ok(())
+                })
+            }),
+        )
+        .await?;
+    let p = payload.clone();
+    let preload_txbox = move |pool: PgPool| {
+        let p = p.clone();
+        boxed(async move {
+            for i in 0..DUP_KEYS {
+                peers::txbox_process(&pool, &format!("k{i}"), &p).await?;
+            }
+            run_each(
+                &pool,
+                &["VACUUM (ANALYZE) inbox_messages", "SELECT pg_stat_reset()"],
+            )
+            .await?;
+            Ok(())
+        })
+    };
+    let p = payload.clone();
+    bench
+        .run(
+            "I2 peer txbox 0.2.0, 100% duplicates",
+            1,
+            "3",
+            Some("inbox_messages"),
+            Some("B0 BEGIN/INSERT/COMMIT"),
+            Some(&preload_txbox),
+            Arc::new(move |pool, i| {
+                let p = p.clone();
+                boxed(async move {
+                    let processed =
+                        peers::txbox_process(&pool, &format!("k{}", i % DUP_KEYS), &p).await?;
+                    anyhow::ensure!(!processed, "expected a duplicate");
                     Ok(())
                 })
             }),
@@ -601,6 +661,20 @@ async fn main() -> anyhow::Result<()> {
             .await?;
     }
 
+    // Peer: sqlxmq, on O1, used as its README says (one `spawn` per job, in the transaction).
+    for (id, n) in [
+        ("O1 peer sqlxmq 0.6.0 enqueue 1 per tx", 1usize),
+        ("O1 peer sqlxmq 0.6.0 enqueue 100 per tx", 100),
+    ] {
+        let (p, pool08) = (payload.clone(), pool08.clone());
+        bench
+            .run(id, n as u64, if n == 1 { "4" } else { "103" }, Some("mq_msgs"), if n == 1 { Some("B0 BEGIN/INSERT/COMMIT") } else { Some("O1 enqueue 100 per tx") }, None, Arc::new(move |_pool, i| {
+                let (p, pool08) = (p.clone(), pool08.clone());
+                boxed(async move { peers::sqlxmq_enqueue(&pool08, &format!("k{i}"), n, &p).await })
+            }))
+            .await?;
+    }
+
     // O2: drain a backlog.
     if bench.wanted("O2") {
         for (name, transport) in [("no-op publisher", false), ("built-in queue", true)] {
@@ -653,6 +727,36 @@ async fn main() -> anyhow::Result<()> {
                 print_row(&row);
                 bench.rows.push(row);
             }
+        }
+    }
+
+    // Peer: sqlxmq draining the same backlog with a no-op job.
+    if bench.wanted("O2") {
+        for &(min, max) in &[(16usize, 32usize), (50, 100)] {
+            reset(&pool).await?;
+            peers::sqlxmq_fill(&pool08, args.backlog, &payload).await?;
+            let start_lsn = wal_lsn(&pool).await?;
+            let rate = peers::sqlxmq_drain(&pool08, args.backlog, min, max).await?;
+            let wal = wal_since(&pool, &start_lsn).await?;
+            let row = Row {
+                id: format!(
+                    "O2 peer sqlxmq 0.6.0 drain {} (no-op job, concurrency {min}..{max})",
+                    args.backlog
+                ),
+                clients: 1,
+                rate,
+                p50: Duration::ZERO,
+                p99: Duration::ZERO,
+                ratio: bench
+                    .baselines
+                    .get(&("O2 no-op publisher".to_owned(), 1))
+                    .map(|b| (rate / b, "O2 no-op publisher (pgbox, 1 relay)".to_owned())),
+                wal_per_msg: wal / args.backlog as f64,
+                statements: "-",
+                dead_tuples: Some(dead_tuples(&pool, "mq_msgs").await?),
+            };
+            print_row(&row);
+            bench.rows.push(row);
         }
     }
 
@@ -795,4 +899,175 @@ async fn latency_run(
         statements: "-",
         dead_tuples: None,
     })
+}
+
+/// The peers, pinned in Cargo.toml: txbox (inbox; sqlx 0.9, our pool type) and sqlxmq
+/// (transactional job queue used as an outbox; sqlx 0.8, its own pool).
+mod peers {
+    use std::path::PathBuf;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::{Duration, Instant};
+
+    use sqlx::PgPool;
+    use sqlx::postgres::PgConnectOptions;
+    use sqlxmq::{CurrentJob, JobRegistry, job};
+    use txbox::postgres::PgInbox;
+    use txbox::{ConsumerId, InboxExt, MessageId, Outcome};
+
+    pub(crate) async fn pool08(server: &str, database: &str) -> anyhow::Result<sqlx08::PgPool> {
+        let mut url = url::Url::parse(server)?;
+        url.set_path(database);
+        Ok(sqlx08::postgres::PgPoolOptions::new()
+            .max_connections(20)
+            .connect(url.as_str())
+            .await?)
+    }
+
+    /// txbox's own migration (its README), and sqlxmq's migration files as shipped in its
+    /// crate (its README says to copy them into your migrations; we read them from cargo's
+    /// registry instead of vendoring them).
+    pub(crate) async fn setup(pool: &PgPool, _options: &PgConnectOptions) -> anyhow::Result<()> {
+        PgInbox::new(pool.clone()).migrate().await?;
+        let home = std::env::var("CARGO_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|_| {
+                PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cargo")
+            });
+        let mut dirs = Vec::new();
+        for registry in std::fs::read_dir(home.join("registry/src"))? {
+            let dir = registry?.path().join("sqlxmq-0.6.0/migrations");
+            if dir.is_dir() {
+                dirs.push(dir);
+            }
+        }
+        let dir = dirs
+            .pop()
+            .ok_or_else(|| anyhow::anyhow!("sqlxmq-0.6.0 sources not found in {home:?}"))?;
+        let mut ups: Vec<PathBuf> = std::fs::read_dir(&dir)?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.to_string_lossy().ends_with(".up.sql"))
+            .collect();
+        ups.sort();
+        let mut tx = pool.begin().await?;
+        for up in ups {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(std::fs::read_to_string(&up)?))
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// One message through txbox: claim + the business insert in one transaction.
+    pub(crate) async fn txbox_process(
+        pool: &PgPool,
+        key: &str,
+        payload: &str,
+    ) -> anyhow::Result<bool> {
+        let consumer = PgInbox::new(pool.clone()).consumer(ConsumerId::try_from("bench")?);
+        let id = MessageId::try_from(key)?;
+        let (k, p) = (key.to_owned(), payload.to_owned());
+        let outcome = consumer
+            .process(&id, move |conn| {
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO bench_effects VALUES ($1, $2)")
+                        .bind(k)
+                        .bind(p)
+                        .execute(&mut *conn)
+                        .await?;
+                    Ok::<_, txbox::HandlerError>(())
+                })
+            })
+            .await?;
+        Ok(matches!(outcome, Outcome::Processed(())))
+    }
+
+    #[derive(Default)]
+    pub(crate) struct Drained(AtomicUsize);
+
+    #[job(channel_name = "bench")]
+    async fn bench_noop(
+        mut current_job: CurrentJob,
+        drained: Arc<Drained>,
+    ) -> Result<(), Box<dyn std::error::Error + Send + Sync + 'static>> {
+        current_job.complete().await?;
+        drained.0.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The business insert plus `n` jobs in one transaction.
+    pub(crate) async fn sqlxmq_enqueue(
+        pool: &sqlx08::PgPool,
+        key: &str,
+        n: usize,
+        payload: &str,
+    ) -> anyhow::Result<()> {
+        let mut tx = pool.begin().await?;
+        sqlx08::query("INSERT INTO bench_effects VALUES ($1, $2)")
+            .bind(key)
+            .bind(payload)
+            .execute(&mut *tx)
+            .await?;
+        for _ in 0..n {
+            bench_noop
+                .builder()
+                .set_raw_bytes(payload.as_bytes())
+                .spawn(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub(crate) async fn sqlxmq_fill(
+        pool: &sqlx08::PgPool,
+        n: usize,
+        payload: &str,
+    ) -> anyhow::Result<()> {
+        let mut left = n;
+        while left > 0 {
+            let chunk = left.min(1_000);
+            let mut tx = pool.begin().await?;
+            for _ in 0..chunk {
+                bench_noop
+                    .builder()
+                    .set_raw_bytes(payload.as_bytes())
+                    .spawn(&mut *tx)
+                    .await?;
+            }
+            tx.commit().await?;
+            left -= chunk;
+        }
+        Ok(())
+    }
+
+    /// Runs sqlxmq's job runner until `n` jobs completed; messages per second.
+    pub(crate) async fn sqlxmq_drain(
+        pool: &sqlx08::PgPool,
+        n: usize,
+        min: usize,
+        max: usize,
+    ) -> anyhow::Result<f64> {
+        let drained = Arc::new(Drained::default());
+        let mut registry = JobRegistry::new(&[bench_noop]);
+        registry.set_context(drained.clone());
+        let started = Instant::now();
+        let mut runner = registry
+            .runner(pool)
+            .set_concurrency(min, max)
+            .set_channel_names(&["bench"])
+            .run()
+            .await?;
+        while drained.0.load(Ordering::Relaxed) < n {
+            anyhow::ensure!(
+                started.elapsed() < Duration::from_secs(600),
+                "sqlxmq drain timed out"
+            );
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let rate = n as f64 / started.elapsed().as_secs_f64();
+        runner.stop().await;
+        Ok(rate)
+    }
 }
