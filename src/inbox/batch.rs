@@ -32,18 +32,13 @@ impl Inbox {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let sql = format!(
-            "INSERT INTO {}.inbox (consumer, key, message_id) \
-             SELECT $1, k.key, k.message_id FROM unnest($2::text[], $3::text[]) AS k(key, message_id) \
-             ON CONFLICT (consumer, key) DO NOTHING RETURNING key",
-            self.inner.schema
-        );
-        let claimed: Vec<String> = sqlx::query_scalar(AssertSqlSafe(sql))
-            .bind(&self.inner.consumer)
-            .bind(keys.iter().map(Key::as_str).collect::<Vec<_>>())
-            .bind(keys.iter().map(Key::message_id).collect::<Vec<_>>())
-            .fetch_all(&mut **tx)
-            .await?;
+        let claimed: Vec<String> =
+            sqlx::query_scalar(AssertSqlSafe(self.inner.sql.claim_batch.clone()))
+                .bind(&self.inner.consumer)
+                .bind(keys.iter().map(Key::as_str).collect::<Vec<_>>())
+                .bind(keys.iter().map(Key::message_id).collect::<Vec<_>>())
+                .fetch_all(&mut **tx)
+                .await?;
         let mut fresh: HashSet<String> = claimed.into_iter().collect();
         let result: Vec<bool> = keys.iter().map(|k| fresh.remove(k.as_str())).collect();
         let new = result.iter().filter(|c| **c).count();

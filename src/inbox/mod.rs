@@ -94,6 +94,10 @@ struct Statements {
     store_outcome: Arc<str>,
     reject: Arc<str>,
     verify: Arc<str>,
+    claim_batch: Arc<str>,
+    lock_watermark: Arc<str>,
+    create_watermark: Arc<str>,
+    advance_watermark: Arc<str>,
 }
 
 impl Statements {
@@ -135,6 +139,27 @@ impl Statements {
             )
             .into(),
             verify: "SELECT 1".into(),
+            claim_batch: format!(
+                "INSERT INTO {s}.inbox (consumer, key, message_id) \
+                 SELECT $1, k.key, k.message_id FROM unnest($2::text[], $3::text[]) AS k(key, message_id) \
+                 ON CONFLICT (consumer, key) DO NOTHING RETURNING key"
+            )
+            .into(),
+            lock_watermark: format!(
+                "SELECT last_seq FROM {s}.sequence_watermarks \
+                 WHERE consumer = $1 AND entity = $2 FOR UPDATE"
+            )
+            .into(),
+            create_watermark: format!(
+                "INSERT INTO {s}.sequence_watermarks (consumer, entity, last_seq) \
+                 VALUES ($1, $2, 0) ON CONFLICT (consumer, entity) DO NOTHING"
+            )
+            .into(),
+            advance_watermark: format!(
+                "UPDATE {s}.sequence_watermarks SET last_seq = $3, updated_at = now() \
+                 WHERE consumer = $1 AND entity = $2"
+            )
+            .into(),
         }
     }
 }

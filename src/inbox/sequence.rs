@@ -93,12 +93,7 @@ impl Inbox {
                 });
             }
             let value = run_handler(tx, handler).await?;
-            let sql = format!(
-                "UPDATE {}.sequence_watermarks SET last_seq = $3, updated_at = now() \
-                 WHERE consumer = $1 AND entity = $2",
-                self.inner.schema
-            );
-            sqlx::query(AssertSqlSafe(sql))
+            sqlx::query(AssertSqlSafe(self.inner.sql.advance_watermark.clone()))
                 .bind(&self.inner.consumer)
                 .bind(entity.as_str())
                 .bind(seq)
@@ -117,28 +112,21 @@ impl Inbox {
 
     /// Locks the entity's watermark row (creating it at 0 on first sight) and returns it.
     async fn lock_watermark(&self, conn: &mut PgConnection, entity: &str) -> Result<i64> {
-        let schema = &self.inner.schema;
-        let select = format!(
-            "SELECT last_seq FROM {schema}.sequence_watermarks \
-             WHERE consumer = $1 AND entity = $2 FOR UPDATE"
-        );
         let lock = async |conn: &mut PgConnection| -> Result<Option<i64>> {
-            Ok(sqlx::query_scalar(AssertSqlSafe(select.clone()))
-                .bind(&self.inner.consumer)
-                .bind(entity)
-                .fetch_optional(conn)
-                .await?)
+            Ok(
+                sqlx::query_scalar(AssertSqlSafe(self.inner.sql.lock_watermark.clone()))
+                    .bind(&self.inner.consumer)
+                    .bind(entity)
+                    .fetch_optional(conn)
+                    .await?,
+            )
         };
         if let Some(watermark) = lock(conn).await? {
             return Ok(watermark);
         }
         // First message for this entity. A concurrent first delivery makes this insert wait
         // and then do nothing; either way the row exists afterwards.
-        let insert = format!(
-            "INSERT INTO {schema}.sequence_watermarks (consumer, entity, last_seq) \
-             VALUES ($1, $2, 0) ON CONFLICT (consumer, entity) DO NOTHING"
-        );
-        sqlx::query(AssertSqlSafe(insert))
+        sqlx::query(AssertSqlSafe(self.inner.sql.create_watermark.clone()))
             .bind(&self.inner.consumer)
             .bind(entity)
             .execute(&mut *conn)
