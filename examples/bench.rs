@@ -13,7 +13,8 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -36,10 +37,18 @@ struct Args {
     /// Payload bytes per business row / message.
     #[arg(long, default_value_t = 100)]
     payload: usize,
-    /// Keys per batch (I4) and messages per transaction (O1 batch), and relay batch size.
+    /// Keys per batch (I4) and messages per transaction (O1 batch).
     #[arg(long, default_value_t = 100)]
     batch: usize,
-    /// Outbox backlog drained by O2.
+    /// Relay batch size (O2, O2k, O3); the library's default is 500.
+    #[arg(long, default_value_t = 500)]
+    relay_batch: usize,
+    /// Turn off sqlx's ping of an idle connection on every pool acquire
+    /// (`test_before_acquire`, on by default): one round trip per operation that is not a
+    /// statement and not counted in stmts/msg.
+    #[arg(long)]
+    no_ping: bool,
+    /// Outbox backlog drained by O2 and O2k.
     #[arg(long, default_value_t = 200_000)]
     backlog: usize,
     /// Backlog for the peer's O2 drain: sqlxmq's drain rate falls steeply as its backlog grows
@@ -73,7 +82,7 @@ struct Row {
     p99: Duration,
     ratio: Option<(f64, String)>,
     wal_per_msg: f64,
-    statements: &'static str,
+    statements: String,
     dead_tuples: Option<i64>,
 }
 
@@ -178,12 +187,257 @@ async fn reset(pool: &PgPool) -> anyhow::Result<()> {
     .await
 }
 
+/// Whether the harness's pools ping idle connections on acquire (sqlx's default).
+static PING: OnceLock<bool> = OnceLock::new();
+
+/// Pool options for every pool the harness measures through.
+fn pool_options(max: u32) -> PgPoolOptions {
+    PgPoolOptions::new()
+        .max_connections(max)
+        .test_before_acquire(*PING.get().unwrap_or(&true))
+}
+
+/// Counts the statements sqlx runs inside a scope, per task, from its `sqlx::query` log
+/// events: one per statement, except BEGIN (and SAVEPOINT), which sqlx sends without a log
+/// event: each COMMIT, ROLLBACK or RELEASE SAVEPOINT counts one more for the statement that
+/// opened it. Not counted: a ROLLBACK that sqlx queues when a transaction is dropped (no
+/// operation measured here does that; the relay's empty rounds do, see `drain_backlog`), and
+/// pool pings, which are not statements. Nothing is counted, or formatted, outside a scope.
+mod statements {
+    use std::future::Future;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+
+    use tracing::field::{Field, Visit};
+    use tracing::level_filters::LevelFilter;
+    use tracing::subscriber::Interest;
+    use tracing::{Event, Metadata, Subscriber, span};
+
+    const TARGET: &str = "sqlx::query";
+
+    tokio::task_local! {
+        static COUNTER: Arc<AtomicU64>;
+    }
+
+    struct Counter;
+
+    impl Subscriber for Counter {
+        fn register_callsite(&self, m: &'static Metadata<'static>) -> Interest {
+            if m.target() == TARGET {
+                Interest::sometimes()
+            } else {
+                Interest::never()
+            }
+        }
+        fn enabled(&self, m: &Metadata<'_>) -> bool {
+            m.target() == TARGET && COUNTER.try_with(|_| ()).is_ok()
+        }
+        fn max_level_hint(&self) -> Option<LevelFilter> {
+            Some(LevelFilter::TRACE)
+        }
+        fn new_span(&self, _: &span::Attributes<'_>) -> span::Id {
+            span::Id::from_u64(1)
+        }
+        fn record(&self, _: &span::Id, _: &span::Record<'_>) {}
+        fn record_follows_from(&self, _: &span::Id, _: &span::Id) {}
+        fn event(&self, e: &Event<'_>) {
+            if e.metadata().target() == TARGET {
+                let mut ends = EndsTransaction(false);
+                e.record(&mut ends);
+                let n = if ends.0 { 2 } else { 1 };
+                let _ = COUNTER.try_with(|c| c.fetch_add(n, Relaxed));
+            }
+        }
+        fn enter(&self, _: &span::Id) {}
+        fn exit(&self, _: &span::Id) {}
+    }
+
+    /// Whether the statement (its `summary` field) ends a transaction or savepoint.
+    struct EndsTransaction(bool);
+
+    impl EndsTransaction {
+        fn check(&mut self, field: &Field, text: &str) {
+            if field.name() == "summary" {
+                let t = text
+                    .trim_start_matches('"')
+                    .trim_start()
+                    .to_ascii_uppercase();
+                self.0 = ["COMMIT", "ROLLBACK", "RELEASE", "END"]
+                    .iter()
+                    .any(|w| t.starts_with(w));
+            }
+        }
+    }
+
+    impl Visit for EndsTransaction {
+        fn record_str(&mut self, field: &Field, value: &str) {
+            self.check(field, value);
+        }
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            self.check(field, &format!("{value:?}"));
+        }
+    }
+
+    pub(crate) fn install() -> anyhow::Result<()> {
+        tracing::subscriber::set_global_default(Counter)?;
+        Ok(())
+    }
+
+    /// Runs `f`, counting its statements into `counter`.
+    pub(crate) async fn scope<F: Future>(counter: Arc<AtomicU64>, f: F) -> F::Output {
+        COUNTER.scope(counter, f).await
+    }
+}
+
+/// Statements per operation as measured, flagged when it differs from the shape the code
+/// is expected to have.
+fn format_statements(per_op: f64, msgs: u64, expected: &str) -> String {
+    let n = if (per_op - per_op.round()).abs() < 0.01 {
+        format!("{}", per_op.round() as u64)
+    } else {
+        format!("{per_op:.2}")
+    };
+    let shown = if msgs > 1 {
+        format!("{n}/batch")
+    } else {
+        n.clone()
+    };
+    if n == expected {
+        shown
+    } else {
+        format!("{shown} (expected {expected})")
+    }
+}
+
+/// First `i` of the probe that counts statements after a measurement (keys no measured
+/// operation uses).
+const PROBE_BASE: u64 = 1 << 40;
+const PROBE_OPS: u64 = 20;
+
+/// The `pg_advisory_lock` class of the relay's asleep lock (`ASLEEP_LOCK_CLASS` in
+/// src/outbox/mod.rs, crate-private), keyed by `hashtext(schema)`.
+const ASLEEP_LOCK_CLASS: i32 = 0x7062_6f7a;
+
+/// What runs next to a workload.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Background {
+    Nothing,
+    /// A relay (no-op publisher, `WakeUp::Notify`, defaults otherwise) started before the
+    /// workload and asleep (holding the asleep lock) when the workload starts.
+    RelayAsleep,
+    /// A session holding the asleep lock throughout and never waking: every producing
+    /// commit notifies, as with the per-commit NOTIFY trigger of earlier versions.
+    AsleepLockHeld,
+}
+
+struct Running {
+    shutdown: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<anyhow::Result<()>>>,
+    notifications: Arc<AtomicU64>,
+    holder: Option<sqlx::PgConnection>,
+}
+
+/// Whether some session holds the asleep lock of schema `pgbox` exclusively.
+async fn asleep_lock_held(pool: &PgPool) -> anyhow::Result<bool> {
+    Ok(sqlx::query_scalar(
+        "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND objsubid = 2 \
+           AND database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+           AND classid::text::bigint = $1 \
+           AND objid::text::bigint = (hashtext('pgbox')::bigint & 4294967295) \
+           AND mode = 'ExclusiveLock' AND granted)",
+    )
+    .bind(ASLEEP_LOCK_CLASS as i64)
+    .fetch_one(pool)
+    .await?)
+}
+
+async fn start_background(
+    pool: &PgPool,
+    options: &PgConnectOptions,
+    kind: Background,
+) -> anyhow::Result<Option<Running>> {
+    if kind == Background::Nothing {
+        return Ok(None);
+    }
+    let shutdown = CancellationToken::new();
+    let notifications = Arc::new(AtomicU64::new(0));
+    let mut tasks = Vec::new();
+    // Counts the notifying commits.
+    let mut listener = sqlx::postgres::PgListener::connect_with(pool).await?;
+    listener.listen("pgbox.outbox").await?;
+    tasks.push(tokio::spawn({
+        let (s, n) = (shutdown.clone(), notifications.clone());
+        async move {
+            loop {
+                tokio::select! {
+                    _ = s.cancelled() => return Ok(()),
+                    r = listener.recv() => { r?; n.fetch_add(1, Relaxed); }
+                }
+            }
+        }
+    }));
+    let mut holder = None;
+    match kind {
+        Background::Nothing => {}
+        Background::RelayAsleep => {
+            let rpool = pool_options(3).connect_with(options.clone()).await?;
+            let relay = Relay::builder(rpool, DiscardPublisher)
+                .wake_up(WakeUp::Notify)
+                .build()?;
+            let s = shutdown.clone();
+            tasks.push(tokio::spawn(async move {
+                relay.run(s).await?;
+                Ok(())
+            }));
+        }
+        Background::AsleepLockHeld => {
+            let mut conn = sqlx::PgConnection::connect_with(options).await?;
+            sqlx::query("SELECT pg_advisory_lock($1, hashtext('pgbox'))")
+                .bind(ASLEEP_LOCK_CLASS)
+                .execute(&mut conn)
+                .await?;
+            holder = Some(conn);
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !asleep_lock_held(pool).await? {
+        anyhow::ensure!(Instant::now() < deadline, "no relay fell asleep within 5 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(Some(Running {
+        shutdown,
+        tasks,
+        notifications,
+        holder,
+    }))
+}
+
+impl Running {
+    /// Stops it; the number of notifications seen.
+    async fn stop(self) -> anyhow::Result<u64> {
+        // Let the last notifications arrive.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        self.shutdown.cancel();
+        for t in self.tasks {
+            t.await??;
+        }
+        if let Some(conn) = self.holder {
+            conn.close().await?;
+        }
+        Ok(self.notifications.load(Relaxed))
+    }
+}
+
 struct Bench {
     args: Args,
     pool: PgPool,
     options: PgConnectOptions,
     rows: Vec<Row>,
     baselines: HashMap<(String, usize), f64>,
+    /// Runs next to the workloads while set.
+    background: Background,
+    /// Printed after the table.
+    notes: Vec<String>,
 }
 
 impl Bench {
@@ -192,14 +446,15 @@ impl Bench {
     }
 
     async fn pool_for(&self, clients: usize) -> anyhow::Result<PgPool> {
-        Ok(PgPoolOptions::new()
-            .max_connections(clients as u32 + 2)
+        Ok(pool_options(clients as u32 + 2)
             .connect_with(self.options.clone())
             .await?)
     }
 
-    /// Runs one workload at every client count; `msgs` messages per op. (Positional
-    /// arguments keep each workload's definition on a few lines below.)
+    /// Runs one workload at every client count; `msgs` messages per op; `statements` is
+    /// the statement count per op the code should have (measured after each run by a probe
+    /// of `PROBE_OPS` operations, and flagged if different). (Positional arguments keep
+    /// each workload's definition on a few lines below.)
     #[allow(clippy::too_many_arguments)]
     async fn run(
         &mut self,
@@ -219,15 +474,39 @@ impl Bench {
             if let Some(setup) = setup {
                 setup(self.pool.clone()).await?;
             }
+            let background = start_background(&self.pool, &self.options, self.background).await?;
             let pool = self.pool_for(clients).await?;
             let duration = Duration::from_secs_f64(self.args.duration);
             let sample = measure(&pool, clients, duration, op.clone()).await?;
             pool.close().await;
+            if let Some(background) = background {
+                let n = background.stop().await?;
+                self.notes.push(format!(
+                    "{id} @ {clients} clients: {n} notifications for {} committed transactions ({:.1} %)",
+                    sample.ops,
+                    100.0 * n as f64 / sample.ops.max(1) as f64
+                ));
+            }
             let rate = (sample.ops * msgs) as f64 / sample.seconds;
             let dead = match table {
                 Some(t) => Some(dead_tuples(&self.pool, t).await?),
                 None => None,
             };
+            // The probe: a few operations to warm the statement cache, then count.
+            let probe = self.pool_for(1).await?;
+            for j in 0..3 {
+                op(probe.clone(), PROBE_BASE + j).await?;
+            }
+            let counted = Arc::new(AtomicU64::new(0));
+            statements::scope(counted.clone(), async {
+                for j in 3..3 + PROBE_OPS {
+                    op(probe.clone(), PROBE_BASE + j).await?;
+                }
+                anyhow::Ok(())
+            })
+            .await?;
+            probe.close().await;
+            let per_op = counted.load(Relaxed) as f64 / PROBE_OPS as f64;
             self.baselines.insert((id.to_owned(), clients), rate);
             let ratio = baseline.and_then(|b| {
                 self.baselines
@@ -242,7 +521,7 @@ impl Bench {
                 p99: percentile(&sample.latencies, 0.99),
                 ratio,
                 wal_per_msg: sample.wal_bytes / (sample.ops * msgs).max(1) as f64,
-                statements,
+                statements: format_statements(per_op, msgs, statements),
                 dead_tuples: dead,
             };
             print_row(&row);
@@ -325,6 +604,8 @@ async fn main() -> anyhow::Result<()> {
         args.backlog = args.backlog.min(10_000);
         args.peer_backlog = args.peer_backlog.min(10_000);
     }
+    PING.set(!args.no_ping).expect("set once");
+    statements::install()?;
     let server = local_pg::database_url()
         .await
         .map_err(|e| anyhow::anyhow!(e))?;
@@ -346,8 +627,19 @@ async fn main() -> anyhow::Result<()> {
     peers::setup(&pool, &options).await?;
     fingerprint(&pool).await?;
     println!(
-        "run: clients={:?} duration={}s payload={}B batch={} backlog={}",
-        args.clients, args.duration, args.payload, args.batch, args.backlog
+        "run: clients={:?} duration={}s payload={}B batch={} relay-batch={} backlog={} (peer backlog {}) pool ping={}",
+        args.clients,
+        args.duration,
+        args.payload,
+        args.batch,
+        args.relay_batch,
+        args.backlog,
+        args.peer_backlog,
+        if args.no_ping {
+            "off"
+        } else {
+            "on (sqlx default)"
+        }
     );
     println!();
     print_header();
@@ -360,6 +652,8 @@ async fn main() -> anyhow::Result<()> {
         options,
         rows: Vec::new(),
         baselines: HashMap::new(),
+        background: Background::Nothing,
+        notes: Vec::new(),
     };
 
     // B0: the business write alone.
@@ -410,9 +704,12 @@ async fn main() -> anyhow::Result<()> {
         )
         .await?;
 
-    // I1: new messages through inbox.process, with and without the liveness check.
+    // I1: new messages through inbox.process: BEGIN, claim (bare INSERT … ON CONFLICT DO
+    // NOTHING RETURNING), the handler's INSERT, COMMIT. The handler runs its statement through
+    // the HandlerConnection wrapper and it succeeds, so no liveness check is sent, whether
+    // verify_transaction is on or off: 4 statements either way.
     for (id, verify, stmts) in [
-        ("I1 inbox.process", true, "5"),
+        ("I1 inbox.process", true, "4"),
         ("I1 inbox.process (no verify)", false, "4"),
     ] {
         let p = payload.clone();
@@ -449,6 +746,43 @@ async fn main() -> anyhow::Result<()> {
             )
             .await?;
     }
+    // The same handler taking the raw connection (`&mut **conn`, as code that wants a
+    // `&mut PgConnection` does): pgbox cannot watch it, so it checks the transaction with
+    // `SELECT 1` after the handler: 5 statements.
+    let p = payload.clone();
+    let inbox = Inbox::new("bench")?;
+    bench
+        .run(
+            "I1 inbox.process (raw connection: checked)",
+            1,
+            "5",
+            Some("inbox"),
+            Some("B0 BEGIN/INSERT/COMMIT"),
+            None,
+            Arc::new(move |pool, i| {
+                let (p, inbox) = (p.clone(), inbox.clone());
+                boxed(async move {
+                    let key = format!("k{i}");
+                    let mut tx = pool.begin().await?;
+                    let outcome = inbox
+                        .process(&mut tx, key.as_str(), async |conn| {
+                            let raw: &mut sqlx::PgConnection = conn;
+                            sqlx::query("INSERT INTO bench_effects VALUES ($1, $2)")
+                                .bind(&key)
+                                .bind(&*p)
+                                .execute(raw)
+                                .await
+                                .map_err(Error::from)?;
+                            Ok::<(), Error>(())
+                        })
+                        .await?;
+                    tx.commit().await?;
+                    anyhow::ensure!(outcome.is_processed());
+                    Ok(())
+                })
+            }),
+        )
+        .await?;
     let p = payload.clone();
     bench
         .run(
@@ -493,12 +827,13 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         })
     };
+    // BEGIN, claim (inserts nothing, returns no row), read of the stored record, COMMIT.
     let inbox = Inbox::new("bench")?;
     bench
         .run(
             "I2 inbox.process, 100% duplicates",
             1,
-            "3",
+            "4",
             Some("inbox"),
             Some("B0 BEGIN/INSERT/COMMIT"),
             Some(&preload),
@@ -512,6 +847,27 @@ async fn main() -> anyhow::Result<()> {
                         .await?;
                     tx.commit().await?;
                     anyhow::ensure!(outcome.is_duplicate(), "expected a duplicate");
+                    Ok(())
+                })
+            }),
+        )
+        .await?;
+    // I2f: the redelivery fast path: one autocommit SELECT (`Inbox::lookup`), no transaction.
+    let inbox = Inbox::new("bench")?;
+    bench
+        .run(
+            "I2f inbox.lookup fast path, 100% duplicates",
+            1,
+            "1",
+            Some("inbox"),
+            Some("B0 BEGIN/INSERT/COMMIT"),
+            Some(&preload),
+            Arc::new(move |pool, i| {
+                let inbox = inbox.clone();
+                boxed(async move {
+                    let key = format!("k{}", i % DUP_KEYS);
+                    let found = inbox.lookup(&pool, key.as_str()).await?;
+                    anyhow::ensure!(found.is_some(), "expected a duplicate");
                     Ok(())
                 })
             }),
@@ -606,7 +962,7 @@ async fn main() -> anyhow::Result<()> {
         .run(
             &format!("I4 claim_batch x{batch}"),
             batch as u64,
-            "3",
+            "5",
             Some("inbox"),
             Some(&format!("B0 batch INSERT x{batch}")),
             None,
@@ -626,18 +982,49 @@ async fn main() -> anyhow::Result<()> {
         .await?;
     bench.args.clients = saved_clients;
 
-    // O1: enqueue in the business transaction.
-    for (id, n, stmts) in [
-        ("O1 enqueue 1 per tx", 1usize, "4"),
-        ("O1 enqueue 100 per tx", 100, "4"),
+    // O1: enqueue in the business transaction: BEGIN, business INSERT, enqueue (one
+    // statement: `Outbox::enqueue` of one message is an INSERT … VALUES, `enqueue_batch` one
+    // unnest INSERT; either way the asleep-lock probe and the NOTIFY, when one is due, ride on
+    // it), COMMIT. One message per transaction, unkeyed: with no relay; with a relay asleep
+    // (running, idle, WakeUp::Notify: producers notify only while it sleeps, and it wakes and
+    // drains); with the asleep lock held by a session that never wakes (every commit
+    // notifies, as the NOTIFY trigger of earlier versions did). Then keyed (the per-key
+    // advisory lock), and 100 keyed messages per transaction.
+    for (id, background, keyed, n) in [
+        (
+            "O1 enqueue 1 per tx (no relay)",
+            Background::Nothing,
+            false,
+            1usize,
+        ),
+        (
+            "O1 enqueue 1 per tx (relay asleep)",
+            Background::RelayAsleep,
+            false,
+            1,
+        ),
+        (
+            "O1 enqueue 1 per tx (every commit notifies)",
+            Background::AsleepLockHeld,
+            false,
+            1,
+        ),
+        (
+            "O1 enqueue 1 per tx, keyed (1000 keys, no relay)",
+            Background::Nothing,
+            true,
+            1,
+        ),
+        ("O1 enqueue 100 per tx", Background::Nothing, true, 100),
     ] {
         let p = payload.clone();
         let outbox = Outbox::new();
+        bench.background = background;
         bench
             .run(
                 id,
                 n as u64,
-                stmts,
+                "4",
                 Some("outbox"),
                 if n == 1 {
                     Some("B0 BEGIN/INSERT/COMMIT")
@@ -654,17 +1041,26 @@ async fn main() -> anyhow::Result<()> {
                             .bind(&*p)
                             .execute(&mut *tx)
                             .await?;
-                        let messages = (0..n).map(|j| {
-                            Message::bytes("bench", p.as_bytes().to_vec())
-                                .ordering_key(format!("e{}", (i as usize * n + j) % 1000))
-                        });
-                        outbox.enqueue_batch(&mut tx, messages).await?;
+                        let message = |j: usize| {
+                            let m = Message::bytes("bench", p.as_bytes().to_vec());
+                            if keyed {
+                                m.ordering_key(format!("e{}", (i as usize * n + j) % 1000))
+                            } else {
+                                m
+                            }
+                        };
+                        if n == 1 {
+                            outbox.enqueue(&mut tx, message(0)).await?;
+                        } else {
+                            outbox.enqueue_batch(&mut tx, (0..n).map(message)).await?;
+                        }
                         tx.commit().await?;
                         Ok(())
                     })
                 }),
             )
             .await?;
+        bench.background = Background::Nothing;
     }
 
     // Peer: sqlxmq, on O1, used as its README says (one `spawn` per job, in the transaction).
@@ -681,63 +1077,112 @@ async fn main() -> anyhow::Result<()> {
             .await?;
     }
 
-    // O2: drain a backlog.
-    if bench.wanted("O2") {
-        for (name, transport) in [("no-op publisher", false), ("built-in queue", true)] {
-            for &relays in &[1usize, 4] {
-                reset(&pool).await?;
-                fill_backlog(&pool, args.backlog, &payload).await?;
-                let start_lsn = wal_lsn(&pool).await?;
-                let started = Instant::now();
-                let mut tasks = Vec::new();
-                for _ in 0..relays {
-                    let rpool = PgPoolOptions::new()
-                        .max_connections(3)
-                        .connect_with(bench.options.clone())
-                        .await?;
-                    let batch = args.batch;
-                    tasks.push(tokio::spawn(async move {
-                        if transport {
-                            let relay = Relay::builder(rpool.clone(), PgQueue::new(rpool))
-                                .batch_size(batch)
-                                .build()?;
-                            while relay.relay_once().await?.claimed > 0 {}
-                        } else {
-                            let relay = Relay::builder(rpool, DiscardPublisher)
-                                .batch_size(batch)
-                                .build()?;
-                            while relay.relay_once().await?.claimed > 0 {}
-                        }
-                        anyhow::Ok(())
-                    }));
-                }
-                for t in tasks {
-                    t.await??;
-                }
-                let seconds = started.elapsed().as_secs_f64();
-                let wal = wal_since(&pool, &start_lsn).await?;
-                let row = Row {
-                    id: format!("O2 drain {} ({name})", args.backlog),
-                    clients: relays,
-                    rate: args.backlog as f64 / seconds,
-                    p50: Duration::ZERO,
-                    p99: Duration::ZERO,
-                    ratio: None,
-                    wal_per_msg: wal / args.backlog as f64,
-                    statements: "3/batch",
-                    dead_tuples: Some(dead_tuples(&pool, "outbox").await?),
-                };
+    // O2: drain an unkeyed backlog; O2k: a keyed one, over 100 keys and over 1 key. Each
+    // relay round is BEGIN (with the plan settings), the keyed-drain lock, claim, DELETE of
+    // the published rows, COMMIT (plus the queue's
+    // INSERT, on its own connection, for the built-in queue); the final empty round is BEGIN
+    // and claim. The non-atomic no-op publisher (`atomic_batches() == false`) gets waves:
+    // one call per position in a key's run, which is a broker round trip each with a real
+    // broker.
+    // A drain slower than 5,000 msgs/s (at least 20 s; 3 s in quick mode) is stopped and
+    // reported at the rate it reached.
+    let drain_limit = Duration::from_secs_f64(if args.quick {
+        3.0
+    } else {
+        (args.backlog as f64 / 5_000.0).max(20.0)
+    });
+    let mut drains: Vec<(Option<usize>, Sink)> = vec![(None, Sink::Discard), (None, Sink::Queue)];
+    for keys in [100usize, 1] {
+        for sink in [Sink::Discard, Sink::Waves, Sink::Queue] {
+            drains.push((Some(keys), sink));
+        }
+    }
+    for (keys, sink) in drains {
+        for relays in [1usize, 4] {
+            let id = match keys {
+                None => format!("O2 drain {} ({})", args.backlog, sink.name()),
+                Some(k) => format!(
+                    "O2k drain {} over {k} key{} ({})",
+                    args.backlog,
+                    if k == 1 { "" } else { "s" },
+                    sink.name()
+                ),
+            };
+            if !bench.wanted(&id) {
+                continue;
+            }
+            reset(&pool).await?;
+            fill_backlog(&pool, args.backlog, keys, &payload).await?;
+            let start_lsn = wal_lsn(&pool).await?;
+            let d = drain_backlog(
+                &bench.options,
+                args.backlog,
+                relays,
+                args.relay_batch,
+                sink,
+                drain_limit,
+            )
+            .await?;
+            let wal = wal_since(&pool, &start_lsn).await?;
+            let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox")
+                .fetch_one(&pool)
+                .await?;
+            anyhow::ensure!(
+                d.timed_out || left == 0,
+                "{id}: {left} messages left after the drain"
+            );
+            let rate = d.published as f64 / d.seconds;
+            if d.timed_out {
+                bench.notes.push(format!(
+                    "{id} @ {relays} relays: stopped after {:.0} s with {} of {} published",
+                    d.seconds, d.published, args.backlog
+                ));
+            }
+            if sink == Sink::Waves {
+                bench.notes.push(format!(
+                    "{id} @ {relays} relays: {} publisher calls for {} messages ({:.1} messages per call)",
+                    d.publish_calls,
+                    d.published,
+                    d.published as f64 / d.publish_calls.max(1) as f64
+                ));
+            }
+            let row = Row {
+                id: if d.timed_out {
+                    format!("{id} (stopped at {:.0} s)", d.seconds)
+                } else {
+                    id.clone()
+                },
+                clients: relays,
+                rate,
+                p50: Duration::ZERO,
+                p99: Duration::ZERO,
+                ratio: None,
+                wal_per_msg: wal / d.published.max(1) as f64,
+                statements: format!(
+                    "{:.1}/round × {} rounds ({} published nothing, {} claimed nothing)",
+                    d.statements as f64 / d.rounds.max(1) as f64,
+                    d.rounds,
+                    d.empty_rounds,
+                    d.idle_rounds
+                ),
+                dead_tuples: if keys.is_none() {
+                    Some(dead_tuples(&pool, "outbox").await?)
+                } else {
+                    None
+                },
+            };
+            if keys.is_none() {
                 bench
                     .baselines
-                    .insert((format!("O2 {name}"), relays), row.rate);
-                print_row(&row);
-                bench.rows.push(row);
+                    .insert((format!("O2 {}", sink.name()), relays), row.rate);
             }
+            print_row(&row);
+            bench.rows.push(row);
         }
     }
 
     // Peer: sqlxmq draining the same backlog with a no-op job.
-    if bench.wanted("O2") {
+    if bench.wanted("O2 peer") {
         for &(min, max) in &[(16usize, 32usize), (50, 100)] {
             reset(&pool).await?;
             peers::sqlxmq_fill(&pool08, args.peer_backlog, &payload).await?;
@@ -758,7 +1203,7 @@ async fn main() -> anyhow::Result<()> {
                     .get(&("O2 no-op publisher".to_owned(), 1))
                     .map(|b| (rate / b, "O2 no-op publisher (pgbox, 1 relay)".to_owned())),
                 wal_per_msg: wal / args.peer_backlog as f64,
-                statements: "-",
+                statements: "-".into(),
                 dead_tuples: Some(dead_tuples(&pool, "mq_msgs").await?),
             };
             print_row(&row);
@@ -766,27 +1211,49 @@ async fn main() -> anyhow::Result<()> {
         }
     }
 
-    // O3: commit → publish latency at half the no-op drain rate (capped by what one
-    // producer task can commit), NOTIFY vs poll-only.
-    if bench.wanted("O3") {
-        let drain = bench
-            .baselines
-            .get(&("O2 no-op publisher".to_owned(), 1))
-            .copied()
-            .unwrap_or(2_000.0);
-        let rate = (drain / 2.0).min(2_000.0);
+    // O3: commit → publish latency, from the producer's COMMIT returning to the publisher's
+    // call holding the message. First at half the no-op drain rate (capped by what one
+    // producer task can commit), unkeyed; then at 100 messages/s, where the relay falls
+    // asleep between messages (every message wakes it), unkeyed (O3) and over 10 keys (O3k).
+    // NOTIFY (the default) vs poll-only (100 ms).
+    let drain = bench
+        .baselines
+        .get(&("O2 no-op publisher".to_owned(), 1))
+        .copied()
+        .unwrap_or(2_000.0);
+    let busy = (drain / 2.0).min(2_000.0);
+    let mut latency_runs: Vec<(&str, Option<usize>, f64)> = vec![("O3", None, busy)];
+    latency_runs.push(("O3", None, 100.0));
+    latency_runs.push(("O3k", Some(10), 100.0));
+    for (prefix, keys, rate) in latency_runs {
         for (wake, poll) in [
             (WakeUp::Notify, Duration::from_secs(1)),
             (WakeUp::Poll, Duration::from_millis(100)),
         ] {
+            let id = format!(
+                "{prefix} commit→publish ({wake:?}, poll {poll:?}, {}) @ {rate:.0}/s{}",
+                match keys {
+                    None => "unkeyed".to_owned(),
+                    Some(k) => format!("{k} keys"),
+                },
+                if rate <= 100.0 { ", relay idle" } else { "" }
+            );
+            if !bench.wanted(&id) {
+                continue;
+            }
             reset(&pool).await?;
             let row = latency_run(
                 &bench.options,
                 &payload,
-                rate,
-                Duration::from_secs_f64(args.duration.max(2.0)),
-                wake,
-                poll,
+                LatencyRun {
+                    id,
+                    rate,
+                    duration: Duration::from_secs_f64(args.duration.max(2.0)),
+                    wake,
+                    poll,
+                    keys,
+                    batch: args.relay_batch,
+                },
             )
             .await?;
             print_row(&row);
@@ -797,23 +1264,42 @@ async fn main() -> anyhow::Result<()> {
     println!(
         "ratio: msgs/s divided by the named baseline's msgs/s at the same client count, same run."
     );
+    if !bench.notes.is_empty() {
+        println!();
+        println!("notes:");
+        for note in &bench.notes {
+            println!("- {note}");
+        }
+    }
     Ok(())
 }
 
-async fn fill_backlog(pool: &PgPool, n: usize, payload: &str) -> anyhow::Result<()> {
+/// The backlog for O2: `n` messages, round-robin over `keys` ordering keys (or unkeyed).
+async fn fill_backlog(
+    pool: &PgPool,
+    n: usize,
+    keys: Option<usize>,
+    payload: &str,
+) -> anyhow::Result<()> {
     let outbox = Outbox::new();
-    let mut left = n;
-    while left > 0 {
-        let k = left.min(5_000);
+    let mut done = 0;
+    while done < n {
+        let k = (n - done).min(5_000);
         let mut tx = pool.begin().await?;
         outbox
             .enqueue_batch(
                 &mut tx,
-                (0..k).map(|_| Message::bytes("bench", payload.as_bytes().to_vec())),
+                (done..done + k).map(|i| {
+                    let m = Message::bytes("bench", payload.as_bytes().to_vec());
+                    match keys {
+                        Some(keys) => m.ordering_key(format!("key{}", i % keys)),
+                        None => m,
+                    }
+                }),
             )
             .await?;
         tx.commit().await?;
-        left -= k;
+        done += k;
     }
     run_each(
         pool,
@@ -823,7 +1309,151 @@ async fn fill_backlog(pool: &PgPool, n: usize, payload: &str) -> anyhow::Result<
     Ok(())
 }
 
-/// Records when each message was published.
+/// Where O2 publishes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Sink {
+    /// `DiscardPublisher`: atomic batches, one call per round.
+    Discard,
+    /// `Waves`: a no-op that is not atomic, so the relay publishes keyed runs in waves.
+    Waves,
+    /// The built-in `PgQueue` (atomic).
+    Queue,
+}
+
+impl Sink {
+    fn name(self) -> &'static str {
+        match self {
+            Sink::Discard => "no-op publisher",
+            Sink::Waves => "no-op publisher, non-atomic",
+            Sink::Queue => "built-in queue",
+        }
+    }
+}
+
+/// Accepts everything, like `DiscardPublisher`, but does not declare atomic batches, so the
+/// relay hands it keyed runs in waves; counts its calls.
+#[derive(Clone, Default)]
+struct Waves(Arc<AtomicU64>);
+
+impl Publisher for Waves {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        self.0.fetch_add(1, Relaxed);
+        vec![Ok(()); batch.len()]
+    }
+}
+
+struct Drain {
+    seconds: f64,
+    published: usize,
+    rounds: u64,
+    /// Rounds that published nothing.
+    empty_rounds: u64,
+    /// Rounds that claimed nothing (their dropped transaction's queued ROLLBACK is not
+    /// counted by `statements`).
+    idle_rounds: u64,
+    statements: u64,
+    publish_calls: u64,
+    timed_out: bool,
+}
+
+/// Shared by the relays of one drain.
+#[derive(Clone)]
+struct DrainState {
+    target: usize,
+    deadline: Instant,
+    published: Arc<AtomicUsize>,
+    rounds: Arc<AtomicU64>,
+    empty_rounds: Arc<AtomicU64>,
+    idle_rounds: Arc<AtomicU64>,
+}
+
+/// Rounds until the backlog is published (by any relay) or the deadline passes. A round that
+/// claims nothing (everything left is locked by other relays) is retried after 1 ms.
+async fn relay_rounds<P: Publisher>(relay: Relay<P>, s: DrainState) -> anyhow::Result<()> {
+    while s.published.load(Relaxed) < s.target && Instant::now() < s.deadline {
+        let r = relay.relay_once().await?;
+        s.rounds.fetch_add(1, Relaxed);
+        s.published.fetch_add(r.published, Relaxed);
+        if r.published == 0 {
+            s.empty_rounds.fetch_add(1, Relaxed);
+        }
+        if r.claimed == 0 {
+            s.idle_rounds.fetch_add(1, Relaxed);
+            if s.published.load(Relaxed) < s.target {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn drain_backlog(
+    options: &PgConnectOptions,
+    backlog: usize,
+    relays: usize,
+    batch: usize,
+    sink: Sink,
+    limit: Duration,
+) -> anyhow::Result<Drain> {
+    let statements = Arc::new(AtomicU64::new(0));
+    let waves = Waves::default();
+    let mut pools = Vec::new();
+    for _ in 0..relays {
+        pools.push(pool_options(3).connect_with(options.clone()).await?);
+    }
+    let started = Instant::now();
+    let state = DrainState {
+        target: backlog,
+        deadline: started + limit,
+        published: Arc::new(AtomicUsize::new(0)),
+        rounds: Arc::new(AtomicU64::new(0)),
+        empty_rounds: Arc::new(AtomicU64::new(0)),
+        idle_rounds: Arc::new(AtomicU64::new(0)),
+    };
+    let mut tasks = Vec::new();
+    for rpool in pools {
+        let (state, waves) = (state.clone(), waves.clone());
+        let work = async move {
+            match sink {
+                Sink::Discard => {
+                    let relay = Relay::builder(rpool, DiscardPublisher)
+                        .batch_size(batch)
+                        .build()?;
+                    relay_rounds(relay, state).await
+                }
+                Sink::Waves => {
+                    let relay = Relay::builder(rpool, waves).batch_size(batch).build()?;
+                    relay_rounds(relay, state).await
+                }
+                Sink::Queue => {
+                    let relay = Relay::builder(rpool.clone(), PgQueue::new(rpool))
+                        .batch_size(batch)
+                        .build()?;
+                    relay_rounds(relay, state).await
+                }
+            }
+        };
+        tasks.push(tokio::spawn(statements::scope(statements.clone(), work)));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let published = state.published.load(Relaxed);
+    Ok(Drain {
+        seconds,
+        published,
+        rounds: state.rounds.load(Relaxed),
+        empty_rounds: state.empty_rounds.load(Relaxed),
+        idle_rounds: state.idle_rounds.load(Relaxed),
+        // An idle round: BEGIN (counted by none of sqlx's events), claim, ROLLBACK (queued).
+        statements: statements.load(Relaxed) + 2 * state.idle_rounds.load(Relaxed),
+        publish_calls: waves.0.load(Relaxed),
+        timed_out: published < backlog,
+    })
+}
+
+/// Records when each message was first handed to the publisher.
 #[derive(Clone, Default)]
 struct Stopwatch(Arc<Mutex<HashMap<uuid::Uuid, Instant>>>);
 
@@ -832,28 +1462,37 @@ impl Publisher for Stopwatch {
         let now = Instant::now();
         let mut seen = self.0.lock().unwrap();
         for e in batch {
-            seen.insert(e.id, now);
+            seen.entry(e.id).or_insert(now);
         }
         vec![Ok(()); batch.len()]
     }
+
+    fn atomic_batches(&self) -> bool {
+        true
+    }
+}
+
+struct LatencyRun {
+    id: String,
+    rate: f64,
+    duration: Duration,
+    wake: WakeUp,
+    poll: Duration,
+    keys: Option<usize>,
+    batch: usize,
 }
 
 async fn latency_run(
     options: &PgConnectOptions,
     payload: &str,
-    rate: f64,
-    duration: Duration,
-    wake: WakeUp,
-    poll: Duration,
+    run: LatencyRun,
 ) -> anyhow::Result<Row> {
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect_with(options.clone())
-        .await?;
+    let pool = pool_options(4).connect_with(options.clone()).await?;
     let stopwatch = Stopwatch::default();
     let relay = Relay::builder(pool.clone(), stopwatch.clone())
-        .wake_up(wake)
-        .poll_interval(poll)
+        .wake_up(run.wake)
+        .poll_interval(run.poll)
+        .batch_size(run.batch)
         .build()?;
     let shutdown = CancellationToken::new();
     let task = tokio::spawn({
@@ -863,19 +1502,22 @@ async fn latency_run(
     tokio::time::sleep(Duration::from_millis(300)).await;
     let outbox = Outbox::new();
     let mut committed = HashMap::new();
-    let interval = Duration::from_secs_f64(1.0 / rate);
+    let interval = Duration::from_secs_f64(1.0 / run.rate);
     let started = Instant::now();
     let mut next = started;
-    while started.elapsed() < duration {
+    let mut i = 0usize;
+    while started.elapsed() < run.duration {
         let mut tx = pool.begin().await?;
-        let id = outbox
-            .enqueue(
-                &mut tx,
-                Message::bytes("latency", payload.as_bytes().to_vec()),
-            )
-            .await?;
+        let mut message = Message::bytes("latency", payload.as_bytes().to_vec());
+        if let Some(keys) = run.keys {
+            message = message.ordering_key(format!("key{}", i % keys));
+        }
+        let id = outbox.enqueue(&mut tx, message).await?;
         tx.commit().await?;
+        // The clock starts when COMMIT has returned: from then on the producer considers
+        // the message sent.
         committed.insert(id, Instant::now());
+        i += 1;
         next += interval;
         if let Some(wait) = next.checked_duration_since(Instant::now()) {
             tokio::time::sleep(wait).await;
@@ -894,15 +1536,20 @@ async fn latency_run(
         .filter_map(|(id, at)| published.get(id).map(|p| p.saturating_duration_since(*at)))
         .collect();
     latencies.sort();
+    let missing = sent - latencies.len();
     Ok(Row {
-        id: format!("O3 commit→publish ({wake:?}, poll {poll:?}) @ {rate:.0}/s"),
+        id: if missing > 0 {
+            format!("{} ({missing} of {sent} not published within 10 s)", run.id)
+        } else {
+            run.id
+        },
         clients: 1,
-        rate: sent as f64 / duration.as_secs_f64(),
+        rate: sent as f64 / run.duration.as_secs_f64(),
         p50: percentile(&latencies, 0.50),
         p99: percentile(&latencies, 0.99),
         ratio: None,
         wal_per_msg: 0.0,
-        statements: "-",
+        statements: "-".into(),
         dead_tuples: None,
     })
 }

@@ -15,23 +15,32 @@
 //!     --duplicate-rate 0.3 --producer-retries 0.1 --crash-rate 0.05
 //! ```
 //!
-//! Uses `DATABASE_URL` when set, else the local bootstrap of the tests.
+//! Uses `DATABASE_URL` when set, else the local bootstrap of the tests. With
+//! `--transport rabbitmq` or `--transport nats` the messages go through that broker instead
+//! of the built-in queue (found or started like the tests do: `RABBITMQ_URL`, `NATS_URL`, or
+//! the standard local ports); each run uses its own topic there.
 
 #[path = "../tests/support/local_pg.rs"]
 mod local_pg;
+
+#[allow(dead_code)]
+#[path = "../tests/support/brokers.rs"]
+mod brokers;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use pgbox::transport::{Delivery, PgQueue, PublishError, Publisher, Subscriber};
+use pgbox::transport::nats::Nats;
+use pgbox::transport::rabbitmq::RabbitMq;
+use pgbox::transport::{PgQueue, PublishError, Publisher, Subscriber};
 use pgbox::{
     CancellationToken, Consumer, Envelope, Inbox, Message, Migrator, Outbox, Relay, RetryPolicy,
     StateMachine, StateTable, Transition, VersionedTable,
 };
 use serde::{Deserialize, Serialize};
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 
 /// The payment/points example: exactly-once points under duplicates, retries and crashes.
 #[derive(Parser, Debug, Clone)]
@@ -57,6 +66,45 @@ struct Args {
     /// Give up (exit 1) if the run takes longer than this many seconds.
     #[arg(long, default_value_t = 600)]
     timeout_secs: u64,
+    /// Where the messages go between the services.
+    #[arg(long, value_enum, default_value_t = TransportKind::Postgres)]
+    transport: TransportKind,
+    /// The topic (set at start: per run on a broker, whose queues outlive the run).
+    #[arg(skip)]
+    topic: String,
+    /// The broker's URL (set at start).
+    #[arg(skip)]
+    broker_url: String,
+}
+
+/// The transport between the two services.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+enum TransportKind {
+    /// The built-in queue, in schema `broker`.
+    Postgres,
+    /// RabbitMQ.
+    Rabbitmq,
+    /// NATS JetStream.
+    Nats,
+}
+
+fn rabbitmq(args: &Args) -> anyhow::Result<RabbitMq> {
+    Ok(RabbitMq::builder(&args.broker_url)
+        .exchange("pgbox-example")
+        .queue_prefix("pgbox-example.")
+        .queue_expires(Duration::from_secs(3600))
+        .build()?)
+}
+
+fn nats(args: &Args) -> anyhow::Result<Nats> {
+    Ok(Nats::builder(&args.broker_url)
+        .stream("PGBOX_EXAMPLE")
+        .subject_prefix("pgbox-example")
+        .max_age(Duration::from_secs(3600))
+        .inactive_threshold(Duration::from_secs(3600))
+        // Like the built-in queue's visibility timeout below.
+        .ack_wait(Duration::from_secs(2))
+        .build()?)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,13 +146,13 @@ struct Counters {
 }
 
 /// The transport, with redelivery injected: some messages are published twice.
-struct DuplicatingPublisher {
-    inner: PgQueue,
+struct DuplicatingPublisher<P> {
+    inner: P,
     rate: f64,
     counters: Arc<Counters>,
 }
 
-impl Publisher for DuplicatingPublisher {
+impl<P: Publisher> Publisher for DuplicatingPublisher<P> {
     async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
         let results = self.inner.publish(batch).await;
         let again: Vec<Envelope> = batch
@@ -125,34 +173,34 @@ impl Publisher for DuplicatingPublisher {
 }
 
 /// The consumer's view of the queue, with crashes between commit and ack injected.
-struct CrashingSubscriber {
-    inner: PgQueue,
+struct CrashingSubscriber<S> {
+    inner: S,
     ack_crash_rate: f64,
     counters: Arc<Counters>,
 }
 
-impl Subscriber for CrashingSubscriber {
-    type Delivery = Delivery;
+impl<S: Subscriber> Subscriber for CrashingSubscriber<S> {
+    type Delivery = S::Delivery;
 
     async fn receive(
         &self,
         topic: &str,
         max: usize,
         visibility: Duration,
-    ) -> pgbox::Result<Vec<Delivery>> {
+    ) -> pgbox::Result<Vec<S::Delivery>> {
         let batch = self.inner.receive(topic, max, visibility).await?;
         self.counters
             .deliveries
             .fetch_add(batch.len() as u64, Relaxed);
         Ok(batch)
     }
-    fn envelope<'d>(&self, delivery: &'d Delivery) -> &'d Envelope {
-        &delivery.envelope
+    fn envelope<'d>(&self, delivery: &'d S::Delivery) -> &'d Envelope {
+        self.inner.envelope(delivery)
     }
-    fn attempt(&self, delivery: &Delivery) -> i32 {
-        delivery.delivery
+    fn attempt(&self, delivery: &S::Delivery) -> i32 {
+        self.inner.attempt(delivery)
     }
-    async fn ack(&self, delivery: &Delivery) -> pgbox::Result<bool> {
+    async fn ack(&self, delivery: &S::Delivery) -> pgbox::Result<bool> {
         if fastrand::f64() < self.ack_crash_rate {
             self.counters.crashes.fetch_add(1, Relaxed);
             panic!("injected crash: after commit, before ack");
@@ -161,10 +209,15 @@ impl Subscriber for CrashingSubscriber {
         self.counters.acks.fetch_add(u64::from(acked), Relaxed);
         Ok(acked)
     }
-    async fn nack(&self, delivery: &Delivery, delay: Duration, error: &str) -> pgbox::Result<bool> {
+    async fn nack(
+        &self,
+        delivery: &S::Delivery,
+        delay: Duration,
+        error: &str,
+    ) -> pgbox::Result<bool> {
         self.inner.nack(delivery, delay, error).await
     }
-    async fn dead_letter(&self, delivery: &Delivery, error: &str) -> pgbox::Result<bool> {
+    async fn dead_letter(&self, delivery: &S::Delivery, error: &str) -> pgbox::Result<bool> {
         self.inner.dead_letter(delivery, error).await
     }
     fn wake_channel(&self) -> Option<(PgPool, String)> {
@@ -183,7 +236,7 @@ CREATE TABLE points.accounts (id bigint PRIMARY KEY, total bigint NOT NULL, vers
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+    let mut args = Args::parse();
     // Injected crashes are expected: keep their panic messages out of the output.
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
@@ -207,6 +260,19 @@ async fn main() -> anyhow::Result<()> {
         );
     }
     anyhow::ensure!(args.consumers >= 1, "--consumers must be at least 1");
+    args.topic = "payment-succeeded".into();
+    let run = uuid::Uuid::now_v7().simple();
+    match args.transport {
+        TransportKind::Postgres => {}
+        TransportKind::Rabbitmq => {
+            args.broker_url = brokers::rabbitmq_url().await;
+            args.topic = format!("payment-succeeded-{run}");
+        }
+        TransportKind::Nats => {
+            args.broker_url = brokers::nats_url().await;
+            args.topic = format!("payment-succeeded-{run}");
+        }
+    }
     let url = local_pg::database_url()
         .await
         .map_err(|e| anyhow::anyhow!(e))?;
@@ -236,22 +302,27 @@ async fn main() -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     let started = Instant::now();
 
-    // The relay of the payments service: its outbox → the broker's queue.
-    let relay = Relay::builder(
-        pool.clone(),
-        DuplicatingPublisher {
-            inner: PgQueue::with_schema(pool.clone(), "broker")?,
-            rate: args.duplicate_rate,
-            counters: counters.clone(),
-        },
-    )
-    .schema("payments_pgbox")
-    .batch_size(500)
-    .build()?;
-    let relay_task = tokio::spawn({
-        let s = shutdown.clone();
-        async move { relay.run(s).await }
-    });
+    // The relay of the payments service: its outbox → the broker.
+    let relay_task = match args.transport {
+        TransportKind::Postgres => spawn_relay(
+            &pool,
+            PgQueue::with_schema(pool.clone(), "broker")?,
+            &args,
+            &counters,
+            &shutdown,
+        )?,
+        TransportKind::Rabbitmq => {
+            let rabbit = rabbitmq(&args)?;
+            // Its queue exists before the first publish (unroutable messages are retried).
+            rabbit.declare_topic(&args.topic).await?;
+            spawn_relay(&pool, rabbit, &args, &counters, &shutdown)?
+        }
+        TransportKind::Nats => {
+            let nats = nats(&args)?;
+            nats.declare_topic(&args.topic).await?;
+            spawn_relay(&pool, nats, &args, &counters, &shutdown)?
+        }
+    };
 
     // The points service: K consumer instances, each restarted when it crashes.
     let mut consumer_tasks = Vec::new();
@@ -329,7 +400,7 @@ async fn pay_orders(pool: &PgPool, args: &Args, counters: &Counters) -> anyhow::
         outbox
             .enqueue(
                 &mut tx,
-                Message::json("payment-succeeded", &event)?.ordering_key(format!("user-{user_id}")),
+                Message::json(&args.topic, &event)?.ordering_key(format!("user-{user_id}")),
             )
             .await?;
         tx.commit().await?;
@@ -340,8 +411,7 @@ async fn pay_orders(pool: &PgPool, args: &Args, counters: &Counters) -> anyhow::
             outbox
                 .enqueue(
                     &mut tx,
-                    Message::json("payment-succeeded", &event)?
-                        .ordering_key(format!("user-{user_id}")),
+                    Message::json(&args.topic, &event)?.ordering_key(format!("user-{user_id}")),
                 )
                 .await?;
             tx.commit().await?;
@@ -389,14 +459,60 @@ async fn run_consumer(
     let inbox = Inbox::builder("points-service")
         .schema("points_pgbox")
         .build()?;
+    match args.transport {
+        TransportKind::Postgres => {
+            let queue = PgQueue::with_schema(pool.clone(), "broker")?;
+            consume(pool, queue, inbox, args, counters, shutdown).await
+        }
+        TransportKind::Rabbitmq => {
+            let rabbit = rabbitmq(&args)?;
+            consume(pool, rabbit, inbox, args, counters, shutdown).await
+        }
+        TransportKind::Nats => {
+            let nats = nats(&args)?;
+            consume(pool, nats, inbox, args, counters, shutdown).await
+        }
+    }
+}
+
+fn spawn_relay<P: Publisher + 'static>(
+    pool: &PgPool,
+    publisher: P,
+    args: &Args,
+    counters: &Arc<Counters>,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<pgbox::Result<()>>> {
+    let relay = Relay::builder(
+        pool.clone(),
+        DuplicatingPublisher {
+            inner: publisher,
+            rate: args.duplicate_rate,
+            counters: counters.clone(),
+        },
+    )
+    .schema("payments_pgbox")
+    .batch_size(500)
+    .build()?;
+    let s = shutdown.clone();
+    Ok(tokio::spawn(async move { relay.run(s).await }))
+}
+
+async fn consume<S: Subscriber + 'static>(
+    pool: PgPool,
+    subscriber: S,
+    inbox: Inbox,
+    args: Args,
+    counters: Arc<Counters>,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let consumer = Consumer::builder(
         pool.clone(),
         CrashingSubscriber {
-            inner: PgQueue::with_schema(pool.clone(), "broker")?,
+            inner: subscriber,
             ack_crash_rate: args.crash_rate / 3.0,
             counters: counters.clone(),
         },
-        "payment-succeeded",
+        args.topic.clone(),
         inbox,
     )
     .concurrency(4)
@@ -420,7 +536,7 @@ async fn run_consumer(
     let crash_rate = args.crash_rate;
     consumer
         .run(
-            async |envelope: &Envelope, conn: &mut PgConnection| {
+            async |envelope: &Envelope, conn: &mut pgbox::HandlerConnection<'_>| {
                 let event: PaymentSucceeded = envelope.json()?;
                 let roll = fastrand::f64();
                 if roll < crash_rate / 3.0 {

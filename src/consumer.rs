@@ -4,14 +4,15 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures_util::StreamExt;
+use std::panic::AssertUnwindSafe;
+
 use futures_util::stream::FuturesUnordered;
-use sqlx::PgConnection;
+use futures_util::{FutureExt, StreamExt};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::error::{Error, Result};
-use crate::inbox::{Inbox, Key, Outcome};
+use crate::inbox::{HandlerConnection, Inbox, Key, Lease, LeasedRun, Outcome};
 use crate::outbox::Envelope;
 use crate::outbox::trace::{TRACEPARENT, with_incoming};
 use crate::retry::RetryPolicy;
@@ -19,6 +20,14 @@ use crate::transport::Subscriber;
 use sqlx::PgPool;
 
 type KeyFn = Arc<dyn Fn(&Envelope) -> String + Send + Sync>;
+
+/// The shortest visibility timeout a [`Consumer`] accepts: below it, a message would be
+/// redelivered to another consumer while its handler is still starting.
+pub const MIN_VISIBILITY_TIMEOUT: Duration = Duration::from_millis(100);
+
+/// The longest visibility timeout (and poll interval) a [`Consumer`] accepts: one day. A
+/// consumer that dies holding a message hides it this long.
+pub const MAX_VISIBILITY_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// Builder for a [`Consumer`].
 pub struct ConsumerBuilder<S> {
@@ -94,10 +103,29 @@ impl<S: Subscriber> ConsumerBuilder<S> {
                 "consumer max_deliveries must be at least 1".into(),
             ));
         }
-        if self.topic.is_empty() || self.poll_interval.is_zero() {
-            return Err(Error::InvalidConfig(
-                "consumer needs a topic and a positive poll interval".into(),
-            ));
+        if self.topic.is_empty()
+            || self.topic.len() > crate::outbox::MAX_TOPIC_BYTES
+            || self.topic.contains('\0')
+        {
+            return Err(Error::InvalidConfig(format!(
+                "consumer topic {:?} must be 1..={} bytes without NUL",
+                self.topic,
+                crate::outbox::MAX_TOPIC_BYTES
+            )));
+        }
+        if self.poll_interval.is_zero() || self.poll_interval > MAX_VISIBILITY_TIMEOUT {
+            return Err(Error::InvalidConfig(format!(
+                "consumer poll interval must be positive and at most {MAX_VISIBILITY_TIMEOUT:?}, got {:?}",
+                self.poll_interval
+            )));
+        }
+        if self.visibility_timeout < MIN_VISIBILITY_TIMEOUT
+            || self.visibility_timeout > MAX_VISIBILITY_TIMEOUT
+        {
+            return Err(Error::InvalidConfig(format!(
+                "consumer visibility timeout must be between {MIN_VISIBILITY_TIMEOUT:?} and {MAX_VISIBILITY_TIMEOUT:?}, got {:?}",
+                self.visibility_timeout
+            )));
         }
         Ok(Consumer {
             pool: self.pool,
@@ -126,6 +154,9 @@ pub struct ConsumerStats {
     pub rejected: u64,
     /// Failed and sent back for redelivery.
     pub retried: u64,
+    /// Of the failures, how many were handler panics (each also counted as retried or
+    /// dead-lettered).
+    pub panicked: u64,
     /// Moved to the queue's dead letters.
     pub dead_lettered: u64,
 }
@@ -165,6 +196,8 @@ enum Settled {
     Rejected,
     Retried,
     DeadLettered,
+    /// A panic, then retried (`false`) or dead-lettered (`true`).
+    Panicked(bool),
 }
 
 impl<S: Subscriber> Consumer<S> {
@@ -196,8 +229,48 @@ impl<S: Subscriber> Consumer<S> {
     /// returns what it did. The handler gets the message and the transaction's connection.
     pub async fn run<F, E>(&self, handler: F, shutdown: CancellationToken) -> Result<ConsumerStats>
     where
-        F: AsyncFnOnce(&Envelope, &mut PgConnection) -> Result<(), E> + Clone,
+        F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<(), E> + Clone,
         E: From<Error> + fmt::Display,
+    {
+        self.drive(|delivery| self.handle(delivery, handler.clone()), shutdown)
+            .await
+    }
+
+    /// Lease mode for a topic whose handler's effect is outside the database (an HTTP call,
+    /// an email): per delivery, [`Inbox::run_leased`] with a lease of `ttl`, then ack.
+    ///
+    /// The handler gets the message and the [`Lease`] (its fencing token for the external
+    /// call; [`Lease::extend`] for a long effect); no transaction or connection is held
+    /// while it runs. Success completes the key and acks; a duplicate (consumed by either
+    /// mode) acks; an error or a panic releases the lease and nacks with backoff, then
+    /// dead-letters after `max_deliveries`, as [`run`](Self::run) does. A key leased
+    /// elsewhere is nacked until that lease can have expired (at least the backoff), and a
+    /// completion refused because the lease was lost ([`Error::LeaseLost`]) is nacked: the
+    /// redelivery finds the key consumed by the new holder, or leases it again.
+    pub async fn run_leased<F, E>(
+        &self,
+        handler: F,
+        ttl: Duration,
+        shutdown: CancellationToken,
+    ) -> Result<ConsumerStats>
+    where
+        F: AsyncFnOnce(&Envelope, &mut Lease) -> Result<(), E> + Clone,
+        E: From<Error> + fmt::Display,
+    {
+        crate::inbox::lease_ttl_micros(ttl)?;
+        self.drive(
+            |delivery| self.handle_leased(delivery, handler.clone(), ttl),
+            shutdown,
+        )
+        .await
+    }
+
+    /// The receive loop shared by [`run`](Self::run) and [`run_leased`](Self::run_leased):
+    /// `handle` settles one delivery.
+    async fn drive<H, Fut>(&self, handle: H, shutdown: CancellationToken) -> Result<ConsumerStats>
+    where
+        H: Fn(S::Delivery) -> Fut,
+        Fut: Future<Output = Settled>,
     {
         let mut stats = ConsumerStats::default();
         let mut in_flight = FuturesUnordered::new();
@@ -223,18 +296,23 @@ impl<S: Subscriber> Consumer<S> {
                     .source
                     .receive(&self.topic, free, self.visibility_timeout);
                 tokio::pin!(receive);
+                // A shutdown abandons a receive that is still waiting (a broker's receive
+                // may wait for messages, or for a reconnect): whatever it had taken is not
+                // acked and comes back after the visibility timeout or with the channel.
                 let received = loop {
                     tokio::select! {
-                        r = &mut receive => break r,
+                        r = &mut receive => break Some(r),
                         Some(settled) = in_flight.next(), if !in_flight.is_empty() => {
                             count(&mut stats, settled);
                         }
+                        _ = shutdown.cancelled() => break None,
                     }
                 };
+                let Some(received) = received else { continue };
                 match received {
                     Ok(batch) if !batch.is_empty() => {
                         for delivery in batch {
-                            in_flight.push(self.handle(delivery, handler.clone()));
+                            in_flight.push(handle(delivery));
                         }
                         if in_flight.len() < self.concurrency {
                             continue; // there may be more right away
@@ -272,7 +350,7 @@ impl<S: Subscriber> Consumer<S> {
 
     async fn handle<F, E>(&self, delivery: S::Delivery, handler: F) -> Settled
     where
-        F: AsyncFnOnce(&Envelope, &mut PgConnection) -> Result<(), E>,
+        F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<(), E>,
         E: From<Error> + fmt::Display,
     {
         let envelope = self.source.envelope(&delivery);
@@ -289,7 +367,30 @@ impl<S: Subscriber> Consumer<S> {
             traceparent = envelope.headers.get(TRACEPARENT).map(String::as_str),
         );
         async {
-            let result = self.process(&key, envelope, handler).await;
+            // A redelivery was often processed already (the ack was lost, or the visibility
+            // timeout expired just after the commit): one autocommit read settles it, without
+            // a transaction. `None` or an error: take the normal path, which decides.
+            if attempt > 1
+                && let Ok(Some(_)) = self.inbox.lookup(&self.pool, Key::new(key.as_str())).await
+            {
+                if let Err(e) = self.source.ack(&delivery).await {
+                    tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
+                }
+                return Settled::Duplicate;
+            }
+            // A panicking handler is a failed delivery like any other: the transaction was
+            // aborted and is rolled back as the unwind drops it; the message is nacked or
+            // dead-lettered, and the runner and the other messages in flight carry on.
+            let result = match AssertUnwindSafe(self.process(&key, envelope, handler))
+                .catch_unwind()
+                .await
+            {
+                Ok(result) => result,
+                Err(panic) => {
+                    let message = panic_message(panic.as_ref());
+                    return self.panicked(&delivery, message).await;
+                }
+            };
             let settled = match result {
                 Ok(Outcome::Processed(())) => Settled::Processed,
                 Ok(Outcome::Duplicate(_)) => Settled::Duplicate,
@@ -309,6 +410,80 @@ impl<S: Subscriber> Consumer<S> {
         .await
     }
 
+    /// A handler panicked: a failed delivery, logged at error level, then nacked or
+    /// dead-lettered like an error.
+    async fn panicked(&self, delivery: &S::Delivery, message: String) -> Settled {
+        tracing::error!(
+            message_id = %self.source.envelope(delivery).id,
+            delivery = self.source.attempt(delivery),
+            panic = %message,
+            "pgbox handler panicked; delivery failed"
+        );
+        let error = format!("handler panicked: {message}");
+        match self.retry(delivery, &error).await {
+            Settled::DeadLettered => Settled::Panicked(true),
+            _ => Settled::Panicked(false),
+        }
+    }
+
+    async fn handle_leased<F, E>(&self, delivery: S::Delivery, handler: F, ttl: Duration) -> Settled
+    where
+        F: AsyncFnOnce(&Envelope, &mut Lease) -> Result<(), E>,
+        E: From<Error> + fmt::Display,
+    {
+        let envelope = self.source.envelope(&delivery);
+        let attempt = self.source.attempt(&delivery);
+        let key = match &self.key {
+            Some(f) => f(envelope),
+            None => envelope.id.to_string(),
+        };
+        let span = tracing::info_span!(
+            "pgbox.consumer.handle",
+            topic = %envelope.topic,
+            message_id = %envelope.id,
+            delivery = attempt,
+            mode = "lease",
+            traceparent = envelope.headers.get(TRACEPARENT).map(String::as_str),
+        );
+        async {
+            // No redelivery shortcut: the lease statement is itself one autocommit read for
+            // a consumed key.
+            let key = Key::new(key.as_str()).with_message_id(envelope.id.to_string());
+            let incoming = envelope.headers.get(TRACEPARENT).cloned();
+            let run = with_incoming(
+                incoming,
+                self.inbox
+                    .run_leased(&self.pool, key, ttl, async |lease: &mut Lease| {
+                        handler(envelope, lease).await
+                    }),
+            );
+            let result = match AssertUnwindSafe(run).catch_unwind().await {
+                Ok(result) => result,
+                // run_leased released the lease before resuming the panic.
+                Err(panic) => {
+                    let message = panic_message(panic.as_ref());
+                    return self.panicked(&delivery, message).await;
+                }
+            };
+            let settled = match result {
+                Ok(LeasedRun::Completed { .. }) => Settled::Processed,
+                Ok(LeasedRun::Duplicate(_)) => Settled::Duplicate,
+                Ok(LeasedRun::InProgress { retry_after, .. }) => {
+                    return self
+                        .retry_not_before(&delivery, "leased elsewhere", retry_after)
+                        .await;
+                }
+                Err(e) => return self.retry(&delivery, &e.to_string()).await,
+            };
+            if let Err(e) = self.source.ack(&delivery).await {
+                tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
+            }
+            settled
+        }
+        .instrument(span)
+        .await
+    }
+
     async fn process<F, E>(
         &self,
         key: &str,
@@ -316,7 +491,7 @@ impl<S: Subscriber> Consumer<S> {
         handler: F,
     ) -> Result<Outcome<()>, E>
     where
-        F: AsyncFnOnce(&Envelope, &mut PgConnection) -> Result<(), E>,
+        F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<(), E>,
         E: From<Error>,
     {
         let mut tx = self.pool.begin().await.map_err(Error::from)?;
@@ -326,7 +501,7 @@ impl<S: Subscriber> Consumer<S> {
         let outcome = with_incoming(
             incoming,
             self.inbox
-                .process(&mut tx, key, async |conn: &mut PgConnection| {
+                .process(&mut tx, key, async |conn: &mut HandlerConnection<'_>| {
                     handler(envelope, conn).await
                 }),
         )
@@ -336,6 +511,17 @@ impl<S: Subscriber> Consumer<S> {
     }
 
     async fn retry(&self, delivery: &S::Delivery, error: &str) -> Settled {
+        self.retry_not_before(delivery, error, Duration::ZERO).await
+    }
+
+    /// Like [`retry`](Self::retry), with the nack delay at least `min_delay` (capped at the
+    /// longest visibility timeout).
+    async fn retry_not_before(
+        &self,
+        delivery: &S::Delivery,
+        error: &str,
+        min_delay: Duration,
+    ) -> Settled {
         let attempt = self.source.attempt(delivery);
         let outcome = if attempt >= self.max_deliveries {
             self.source
@@ -343,7 +529,10 @@ impl<S: Subscriber> Consumer<S> {
                 .await
                 .map(|_| Settled::DeadLettered)
         } else {
-            let delay = self.backoff.delay_after(attempt.max(1) as u32);
+            let delay = self
+                .backoff
+                .delay_after(attempt.max(1) as u32)
+                .max(min_delay.min(MAX_VISIBILITY_TIMEOUT));
             self.source
                 .nack(delivery, delay, error)
                 .await
@@ -364,5 +553,24 @@ fn count(stats: &mut ConsumerStats, settled: Settled) {
         Settled::Rejected => stats.rejected += 1,
         Settled::Retried => stats.retried += 1,
         Settled::DeadLettered => stats.dead_lettered += 1,
+        Settled::Panicked(dead) => {
+            stats.panicked += 1;
+            if dead {
+                stats.dead_lettered += 1;
+            } else {
+                stats.retried += 1;
+            }
+        }
+    }
+}
+
+/// The text of a panic payload (`panic!` with a literal or a formatted message).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_owned()
     }
 }

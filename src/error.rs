@@ -73,6 +73,27 @@ pub enum Error {
     #[error("could not serialize the handler outcome to JSON: {0}")]
     SerializeOutcome(#[source] serde_json::Error),
 
+    /// A message payload could not be serialized to JSON ([`Message::json`](crate::Message::json)).
+    #[error("could not serialize the message payload to JSON: {0}")]
+    SerializePayload(#[source] serde_json::Error),
+
+    /// A message payload is not JSON of the requested type ([`Envelope::json`](crate::Envelope::json)).
+    #[error("message payload does not deserialize into the requested type: {0}")]
+    DeserializePayload(#[source] serde_json::Error),
+
+    /// A message (payload plus headers) or a batch of messages is larger than the configured
+    /// maximum. Checked before any SQL is sent; not retryable: the same message will never
+    /// fit. See [`Outbox::max_message_bytes`](crate::Outbox::max_message_bytes).
+    #[error("{what} is {len} bytes, the limit is {max} bytes")]
+    TooLarge {
+        /// "message" or "batch".
+        what: &'static str,
+        /// Its size in bytes.
+        len: usize,
+        /// The limit in bytes.
+        max: usize,
+    },
+
     /// A stored outcome could not be deserialized into the requested type.
     #[error("stored outcome does not deserialize into the requested type: {0}")]
     DeserializeOutcome(#[source] serde_json::Error),
@@ -85,6 +106,16 @@ pub enum Error {
         "key {key:?} of consumer {consumer:?} was taken, then vanished before it could be read; roll back and retry"
     )]
     ConcurrentClaim {
+        /// The consumer.
+        consumer: String,
+        /// The key.
+        key: String,
+    },
+
+    /// [`Inbox::claim_batch`](crate::Inbox::claim_batch) met a key that a lease holds (lease
+    /// mode, not completed): its message is neither new nor done. Roll back and retry later.
+    #[error("key {key:?} of consumer {consumer:?} is held by a lease; retry later")]
+    KeyInProgress {
         /// The consumer.
         consumer: String,
         /// The key.
@@ -108,6 +139,49 @@ pub enum Error {
         consumer: String,
         /// The key.
         key: String,
+    },
+
+    /// A lease's TTL is outside [`MIN_LEASE_TTL`](crate::MIN_LEASE_TTL)..=
+    /// [`MAX_LEASE_TTL`](crate::MAX_LEASE_TTL). Checked before any SQL is sent.
+    #[error("lease ttl {ttl:?} is outside {min:?}..={max:?}")]
+    InvalidLeaseTtl {
+        /// The rejected TTL.
+        ttl: std::time::Duration,
+        /// The shortest TTL accepted.
+        min: std::time::Duration,
+        /// The longest TTL accepted.
+        max: std::time::Duration,
+    },
+
+    /// The lease with this fencing token no longer holds the key: an expired lease was taken
+    /// over by a newer token, or the key was completed, released or purged. A completion, an
+    /// extension or a release by the stale holder is refused; nothing was written. Whatever
+    /// the stale holder did outside the database may still have happened: the fencing token
+    /// is how the remote side can refuse it.
+    #[error(
+        "lease {token} on key {key:?} of consumer {consumer:?} is lost (the key's token now: {current:?})"
+    )]
+    LeaseLost {
+        /// The consumer.
+        consumer: String,
+        /// The key.
+        key: String,
+        /// The stale holder's fencing token.
+        token: i64,
+        /// The token that holds or completed the key now, when known.
+        current: Option<i64>,
+    },
+
+    /// The lease state read from the database is not one pgbox wrote (or the row vanished
+    /// mid-statement). Never treated as "run it anyway": nothing ran.
+    #[error("unreadable lease state for key {key:?} of consumer {consumer:?}: {detail}")]
+    LeaseStateUnreadable {
+        /// The consumer.
+        consumer: String,
+        /// The key.
+        key: String,
+        /// What was wrong.
+        detail: String,
     },
 
     /// A versioned compare-and-set found another version than expected: someone else
@@ -138,6 +212,15 @@ pub enum Error {
         value: String,
     },
 
+    /// A state column is NULL: the row exists but has no state. Reported the same way by
+    /// [`StateTable::transition`](crate::StateTable::transition) and
+    /// [`StateTable::current`](crate::StateTable::current).
+    #[error("{table} has a row whose state is NULL")]
+    NullState {
+        /// The (quoted) table.
+        table: String,
+    },
+
     /// A state machine declaration is unusable (duplicate names, unknown targets, cycles).
     #[error("invalid state machine: {0}")]
     InvalidStateMachine(String),
@@ -159,6 +242,16 @@ pub enum Error {
     /// Applying migrations failed.
     #[error("migration failed: {0}")]
     Migration(#[source] Box<refinery_core::Error>),
+
+    /// A message broker (RabbitMQ, NATS) refused an operation or could not be reached.
+    /// Transports reconnect on their next call; retrying later may succeed.
+    #[error("{transport}: {message}")]
+    Transport {
+        /// The transport: "rabbitmq", "nats".
+        transport: &'static str,
+        /// What went wrong, with the client's error.
+        message: String,
+    },
 }
 
 impl Error {
@@ -167,7 +260,9 @@ impl Error {
     /// [`Error::ConcurrentClaim`] and [`Error::VersionConflict`].
     pub fn is_retryable(&self) -> bool {
         match self {
-            Error::ConcurrentClaim { .. } | Error::VersionConflict { .. } => true,
+            Error::ConcurrentClaim { .. }
+            | Error::VersionConflict { .. }
+            | Error::KeyInProgress { .. } => true,
             Error::Database { kind, .. } => kind.is_retryable(),
             _ => false,
         }

@@ -8,6 +8,11 @@ use crate::error::{Error, Result};
 /// refuses them instead.
 pub const MAX_IDENTIFIER_BYTES: usize = 63;
 
+/// The longest name of a schema that holds pgbox's own tables. pgbox's `NOTIFY` channels are
+/// named `<schema>.outbox` and `<schema>.queue`, and a channel name has the same 63-byte
+/// limit as an identifier: a longer schema would make every enqueue fail at its NOTIFY.
+pub const MAX_PGBOX_SCHEMA_BYTES: usize = MAX_IDENTIFIER_BYTES - ".outbox".len();
+
 /// A schema, table or column name that passed validation and is always rendered quoted.
 ///
 /// Accepted: 1 to 63 bytes of lowercase ASCII letters, digits and `_`, not starting with a
@@ -53,6 +58,20 @@ impl Identifier {
         Ok(Identifier {
             name: name.to_owned(),
         })
+    }
+
+    /// Validates the name of a schema holding pgbox's tables: an identifier of at most
+    /// [`MAX_PGBOX_SCHEMA_BYTES`] bytes, so that its notification channels fit.
+    pub(crate) fn pgbox_schema(name: &str) -> Result<Self> {
+        let schema = Identifier::new("schema", name)?;
+        if name.len() > MAX_PGBOX_SCHEMA_BYTES {
+            return Err(Error::InvalidIdentifier {
+                what: "schema",
+                name: name.to_owned(),
+                reason: "longer than 56 bytes: pgbox schemas leave room for the \".outbox\" suffix of their 63-byte NOTIFY channel",
+            });
+        }
+        Ok(schema)
     }
 
     /// The bare name, as stored in catalogs (`pg_namespace.nspname`, ...).

@@ -11,6 +11,7 @@ mod consumer;
 mod error;
 mod ident;
 pub mod inbox;
+mod json;
 mod listen;
 mod migrate;
 mod outbox;
@@ -24,22 +25,28 @@ mod version;
 /// Cancels a [`Relay`] or [`Consumer`] run (re-exported from `tokio-util`).
 pub use tokio_util::sync::CancellationToken;
 
-pub use crate::consumer::{Consumer, ConsumerBuilder, ConsumerStats};
+pub use crate::consumer::{
+    Consumer, ConsumerBuilder, ConsumerStats, MAX_VISIBILITY_TIMEOUT, MIN_VISIBILITY_TIMEOUT,
+};
 pub use crate::error::{DbErrorKind, Error, Result};
-pub use crate::ident::{Identifier, MAX_IDENTIFIER_BYTES};
+pub use crate::ident::{Identifier, MAX_IDENTIFIER_BYTES, MAX_PGBOX_SCHEMA_BYTES};
 pub use crate::inbox::{
-    Claim, Claimed, Duplicate, GapPolicy, Inbox, InboxBuilder, Key, MAX_KEY_BYTES, Outcome,
+    Claim, Claimed, Duplicate, FencingToken, GapPolicy, HandlerConnection, Inbox, InboxBuilder,
+    Key, Lease, LeaseAttempt, LeasedRun, MAX_KEY_BYTES, MAX_LEASE_TTL, MIN_LEASE_TTL, Outcome,
     Sequenced, Verdict, Wait,
 };
 pub use crate::migrate::{
     AppliedMigration, DEFAULT_SCHEMA, HISTORY_TABLE, MigrationReport, Migrator, migrate,
 };
-pub use crate::outbox::{Envelope, MAX_TOPIC_BYTES, Message, Outbox, TRACEPARENT};
+pub use crate::outbox::{
+    DEFAULT_MAX_MESSAGE_BYTES, Envelope, MAX_HEADER_NAME_BYTES, MAX_MESSAGE_BYTES_LIMIT,
+    MAX_TOPIC_BYTES, Message, Outbox, TRACEPARENT,
+};
 pub use crate::relay::{DeadLetter, DeadLetters, Relay, RelayBuilder, RoundReport, WakeUp};
 pub use crate::retry::{RetryPolicy, Retryable};
 pub use crate::state::{StateMachine, StateTable, Transition};
 pub use crate::status::{
-    ConsumerInbox, DEAD_LETTER_COUNT_CAP, INBOX_COUNT_CAP, Status, TopicStatus, inbox_status,
-    status,
+    ConsumerInbox, DEAD_LETTER_COUNT_CAP, INBOX_COUNT_CAP, LEASE_COUNT_CAP, Status, TopicStatus,
+    inbox_status, status,
 };
 pub use crate::version::{VersionedTable, VersionedUpdate};

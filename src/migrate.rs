@@ -75,13 +75,13 @@ impl Migrator {
     /// A migrator for the default schema.
     pub fn new() -> Self {
         Migrator {
-            schema: Identifier::new("schema", DEFAULT_SCHEMA).expect("default schema is valid"),
+            schema: Identifier::pgbox_schema(DEFAULT_SCHEMA).expect("default schema is valid"),
         }
     }
 
     /// Uses `schema` instead of [`DEFAULT_SCHEMA`]. The name is validated, then always quoted.
     pub fn schema(mut self, schema: &str) -> Result<Self> {
-        self.schema = Identifier::new("schema", schema)?;
+        self.schema = Identifier::pgbox_schema(schema)?;
         Ok(self)
     }
 
@@ -178,21 +178,39 @@ impl Migrator {
 
     /// All migrations as one plain SQL script, for teams that run their own migration tool.
     ///
-    /// The script creates the schema, points `search_path` at it for the duration of its
-    /// own transaction only, and applies every migration in order. It does not write
-    /// pgbox's history table: track it in your tool.
+    /// The script takes the same advisory lock as [`Migrator::run`] (for its own transaction
+    /// only), creates the schema, points `search_path` at it for that transaction only, and
+    /// applies every migration in order. It also records each migration in pgbox's history
+    /// table ([`HISTORY_TABLE`]) exactly as [`Migrator::run`] does (version, name, time
+    /// applied, checksum), so a schema installed from this script is a pgbox schema like any
+    /// other: the `pgbox` CLI accepts it, and a later [`Migrator::run`] or `pgbox migrate`
+    /// applies only migrations that are newer than the script.
+    ///
+    /// Run it once, on a schema without pgbox tables: it creates them unconditionally, so a
+    /// second run fails (and, being one transaction, changes nothing).
     pub fn to_sql(&self) -> String {
+        let migrations = embedded::migrations::runner().get_migrations().clone();
+        let history = self.history_table();
         let mut out = format!(
             "-- pgbox schema {schema}: {n} migration(s). Run once, in one transaction.\n\
              BEGIN;\n\
+             -- Waits for a concurrent `pgbox migrate` of this schema, and makes it wait.\n\
+             SELECT pg_advisory_xact_lock({lock});\n\
              CREATE SCHEMA IF NOT EXISTS {schema};\n\
-             SET LOCAL search_path TO {schema}, pg_temp;\n",
+             SET LOCAL search_path TO {schema}, pg_temp;\n\
+             -- pgbox's migration history (refinery's layout), so `pgbox migrate` sees what\n\
+             -- this script applied.\n\
+             {create_history}\n",
             schema = self.schema.quoted(),
-            n = embedded::migrations::runner().get_migrations().len(),
+            n = migrations.len(),
+            lock = advisory_lock_key(self.schema.as_str()),
+            create_history = history_table_ddl(&history),
         );
-        for m in embedded::migrations::runner().get_migrations() {
+        for m in &migrations {
             out.push_str(&format!("\n-- V{}__{}\n", m.version(), m.name()));
             out.push_str(m.sql().unwrap_or_default().trim_end());
+            out.push('\n');
+            out.push_str(&history_row_sql(&history, m));
             out.push('\n');
         }
         out.push_str("\nCOMMIT;\n");
@@ -202,6 +220,37 @@ impl Migrator {
     fn history_table(&self) -> String {
         format!("{}.\"{HISTORY_TABLE}\"", self.schema.quoted())
     }
+}
+
+/// The history table as refinery creates it (`CREATE TABLE IF NOT EXISTS`, `int4` versions,
+/// text columns); [`Migrator::run`] asserts the same statement before it reads the table.
+fn history_table_ddl(history: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {history}(\
+         version int4 PRIMARY KEY, \
+         name VARCHAR(255), \
+         applied_on VARCHAR(255), \
+         checksum VARCHAR(255));"
+    )
+}
+
+/// The history row refinery writes when it applies `m`: the checksum as a decimal string, the
+/// time applied as RFC 3339 in UTC (here the server's clock, at the time the script runs).
+fn history_row_sql(history: &str, m: &Migration) -> String {
+    format!(
+        "INSERT INTO {history} (version, name, applied_on, checksum) VALUES \
+         ({version}, {name}, \
+         to_char(clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
+         '{checksum}');",
+        version = m.version(),
+        name = sql_literal(m.name()),
+        checksum = m.checksum(),
+    )
+}
+
+/// A string as an SQL literal (standard-conforming strings: only `'` needs doubling).
+fn sql_literal(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "''"))
 }
 
 /// Owns the migrating connection. Unless the run completed, dropping it (on an error, or when
@@ -310,5 +359,7 @@ mod tests {
         assert!(sql.contains("SET LOCAL search_path TO \"billing\", pg_temp"));
         assert!(sql.contains("CREATE TABLE inbox"));
         assert!(sql.trim_end().ends_with("COMMIT;"));
+        assert!(sql.contains("CREATE TABLE IF NOT EXISTS \"billing\".\"pgbox_migrations\""));
+        assert!(sql.contains("INSERT INTO \"billing\".\"pgbox_migrations\""));
     }
 }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use serde::Serialize;
-use sqlx::{PgConnection, PgPool};
+use sqlx::PgPool;
 
 use crate::error::{Error, Result};
 use crate::inbox::{Inbox, Key, Outcome};
@@ -104,7 +104,7 @@ impl Inbox {
         handler: F,
     ) -> Result<Outcome<T>, E>
     where
-        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E> + Clone,
+        F: AsyncFnOnce(&mut crate::HandlerConnection<'_>) -> Result<T, E> + Clone,
         T: Serialize,
         E: From<Error> + Retryable,
     {
@@ -140,7 +140,7 @@ impl Inbox {
         handler: F,
     ) -> Result<Outcome<T>, E>
     where
-        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        F: AsyncFnOnce(&mut crate::HandlerConnection<'_>) -> Result<T, E>,
         T: Serialize,
         E: From<Error>,
     {

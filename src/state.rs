@@ -197,7 +197,14 @@ impl<S: StateMachine> StateTable<S> {
         self.table.to_string()
     }
 
-    fn parse(&self, value: &str) -> Result<S> {
+    /// A stored status as a state. NULL and values that are not states are typed errors, the
+    /// same for [`transition`](Self::transition) and [`current`](Self::current).
+    fn parse(&self, value: Option<&str>) -> Result<S> {
+        let Some(value) = value else {
+            return Err(Error::NullState {
+                table: self.qualified(),
+            });
+        };
         self.graph
             .index
             .get(value)
@@ -205,6 +212,21 @@ impl<S: StateMachine> StateTable<S> {
             .ok_or_else(|| Error::UnknownState {
                 table: self.qualified(),
                 value: value.to_owned(),
+            })
+    }
+
+    /// Where `state` sits in the graph; a state missing from `STATES` is a typed error.
+    fn index_of(&self, state: S) -> Result<usize> {
+        self.graph
+            .index
+            .get(state.name())
+            .copied()
+            .filter(|&i| S::STATES[i] == state)
+            .ok_or_else(|| {
+                Error::InvalidStateMachine(format!(
+                    "{state:?} is not in STATES (named {:?})",
+                    state.name()
+                ))
             })
     }
 
@@ -219,37 +241,55 @@ impl<S: StateMachine> StateTable<S> {
         to: S,
     ) -> Result<Transition<S>>
     where
-        I: Encode<'q, Postgres> + Type<Postgres> + 'q,
+        I: Encode<'q, Postgres> + Type<Postgres> + Clone + 'q,
     {
-        let to_index = self.graph.index[to.name()];
+        let to_index = self.index_of(to)?;
         let (t, id_col, status) = (self.qualified(), &self.id, &self.status);
         let sql = format!(
             "WITH current AS (SELECT {status}::text AS status FROM {t} WHERE {id_col} = $1 FOR UPDATE), \
              updated AS (UPDATE {t} SET {status} = $2 \
                  WHERE {id_col} = $1 AND {status} = ANY($3) AND EXISTS (SELECT 1 FROM current) \
                  RETURNING 1) \
-             SELECT (SELECT status FROM current), EXISTS (SELECT 1 FROM updated)"
+             SELECT EXISTS (SELECT 1 FROM current), (SELECT status FROM current), EXISTS (SELECT 1 FROM updated)"
         );
-        let mut args = PgArguments::default();
-        args.add(id).map_err(sqlx::Error::Encode)?;
-        args.add(to.name()).map_err(sqlx::Error::Encode)?;
-        args.add(&self.graph.predecessors[to_index])
-            .map_err(sqlx::Error::Encode)?;
-        let row = sqlx::query_with(AssertSqlSafe(sql), args)
-            .fetch_one(conn)
-            .await?;
-        let current: Option<String> = row.try_get(0)?;
-        let applied: bool = row.try_get(1)?;
-        let Some(current) = current else {
-            return Ok(Transition::NotFound);
+        // The UPDATE filters on the statement's snapshot, while `current` is read after the row
+        // lock, at the newest version. When a concurrent transaction moved the row to a
+        // predecessor of `to` while this statement waited for its lock, the two disagree: the
+        // row is now ours (locked) and in an allowed state, but was not updated. Run the
+        // statement again: under READ COMMITTED its new snapshot sees that commit. Under
+        // REPEATABLE READ the lock wait itself fails with a (retryable) serialization error.
+        let mut rounds = 0;
+        let (current, applied) = loop {
+            rounds += 1;
+            let mut args = PgArguments::default();
+            args.add(id.clone()).map_err(sqlx::Error::Encode)?;
+            args.add(to.name()).map_err(sqlx::Error::Encode)?;
+            args.add(&self.graph.predecessors[to_index])
+                .map_err(sqlx::Error::Encode)?;
+            let row = sqlx::query_with(AssertSqlSafe(sql.clone()), args)
+                .fetch_one(&mut *conn)
+                .await?;
+            let exists: bool = row.try_get(0)?;
+            let current: Option<String> = row.try_get(1)?;
+            let applied: bool = row.try_get(2)?;
+            if !exists {
+                return Ok(Transition::NotFound);
+            }
+            let current = self.parse(current.as_deref())?;
+            let raced = !applied
+                && self.graph.predecessors[to_index].contains(&current.name())
+                && rounds < 3;
+            if !raced {
+                break (current, applied);
+            }
+            tracing::debug!(table = %t, ?current, ?to, "pgbox transition waited for a concurrent one; re-reading");
         };
-        let current = self.parse(&current)?;
         let result = if applied {
             Transition::Applied { from: current }
         } else if current == to {
             Transition::AlreadyInState
         } else {
-            let c = self.graph.index[current.name()];
+            let c = self.index_of(current)?;
             if self.graph.reach[to_index][c] {
                 Transition::Stale { current }
             } else if self.graph.reach[c][to_index] {
@@ -283,9 +323,9 @@ impl<S: StateMachine> StateTable<S> {
         );
         let mut args = PgArguments::default();
         args.add(id).map_err(sqlx::Error::Encode)?;
-        let value: Option<String> = sqlx::query_scalar_with(AssertSqlSafe(sql), args)
+        let value: Option<Option<String>> = sqlx::query_scalar_with(AssertSqlSafe(sql), args)
             .fetch_optional(conn)
             .await?;
-        value.map(|v| self.parse(&v)).transpose()
+        value.map(|v| self.parse(v.as_deref())).transpose()
     }
 }

@@ -45,7 +45,7 @@ pub struct Status {
 
 /// Takes a [`Status`] snapshot of the pgbox tables in `schema`.
 pub async fn status(pool: &PgPool, schema: &str) -> Result<Status> {
-    let s = Identifier::new("schema", schema)?;
+    let s = Identifier::pgbox_schema(schema)?;
     // Distinct topics by a loose index scan: one index probe per topic, not a table scan.
     let topics_of = |table: &str, index_filter: &str| {
         format!(
@@ -120,11 +120,25 @@ pub struct ConsumerInbox {
     pub oldest_processed_at: Option<OffsetDateTime>,
     /// The newest row (is the consumer alive?).
     pub newest_processed_at: Option<OffsetDateTime>,
+    /// Keys under a live lease (lease mode's CONSUMING, not yet expired), counted up to
+    /// [`LEASE_COUNT_CAP`].
+    pub live_leases: i64,
+    /// Keys under an expired lease: abandoned by a holder that crashed or stalled, taken
+    /// over by the next delivery, purged by age (counted up to [`LEASE_COUNT_CAP`]).
+    pub expired_leases: i64,
+    /// The earliest expiry among the keys under a lease: in the past when some lease was
+    /// abandoned (since then).
+    pub earliest_lease_expiry: Option<OffsetDateTime>,
 }
 
-/// Per-consumer inbox summary of the pgbox tables in `schema`: index lookups only.
+/// Leases are counted per consumer and state up to this many (a scan of the small partial
+/// index of leased keys that stops there).
+pub const LEASE_COUNT_CAP: i64 = 10_000;
+
+/// Per-consumer inbox summary of the pgbox tables in `schema`, with live and expired leases:
+/// index lookups only (leases through the partial index `inbox_leases_idx`).
 pub async fn inbox_status(pool: &PgPool, schema: &str) -> Result<Vec<ConsumerInbox>> {
-    let s = Identifier::new("schema", schema)?;
+    let s = Identifier::pgbox_schema(schema)?;
     let consumers = format!(
         "WITH RECURSIVE c(consumer) AS (\
            (SELECT consumer FROM {s}.inbox ORDER BY consumer LIMIT 1) \
@@ -140,13 +154,20 @@ pub async fn inbox_status(pool: &PgPool, schema: &str) -> Result<Vec<ConsumerInb
         "SELECT \
            (SELECT count(*) FROM (SELECT 1 FROM {s}.inbox WHERE consumer = $1 LIMIT $2) n), \
            (SELECT processed_at FROM {s}.inbox WHERE consumer = $1 ORDER BY processed_at LIMIT 1), \
-           (SELECT processed_at FROM {s}.inbox WHERE consumer = $1 ORDER BY processed_at DESC LIMIT 1)"
+           (SELECT processed_at FROM {s}.inbox WHERE consumer = $1 ORDER BY processed_at DESC LIMIT 1), \
+           (SELECT count(*) FROM (SELECT 1 FROM {s}.inbox \
+              WHERE consumer = $1 AND lease_expires_at > now() LIMIT $3) l), \
+           (SELECT count(*) FROM (SELECT 1 FROM {s}.inbox \
+              WHERE consumer = $1 AND lease_expires_at <= now() LIMIT $3) e), \
+           (SELECT lease_expires_at FROM {s}.inbox \
+              WHERE consumer = $1 AND lease_expires_at IS NOT NULL ORDER BY lease_expires_at LIMIT 1)"
     );
     let mut out = Vec::with_capacity(names.len());
     for consumer in names {
         let row = sqlx::query(AssertSqlSafe(per_consumer.clone()))
             .bind(&consumer)
             .bind(INBOX_COUNT_CAP)
+            .bind(LEASE_COUNT_CAP)
             .fetch_one(pool)
             .await?;
         out.push(ConsumerInbox {
@@ -154,6 +175,9 @@ pub async fn inbox_status(pool: &PgPool, schema: &str) -> Result<Vec<ConsumerInb
             rows: row.try_get(0)?,
             oldest_processed_at: row.try_get(1)?,
             newest_processed_at: row.try_get(2)?,
+            live_leases: row.try_get(3)?,
+            expired_leases: row.try_get(4)?,
+            earliest_lease_expiry: row.try_get(5)?,
         });
     }
     Ok(out)

@@ -104,7 +104,7 @@ async fn ten_thousand_messages_take_effect_once_each_in_per_key_order() {
         tasks.push(tokio::spawn(async move {
             let stats = consumer
                 .run(
-                    async |envelope: &Envelope, conn: &mut sqlx::PgConnection| {
+                    async |envelope: &Envelope, conn: &mut pgbox::HandlerConnection<'_>| {
                         let step: Step = envelope.json()?;
                         sqlx::query(
                             "INSERT INTO effects (message_id, key, step) VALUES ($1, $2, $3)",
@@ -552,8 +552,8 @@ async fn trace_context_travels_from_a_consumed_message_to_the_messages_it_causes
     let run = tokio::spawn(async move {
         consumer
             .run(
-                async |_m: &Envelope, conn: &mut sqlx::PgConnection| {
-                    let mut tx = sqlx::Connection::begin(&mut *conn)
+                async |_m: &Envelope, conn: &mut pgbox::HandlerConnection<'_>| {
+                    let mut tx = sqlx::Connection::begin(&mut **conn)
                         .await
                         .map_err(Error::from)?; // savepoint
                     Outbox::new()

@@ -4,10 +4,12 @@
 //! unreachable server); 4 the pgbox schema is missing (run `pgbox migrate`); 5 an id was not
 //! found; 6 refused (a retention below the floor without `--force`).
 
+use std::collections::HashSet;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use pgbox::transport::{QueueDeadLetter, QueueDeadLetters};
 use pgbox::{DbErrorKind, DeadLetter, DeadLetters, Error, Inbox, Migrator};
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -44,10 +46,17 @@ enum Command {
         #[arg(long)]
         print_sql: bool,
     },
-    /// Backlog, oldest pending message and dead letters per topic; rows per consumer.
+    /// Backlog, oldest pending message and dead letters per topic; rows, live and expired
+    /// leases per consumer.
     Status,
-    /// Inspect, replay or discard outbox dead letters.
+    /// Inspect, replay or discard dead letters: the outbox's, or with `--queue` the built-in
+    /// queue's. Either kind holds back later messages of its ordering key until it is
+    /// replayed or discarded.
     DeadLetters {
+        /// The built-in queue's dead letters (messages consumers gave up on) instead of the
+        /// outbox's (messages the relay could not publish).
+        #[arg(long, global = true)]
+        queue: bool,
         #[command(subcommand)]
         action: DeadLetterAction,
     },
@@ -82,7 +91,7 @@ enum DeadLetterAction {
         /// Message id.
         id: Uuid,
     },
-    /// Put dead letters back in the outbox at their original positions.
+    /// Put dead letters back in the outbox (or the queue) at their original positions.
     Replay {
         /// Message ids.
         #[arg(required_unless_present = "all")]
@@ -201,6 +210,140 @@ async fn ensure_schema(pool: &PgPool, schema: &str) -> Result<(), Failure> {
     Ok(())
 }
 
+/// The ids named on the command line as a set: each once, in the order first given.
+fn distinct(ids: Vec<Uuid>) -> Vec<Uuid> {
+    let mut seen = HashSet::with_capacity(ids.len());
+    ids.into_iter().filter(|id| seen.insert(*id)).collect()
+}
+
+/// Exit 5 unless every one of the (distinct) `ids` was found; the others were still acted on.
+fn check_all_found(done: &str, n: u64, ids: &[Uuid], what: &str) -> Result<(), Failure> {
+    if n < ids.len() as u64 {
+        return Err(fail(
+            5,
+            format!(
+                "{done} {n} of {} distinct ids: the others are not {what}",
+                ids.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The dead letters a `dead-letters` command works on: the outbox's (the relay gave up
+/// publishing them) or, with `--queue`, the built-in queue's (a consumer gave up on them).
+enum Store {
+    Outbox(DeadLetters),
+    Queue(QueueDeadLetters),
+}
+
+impl Store {
+    fn what(&self) -> &'static str {
+        match self {
+            Store::Outbox(_) => "dead letters",
+            Store::Queue(_) => "queue dead letters",
+        }
+    }
+
+    /// Each dead letter as JSON and as one line of text.
+    async fn list(&self, limit: i64) -> Result<Vec<(Value, String)>, Failure> {
+        let line =
+            |id: &Uuid, topic: &str, key: Option<&str>, count: String, error: Option<&str>| {
+                format!(
+                    "{id}  {topic}  key={}  {count}  error={}\n",
+                    key.unwrap_or("-"),
+                    error.unwrap_or("-")
+                )
+            };
+        Ok(match self {
+            Store::Outbox(dead) => dead
+                .list(limit)
+                .await?
+                .iter()
+                .map(|d| {
+                    let text = line(
+                        &d.message_id,
+                        &d.topic,
+                        d.ordering_key.as_deref(),
+                        format!("attempts={}", d.attempts),
+                        d.last_error.as_deref(),
+                    );
+                    (dead_letter_json(d), text)
+                })
+                .collect(),
+            Store::Queue(dead) => dead
+                .list(limit)
+                .await?
+                .iter()
+                .map(|d| {
+                    let text = line(
+                        &d.message_id,
+                        &d.topic,
+                        d.ordering_key.as_deref(),
+                        format!("deliveries={}", d.deliveries),
+                        d.last_error.as_deref(),
+                    );
+                    (queue_dead_letter_json(d), text)
+                })
+                .collect(),
+        })
+    }
+
+    /// One dead letter as JSON, with its payload (as text, lossily).
+    async fn show(&self, id: Uuid) -> Result<Option<Value>, Failure> {
+        let found = match self {
+            Store::Outbox(dead) => dead
+                .get(id)
+                .await?
+                .map(|(d, payload)| (dead_letter_json(&d), payload)),
+            Store::Queue(dead) => dead
+                .get(id)
+                .await?
+                .map(|(d, payload)| (queue_dead_letter_json(&d), payload)),
+        };
+        Ok(found.map(|(mut value, payload)| {
+            value["payload"] = Value::String(String::from_utf8_lossy(&payload).into_owned());
+            value
+        }))
+    }
+
+    async fn replay(&self, ids: &[Uuid]) -> Result<u64, Failure> {
+        Ok(match self {
+            Store::Outbox(dead) => dead.replay(ids).await?,
+            Store::Queue(dead) => dead.replay(ids).await?,
+        })
+    }
+
+    async fn replay_all(&self) -> Result<u64, Failure> {
+        Ok(match self {
+            Store::Outbox(dead) => dead.replay_all().await?,
+            Store::Queue(dead) => dead.replay_all().await?,
+        })
+    }
+
+    async fn discard(&self, ids: &[Uuid]) -> Result<u64, Failure> {
+        Ok(match self {
+            Store::Outbox(dead) => dead.discard(ids).await?,
+            Store::Queue(dead) => dead.discard(ids).await?,
+        })
+    }
+}
+
+fn queue_dead_letter_json(d: &QueueDeadLetter) -> Value {
+    json!({
+        "message_id": d.message_id,
+        "seq": d.seq,
+        "topic": d.topic,
+        "ordering_key": d.ordering_key,
+        "deliveries": d.deliveries,
+        "last_error": d.last_error,
+        "payload_bytes": d.payload_bytes,
+        "headers": d.headers,
+        "created_at": time_json(Some(d.created_at)),
+        "dead_at": time_json(Some(d.dead_at)),
+    })
+}
+
 fn dead_letter_json(d: &DeadLetter) -> Value {
     json!({
         "message_id": d.message_id,
@@ -276,6 +419,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         "rows": c.rows,
                         "oldest_processed_at": time_json(c.oldest_processed_at),
                         "newest_processed_at": time_json(c.newest_processed_at),
+                        "live_leases": c.live_leases,
+                        "expired_leases": c.expired_leases,
+                        "earliest_lease_expiry": time_json(c.earliest_lease_expiry),
                     })
                 })
                 .collect();
@@ -308,56 +454,59 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         t.queue_dead_letters
                     ));
                 }
-                out.push_str("\nCONSUMER                 INBOX ROWS  OLDEST                          NEWEST\n");
+                out.push_str("\nCONSUMER                 INBOX ROWS  OLDEST                          NEWEST                          LEASES LIVE  EXPIRED\n");
                 if inboxes.is_empty() {
                     out.push_str("(no inbox rows)\n");
                 }
                 for c in &inboxes {
                     out.push_str(&format!(
-                        "{:<24} {:>10}  {:<31} {}\n",
+                        "{:<24} {:>10}  {:<31} {:<31} {:>11}  {:>7}\n",
                         c.consumer,
                         c.rows,
                         time_text(c.oldest_processed_at),
-                        time_text(c.newest_processed_at)
+                        time_text(c.newest_processed_at),
+                        c.live_leases,
+                        c.expired_leases
+                    ));
+                }
+                let abandoned: Vec<_> = inboxes.iter().filter(|c| c.expired_leases > 0).collect();
+                for c in abandoned {
+                    out.push_str(&format!(
+                        "warning: {} has {} expired lease(s), the earliest expired {} ago: \
+                         their holders crashed or stalled; the next delivery takes each over\n",
+                        c.consumer,
+                        c.expired_leases,
+                        age(c.earliest_lease_expiry)
                     ));
                 }
                 out
             });
         }
-        Command::DeadLetters { action } => {
+        Command::DeadLetters { queue, action } => {
             let pool = connect(cli.database_url.as_deref()).await?;
             ensure_schema(&pool, schema).await?;
-            let dead = DeadLetters::with_schema(pool, schema)?;
+            let dead = if queue {
+                Store::Queue(QueueDeadLetters::with_schema(pool, schema)?)
+            } else {
+                Store::Outbox(DeadLetters::with_schema(pool, schema)?)
+            };
+            let what = dead.what();
             match action {
                 DeadLetterAction::List { limit } => {
                     let list = dead.list(limit).await?;
-                    let value = Value::Array(list.iter().map(dead_letter_json).collect());
+                    let value = Value::Array(list.iter().map(|(v, _)| v.clone()).collect());
                     print(json_mode, value, || {
                         if list.is_empty() {
-                            return "no dead letters\n".into();
+                            return format!("no {what}\n");
                         }
-                        list.iter()
-                            .map(|d| {
-                                format!(
-                                    "{}  {}  key={}  attempts={}  error={}\n",
-                                    d.message_id,
-                                    d.topic,
-                                    d.ordering_key.as_deref().unwrap_or("-"),
-                                    d.attempts,
-                                    d.last_error.as_deref().unwrap_or("-")
-                                )
-                            })
-                            .collect()
+                        list.iter().map(|(_, line)| line.as_str()).collect()
                     });
                 }
                 DeadLetterAction::Show { id } => {
-                    let (d, payload) = dead
-                        .get(id)
+                    let value = dead
+                        .show(id)
                         .await?
-                        .ok_or_else(|| fail(5, format!("no dead letter {id}")))?;
-                    let text_payload = String::from_utf8_lossy(&payload).into_owned();
-                    let mut value = dead_letter_json(&d);
-                    value["payload"] = Value::String(text_payload.clone());
+                        .ok_or_else(|| fail(5, format!("no {what} with id {id}")))?;
                     print(json_mode, value.clone(), || {
                         format!("{}\n", serde_json::to_string_pretty(&value).expect("json"))
                     });
@@ -366,16 +515,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     let n = if all {
                         dead.replay_all().await?
                     } else {
+                        let ids = distinct(ids);
                         let n = dead.replay(&ids).await?;
-                        if n < ids.len() as u64 {
-                            return Err(fail(
-                                5,
-                                format!(
-                                    "replayed {n} of {}: some ids are not dead letters",
-                                    ids.len()
-                                ),
-                            ));
-                        }
+                        check_all_found("replayed", n, &ids, what)?;
                         n
                     };
                     print(json_mode, json!({ "replayed": n }), || {
@@ -383,16 +525,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     });
                 }
                 DeadLetterAction::Discard { ids } => {
+                    let ids = distinct(ids);
                     let n = dead.discard(&ids).await?;
-                    if n < ids.len() as u64 {
-                        return Err(fail(
-                            5,
-                            format!(
-                                "discarded {n} of {}: some ids are not dead letters",
-                                ids.len()
-                            ),
-                        ));
-                    }
+                    check_all_found("discarded", n, &ids, what)?;
                     print(json_mode, json!({ "discarded": n }), || {
                         format!("discarded {n}\n")
                     });

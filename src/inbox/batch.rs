@@ -8,8 +8,11 @@ use super::{Inbox, Key};
 use crate::error::Result;
 
 impl Inbox {
-    /// Claims every key in one statement (`unnest` + `ON CONFLICT DO NOTHING RETURNING`) on
-    /// the caller's transaction. Returns, per input key and in input order, whether this
+    /// Claims every key on the caller's transaction: a plain `INSERT … SELECT unnest(…)` in
+    /// a savepoint (three statements for the whole batch), falling back to
+    /// `ON CONFLICT DO NOTHING RETURNING` when the batch holds a key already recorded. A key
+    /// held by a live or expired lease (lease mode) fails the call with
+    /// [`Error::KeyInProgress`](crate::Error::KeyInProgress): roll back and retry later. Returns, per input key and in input order, whether this
     /// transaction claimed it: `false` means it was already recorded, or it repeats an
     /// earlier key of the same batch.
     ///
@@ -32,13 +35,62 @@ impl Inbox {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
-        let claimed: Vec<String> =
-            sqlx::query_scalar(AssertSqlSafe(self.inner.sql.claim_batch.clone()))
+        let key_strs = keys.iter().map(Key::as_str).collect::<Vec<_>>();
+        let message_ids = keys.iter().map(Key::message_id).collect::<Vec<_>>();
+        // The common batch has no duplicate: a plain INSERT is a third cheaper than
+        // `ON CONFLICT DO NOTHING` (no speculative insertion). It runs in a savepoint, so
+        // that a duplicate (a unique violation) rolls back only the attempt; then the
+        // conflict-tolerant statement decides key by key.
+        let plain = {
+            let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
+            let inserted = sqlx::query(AssertSqlSafe(self.inner.sql.claim_batch_plain.clone()))
                 .bind(&self.inner.consumer)
-                .bind(keys.iter().map(Key::as_str).collect::<Vec<_>>())
-                .bind(keys.iter().map(Key::message_id).collect::<Vec<_>>())
-                .fetch_all(&mut **tx)
-                .await?;
+                .bind(&key_strs)
+                .bind(&message_ids)
+                .execute(&mut *savepoint)
+                .await;
+            match inserted {
+                Ok(_) => {
+                    savepoint.commit().await?;
+                    true
+                }
+                Err(e) => {
+                    let e = crate::Error::from(e);
+                    if e.db_kind() != Some(crate::DbErrorKind::UniqueViolation) {
+                        return Err(e);
+                    }
+                    savepoint.rollback().await?;
+                    false
+                }
+            }
+        };
+        let claimed: Vec<String> = if plain {
+            key_strs.iter().map(|k| (*k).to_owned()).collect()
+        } else {
+            let claimed: Vec<String> =
+                sqlx::query_scalar(AssertSqlSafe(self.inner.sql.claim_batch.clone()))
+                    .bind(&self.inner.consumer)
+                    .bind(&key_strs)
+                    .bind(&message_ids)
+                    .fetch_all(&mut **tx)
+                    .await?;
+            // A key held by a lease (lease mode, not finished) is neither new nor done: the
+            // batch cannot report it as `false` ("already recorded"), or its message would be
+            // acked before its effect happened.
+            let leased: Option<String> =
+                sqlx::query_scalar(AssertSqlSafe(self.inner.sql.batch_leased.clone()))
+                    .bind(&self.inner.consumer)
+                    .bind(&key_strs)
+                    .fetch_optional(&mut **tx)
+                    .await?;
+            if let Some(key) = leased {
+                return Err(crate::Error::KeyInProgress {
+                    consumer: self.inner.consumer.clone(),
+                    key,
+                });
+            }
+            claimed
+        };
         let mut fresh: HashSet<String> = claimed.into_iter().collect();
         let result: Vec<bool> = keys.iter().map(|k| fresh.remove(k.as_str())).collect();
         let new = result.iter().filter(|c| **c).count();

@@ -10,7 +10,9 @@
 //!   no transaction id, and the transaction is never aborted by a unique violation.
 
 mod batch;
+mod connection;
 mod key;
+mod lease;
 mod outcome;
 mod retention;
 mod sequence;
@@ -25,7 +27,10 @@ use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
 use tracing::Instrument;
 
+pub use self::connection::HandlerConnection;
 pub use self::key::{Key, MAX_CONSUMER_BYTES, MAX_KEY_BYTES, MAX_MESSAGE_ID_BYTES};
+pub(crate) use self::lease::ttl_micros as lease_ttl_micros;
+pub use self::lease::{FencingToken, Lease, LeaseAttempt, LeasedRun, MAX_LEASE_TTL, MIN_LEASE_TTL};
 pub use self::outcome::{Duplicate, Outcome, Verdict};
 pub use self::retention::PURGE_BATCH_ROWS;
 pub use self::sequence::{GapPolicy, Sequenced};
@@ -83,6 +88,7 @@ struct Inner {
     gap_policy: GapPolicy,
     verify_transaction: bool,
     sql: Statements,
+    lease_sql: lease::LeaseStatements,
 }
 
 /// SQL built once per inbox, with the schema validated and quoted.
@@ -95,6 +101,8 @@ struct Statements {
     reject: Arc<str>,
     verify: Arc<str>,
     claim_batch: Arc<str>,
+    claim_batch_plain: Arc<str>,
+    batch_leased: Arc<str>,
     lock_watermark: Arc<str>,
     create_watermark: Arc<str>,
     advance_watermark: Arc<str>,
@@ -104,37 +112,39 @@ impl Statements {
     fn new(schema: &Identifier) -> Self {
         let s = schema.quoted();
         Statements {
-            // The SELECT branch only runs when the INSERT found a conflict. Its snapshot is the
-            // statement's: a row committed while this statement waited is not visible, and the
-            // caller falls back to `read` (a new snapshot under READ COMMITTED).
+            // The common path: a bare INSERT, the cheapest claim there is. No row back means a
+            // committed row holds the key (a concurrent claim was waited for); `read` then
+            // fetches it with a new snapshot under READ COMMITTED. The transaction id comes
+            // back only from an inserted row, so a duplicate assigns none.
             claim: format!(
-                "WITH claimed AS (\
-                   INSERT INTO {s}.inbox (consumer, key, message_id) VALUES ($1, $2, $3) \
-                   ON CONFLICT (consumer, key) DO NOTHING \
-                   RETURNING processed_at, message_id) \
-                 SELECT true AS claimed, false AS in_progress, processed_at, message_id, \
-                        NULL::jsonb AS outcome, NULL::text AS rejection FROM claimed \
-                 UNION ALL \
-                 SELECT false, false, i.processed_at, i.message_id, i.outcome, i.rejection \
-                 FROM {s}.inbox AS i \
-                 WHERE i.consumer = $1 AND i.key = $2 AND NOT EXISTS (SELECT 1 FROM claimed)"
+                "INSERT INTO {s}.inbox (consumer, key, message_id) VALUES ($1, $2, $3) \
+                 ON CONFLICT (consumer, key) DO NOTHING \
+                 RETURNING true, false, processed_at, message_id, NULL::jsonb, NULL::text, \
+                           pg_current_xact_id()::text"
             )
             .into(),
             claim_bounded: format!("SELECT * FROM {s}.inbox_claim_bounded($1, $2, $3, $4)").into(),
+            // The second column is true for a key under a lease (lease mode's CONSUMING):
+            // not processed yet, and not this transaction's to claim.
             read: format!(
-                "SELECT false, false, processed_at, message_id, outcome, rejection \
+                "SELECT false, lease_expires_at IS NOT NULL, processed_at, message_id, outcome, \
+                        rejection, NULL::text \
                  FROM {s}.inbox WHERE consumer = $1 AND key = $2"
             )
             .into(),
-            // Only the row this transaction claimed: recorded at this transaction's start
-            // (`now()` is constant within a transaction) and not settled yet.
+            // Only the row this transaction claimed, and only from that transaction: $4 is
+            // the 64-bit transaction id the claim returned (never reused, unlike a start
+            // timestamp, which two transactions may share). `_if_assigned` keeps a stale
+            // token in a read-only transaction from assigning an id just to fail.
             store_outcome: format!(
                 "UPDATE {s}.inbox SET outcome = $3 WHERE consumer = $1 AND key = $2 \
+                 AND pg_current_xact_id_if_assigned() = $4::xid8 \
                  AND processed_at = now() AND outcome IS NULL AND rejection IS NULL"
             )
             .into(),
             reject: format!(
                 "UPDATE {s}.inbox SET rejection = $3 WHERE consumer = $1 AND key = $2 \
+                 AND pg_current_xact_id_if_assigned() = $4::xid8 \
                  AND processed_at = now() AND outcome IS NULL AND rejection IS NULL"
             )
             .into(),
@@ -143,6 +153,16 @@ impl Statements {
                 "INSERT INTO {s}.inbox (consumer, key, message_id) \
                  SELECT $1, k.key, k.message_id FROM unnest($2::text[], $3::text[]) AS k(key, message_id) \
                  ON CONFLICT (consumer, key) DO NOTHING RETURNING key"
+            )
+            .into(),
+            claim_batch_plain: format!(
+                "INSERT INTO {s}.inbox (consumer, key, message_id) \
+                 SELECT $1, k.key, k.message_id FROM unnest($2::text[], $3::text[]) AS k(key, message_id)"
+            )
+            .into(),
+            batch_leased: format!(
+                "SELECT key FROM {s}.inbox WHERE consumer = $1 AND key = ANY($2) \
+                 AND lease_expires_at IS NOT NULL LIMIT 1"
             )
             .into(),
             lock_watermark: format!(
@@ -217,7 +237,7 @@ impl InboxBuilder {
     /// Validates the settings.
     pub fn build(self) -> Result<Inbox> {
         key::validate_consumer(&self.consumer)?;
-        let schema = Identifier::new("schema", &self.schema)?;
+        let schema = Identifier::pgbox_schema(&self.schema)?;
         if let Wait::Timeout(d) = self.wait
             && (d < Duration::from_millis(1) || d.as_millis() > i32::MAX as u128)
         {
@@ -229,6 +249,7 @@ impl InboxBuilder {
         Ok(Inbox {
             inner: Arc::new(Inner {
                 sql: Statements::new(&schema),
+                lease_sql: lease::LeaseStatements::new(&schema),
                 consumer: self.consumer,
                 schema,
                 wait: self.wait,
@@ -249,7 +270,8 @@ pub enum Claim {
     Claimed(Claimed),
     /// Already recorded by a committed transaction.
     Duplicate(Duplicate),
-    /// Held by another uncommitted transaction, and the inbox's [`Wait`] expired.
+    /// Held by another uncommitted transaction and the inbox's [`Wait`] expired, or held
+    /// under a lease ([`Inbox::lease`], live or expired): redeliver later.
     InProgress,
 }
 
@@ -259,6 +281,8 @@ pub enum Claim {
 pub struct Claimed {
     inbox: Inbox,
     key: String,
+    /// The claiming transaction's id (`xid8` as text).
+    xact: String,
 }
 
 impl Claimed {
@@ -274,12 +298,12 @@ impl Claimed {
         outcome: &T,
     ) -> Result<()> {
         let json = outcome_json(outcome)?;
-        self.inbox.store_json(tx, &self.key, json).await
+        self.inbox.store_json(tx, &self, json).await
     }
 
     /// Marks the message rejected for good, with a reason. One statement.
     pub async fn reject(self, tx: &mut Transaction<'_, Postgres>, reason: &str) -> Result<()> {
-        self.inbox.store_rejection(tx, &self.key, reason).await
+        self.inbox.store_rejection(tx, &self, reason).await
     }
 }
 
@@ -340,11 +364,11 @@ impl Inbox {
         handler: F,
     ) -> Result<Outcome<T>, E>
     where
-        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        F: AsyncFnOnce(&mut HandlerConnection<'_>) -> Result<T, E>,
         T: Serialize,
         E: From<Error>,
     {
-        self.process_or_reject(tx, key, async move |conn: &mut PgConnection| {
+        self.process_or_reject(tx, key, async move |conn: &mut HandlerConnection<'_>| {
             handler(conn).await.map(Verdict::Accept)
         })
         .await
@@ -360,7 +384,7 @@ impl Inbox {
         handler: F,
     ) -> Result<Outcome<T>, E>
     where
-        F: AsyncFnOnce(&mut PgConnection) -> Result<Verdict<T>, E>,
+        F: AsyncFnOnce(&mut HandlerConnection<'_>) -> Result<Verdict<T>, E>,
         T: Serialize,
         E: From<Error>,
     {
@@ -378,7 +402,7 @@ impl Inbox {
                 Claim::Duplicate(duplicate) => return Ok(Outcome::Duplicate(duplicate)),
                 Claim::InProgress => return Ok(Outcome::InProgress),
             };
-            let verdict = run_handler(tx, handler).await?;
+            let (verdict, needs_check) = run_handler(tx, handler).await?;
             match verdict {
                 Verdict::Accept(value) => {
                     let json = if self.inner.store_outcomes {
@@ -392,10 +416,14 @@ impl Inbox {
                     } else {
                         None
                     };
-                    // The UPDATE doubles as the liveness check; without one, ask explicitly.
+                    // The UPDATE doubles as the liveness check; without one, ask explicitly,
+                    // unless every statement of the handler went through the watched
+                    // connection and succeeded.
                     match json {
-                        Some(json) => self.store_json(tx, &claimed.key, json).await,
-                        None if self.inner.verify_transaction => self.verify_alive(tx).await,
+                        Some(json) => self.store_json(tx, &claimed, json).await,
+                        None if self.inner.verify_transaction && needs_check => {
+                            self.verify_alive(tx).await
+                        }
                         None => Ok(()),
                     }
                     .map_err(handler_aborted)?;
@@ -403,7 +431,7 @@ impl Inbox {
                     Ok(Outcome::Processed(value))
                 }
                 Verdict::Reject(reason) => {
-                    self.store_rejection(tx, &claimed.key, &reason)
+                    self.store_rejection(tx, &claimed, &reason)
                         .await
                         .map_err(handler_aborted)?;
                     Ok(Outcome::Rejected(reason))
@@ -432,6 +460,45 @@ impl Inbox {
         self.claim_validated(tx, &key).instrument(span).await
     }
 
+    /// The record of `key` if a committed transaction (or a completed lease) processed (or
+    /// rejected) it, `None` for a key under a lease: one autocommit `SELECT`, no
+    /// transaction, nothing written.
+    ///
+    /// The cheap way to settle a redelivery: if it returns `Some`, acknowledge the message
+    /// without opening a transaction. `None` proves nothing (the key may be claimed an instant
+    /// later): process the message through [`process`](Self::process), which decides.
+    /// The [`Consumer`](crate::Consumer) runner does this for every redelivery.
+    pub async fn lookup<'e, X>(
+        &self,
+        executor: X,
+        key: impl Into<Key<'_>>,
+    ) -> Result<Option<Duplicate>>
+    where
+        X: sqlx::Executor<'e, Database = Postgres>,
+    {
+        let key = key.into();
+        key.validate()?;
+        let row = sqlx::query(AssertSqlSafe(self.inner.sql.read.clone()))
+            .bind(&self.inner.consumer)
+            .bind(key.as_str())
+            .fetch_optional(executor)
+            .await?;
+        let Some(row) = row else { return Ok(None) };
+        // A key under a lease is not processed yet.
+        if row.try_get::<Option<bool>, _>(1)? != Some(false) {
+            return Ok(None);
+        }
+        let duplicate = duplicate_from_row(&row)?;
+        tracing::info!(
+            consumer = %self.inner.consumer,
+            key = %key.as_str(),
+            first_processed_at = %duplicate.first_processed_at,
+            rejected = duplicate.was_rejected(),
+            "pgbox duplicate found by lookup"
+        );
+        Ok(Some(duplicate))
+    }
+
     async fn claim_validated(&self, conn: &mut PgConnection, key: &Key<'_>) -> Result<Claim> {
         let sql = &self.inner.sql;
         let lock_timeout = match self.inner.wait {
@@ -453,8 +520,9 @@ impl Inbox {
         let row = query.fetch_optional(&mut *conn).await?;
         let row = match row {
             Some(row) => row,
-            // We waited behind a transaction that committed the key after our statement's
-            // snapshot was taken. A new statement sees it under READ COMMITTED.
+            // A duplicate: the key is held by a committed row (perhaps committed while we
+            // waited, after our statement's snapshot). A new statement sees it under READ
+            // COMMITTED; under REPEATABLE READ the INSERT already raised a serialization error.
             None => sqlx::query(AssertSqlSafe(sql.read.clone()))
                 .bind(&self.inner.consumer)
                 .bind(key.as_str())
@@ -472,22 +540,24 @@ impl Inbox {
         let claimed: Option<bool> = row.try_get(0)?;
         let in_progress: Option<bool> = row.try_get(1)?;
         if in_progress == Some(true) {
-            tracing::info!("pgbox key in progress in another transaction; redeliver later");
+            tracing::info!(
+                "pgbox key in progress in another transaction or under a lease; redeliver later"
+            );
             return Ok(Claim::InProgress);
         }
         if claimed == Some(true) {
             tracing::debug!("pgbox key claimed");
+            let xact: Option<String> = row.try_get(6)?;
             return Ok(Claim::Claimed(Claimed {
                 inbox: self.clone(),
                 key: key.as_str().to_owned(),
+                xact: xact.ok_or_else(|| Error::Database {
+                    kind: crate::DbErrorKind::Other,
+                    source: sqlx::Error::Protocol("claim returned no transaction id".into()),
+                })?,
             }));
         }
-        let duplicate = Duplicate {
-            first_processed_at: row.try_get(2)?,
-            message_id: row.try_get(3)?,
-            outcome: row.try_get(4)?,
-            rejection: row.try_get(5)?,
-        };
+        let duplicate = duplicate_from_row(row)?;
         tracing::info!(
             first_processed_at = %duplicate.first_processed_at,
             first_message_id = duplicate.message_id.as_deref(),
@@ -500,16 +570,17 @@ impl Inbox {
     async fn store_json(
         &self,
         conn: &mut PgConnection,
-        key: &str,
+        claimed: &Claimed,
         json: serde_json::Value,
     ) -> Result<()> {
         let done = sqlx::query(AssertSqlSafe(self.inner.sql.store_outcome.clone()))
             .bind(&self.inner.consumer)
-            .bind(key)
+            .bind(&claimed.key)
             .bind(sqlx::types::Json(json))
+            .bind(&claimed.xact)
             .execute(conn)
             .await?;
-        self.expect_one_row(done.rows_affected(), key)
+        self.expect_one_row(done.rows_affected(), &claimed.key)
     }
 
     /// Fails with the server's "transaction is aborted" error if a statement inside the
@@ -535,21 +606,33 @@ impl Inbox {
     async fn store_rejection(
         &self,
         conn: &mut PgConnection,
-        key: &str,
+        claimed: &Claimed,
         reason: &str,
     ) -> Result<()> {
+        let key = claimed.key.as_str();
         // text cannot hold NUL; keep the reason readable instead of failing the rejection.
         let reason = reason.replace('\0', "\\0");
         let done = sqlx::query(AssertSqlSafe(self.inner.sql.reject.clone()))
             .bind(&self.inner.consumer)
             .bind(key)
             .bind(&reason)
+            .bind(&claimed.xact)
             .execute(conn)
             .await?;
         self.expect_one_row(done.rows_affected(), key)?;
         tracing::info!(reason = %reason, "pgbox message rejected");
         Ok(())
     }
+}
+
+/// A stored record, from the columns shared by the claim and `read` statements.
+fn duplicate_from_row(row: &PgRow) -> Result<Duplicate> {
+    Ok(Duplicate {
+        first_processed_at: row.try_get(2)?,
+        message_id: row.try_get(3)?,
+        outcome: row.try_get(4)?,
+        rejection: row.try_get(5)?,
+    })
 }
 
 /// Serializes a handler's outcome for the jsonb column, which cannot hold NUL characters:
@@ -566,6 +649,12 @@ fn outcome_json<T: Serialize + ?Sized>(value: &T) -> Result<serde_json::Value> {
         }
     }
     let json = serde_json::to_value(value).map_err(Error::SerializeOutcome)?;
+    if crate::json::has_non_finite(value) {
+        return Err(Error::InvalidField {
+            field: "outcome",
+            reason: "contains a NaN or infinite number, which JSON cannot represent (it would be stored as null)",
+        });
+    }
     if has_nul(&json) {
         return Err(Error::InvalidField {
             field: "outcome",
@@ -585,13 +674,20 @@ pub(crate) fn handler_aborted(e: Error) -> Error {
 }
 
 /// Runs a handler on the claim's transaction. An error or a panic aborts the transaction on
-/// the server first (see [`abort_transaction`]); a panic then resumes unwinding.
-pub(crate) async fn run_handler<V, E, F>(conn: &mut PgConnection, handler: F) -> Result<V, E>
+/// the server first (see [`abort_transaction`]); a panic then resumes unwinding. Returns the
+/// value and whether the transaction may have been aborted behind the handler's back.
+pub(crate) async fn run_handler<V, E, F>(
+    conn: &mut PgConnection,
+    handler: F,
+) -> Result<(V, bool), E>
 where
-    F: AsyncFnOnce(&mut PgConnection) -> Result<V, E>,
+    F: AsyncFnOnce(&mut HandlerConnection<'_>) -> Result<V, E>,
 {
-    match AssertUnwindSafe(handler(&mut *conn)).catch_unwind().await {
-        Ok(Ok(value)) => Ok(value),
+    let mut watched = HandlerConnection::new(&mut *conn);
+    let result = AssertUnwindSafe(handler(&mut watched)).catch_unwind().await;
+    let needs_check = watched.needs_check();
+    match result {
+        Ok(Ok(value)) => Ok((value, needs_check)),
         Ok(Err(error)) => {
             tracing::warn!("pgbox handler failed; transaction aborted, roll it back");
             abort_transaction(conn).await;

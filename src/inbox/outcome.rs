@@ -19,8 +19,9 @@ pub enum Outcome<T> {
     /// The key was recorded by an earlier, committed transaction. Nothing ran.
     Duplicate(Duplicate),
     /// Another transaction holds an uncommitted claim on this key and the configured
-    /// [`Wait`](crate::Wait) expired. Nothing ran and this transaction is still usable;
-    /// redeliver later.
+    /// [`Wait`](crate::Wait) expired, or a lease (lease mode, see
+    /// [`Inbox::lease`](crate::Inbox::lease)) holds it. Nothing ran and this transaction is
+    /// still usable; redeliver later.
     InProgress,
 }
 

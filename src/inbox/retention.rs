@@ -20,6 +20,11 @@ impl Inbox {
     /// exceed the longest redelivery window (broker retries, dead-letter replays, producer
     /// re-sends). Rows claimed by in-flight transactions are never touched, since they are
     /// not yet committed.
+    ///
+    /// Lease mode's rows are covered: a completed lease by its completion time; a CONSUMING
+    /// row (an abandoned lease) only once its lease has expired, by the time it was leased or
+    /// taken over. A live lease is never purged. Purging an expired lease only forgets the
+    /// mark: the next delivery leases the key anew, with a larger fencing token.
     pub async fn purge_older_than(&self, pool: &PgPool, older_than: Duration) -> Result<u64> {
         if older_than.is_zero() {
             return Err(Error::InvalidConfig(
@@ -27,12 +32,14 @@ impl Inbox {
             ));
         }
         let schema = self.inner.schema.quoted();
-        // The ctid subquery walks inbox_processed_at_idx; SKIP LOCKED leaves rows that a
+        // The ctid subquery walks inbox_consumer_processed_at_idx (a live lease is filtered
+        // out, and rechecked under the row lock if it changes meanwhile); SKIP LOCKED leaves rows that a
         // concurrent purge is deleting to that purge.
         let sql = format!(
             "DELETE FROM {schema}.inbox WHERE ctid = ANY(ARRAY(\
                SELECT ctid FROM {schema}.inbox \
                WHERE processed_at < now() - make_interval(secs => $2) AND consumer = $1 \
+                 AND (lease_expires_at IS NULL OR lease_expires_at <= now()) \
                ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED))"
         );
         let mut total = 0;

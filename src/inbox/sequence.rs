@@ -3,7 +3,7 @@
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, Transaction};
 use tracing::Instrument;
 
-use super::{Inbox, Key, run_handler};
+use super::{HandlerConnection, Inbox, Key, run_handler};
 use crate::error::{Error, Result};
 
 /// What [`Inbox::process_in_order`] does when a message's sequence number is beyond the next
@@ -62,7 +62,7 @@ impl Inbox {
         handler: F,
     ) -> Result<Sequenced<T>, E>
     where
-        F: AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+        F: AsyncFnOnce(&mut HandlerConnection<'_>) -> Result<T, E>,
         E: From<Error>,
     {
         let entity = entity.into();
@@ -92,7 +92,8 @@ impl Inbox {
                     expected: watermark + 1,
                 });
             }
-            let value = run_handler(tx, handler).await?;
+            // The watermark UPDATE right after doubles as the liveness check.
+            let (value, _) = run_handler(tx, handler).await?;
             sqlx::query(AssertSqlSafe(self.inner.sql.advance_watermark.clone()))
                 .bind(&self.inner.consumer)
                 .bind(entity.as_str())

@@ -12,6 +12,19 @@ use crate::inbox::Key;
 /// The longest topic name, in bytes.
 pub const MAX_TOPIC_BYTES: usize = 255;
 
+/// The longest header name, in bytes.
+pub const MAX_HEADER_NAME_BYTES: usize = 255;
+
+/// The default limit on one message's size (payload plus headers), in bytes: 8 MiB. Brokers
+/// have limits of their own (NATS 1 MiB by default, RabbitMQ 16 MiB in 4.x); set
+/// [`Outbox::max_message_bytes`](crate::Outbox::max_message_bytes) to the smallest in the path.
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 8 * 1024 * 1024;
+
+/// The largest value [`Outbox::max_message_bytes`](crate::Outbox::max_message_bytes) accepts:
+/// 256 MiB, well under PostgreSQL's 1 GiB protocol message limit, past which the server drops
+/// the connection instead of returning an error.
+pub const MAX_MESSAGE_BYTES_LIMIT: usize = 256 * 1024 * 1024;
+
 /// A message to publish: topic, optional ordering key, payload, headers, and an id.
 ///
 /// The id is a UUIDv7 assigned when the message is built and kept through every re-publish:
@@ -28,8 +41,17 @@ pub struct Message {
 
 impl Message {
     /// A message whose payload is `value` serialized as JSON.
+    ///
+    /// NaN and infinite numbers are refused ([`Error::InvalidField`]): JSON has no form for
+    /// them, and serde_json would silently write `null`.
     pub fn json<T: Serialize + ?Sized>(topic: impl Into<String>, value: &T) -> Result<Self> {
-        let payload = serde_json::to_vec(value).map_err(Error::SerializeOutcome)?;
+        if crate::json::has_non_finite(value) {
+            return Err(Error::InvalidField {
+                field: "payload",
+                reason: "contains a NaN or infinite number, which JSON cannot represent (it would be sent as null)",
+            });
+        }
+        let payload = serde_json::to_vec(value).map_err(Error::SerializePayload)?;
         Ok(Self::bytes(topic, payload).content_type("application/json"))
     }
 
@@ -74,7 +96,26 @@ impl Message {
         &self.topic
     }
 
-    pub(crate) fn validate(&self) -> Result<()> {
+    /// Payload plus header bytes: what [`Outbox::max_message_bytes`](crate::Outbox::max_message_bytes)
+    /// limits.
+    pub fn size(&self) -> usize {
+        self.payload.len()
+            + self
+                .headers
+                .iter()
+                .map(|(k, v)| k.len() + v.len())
+                .sum::<usize>()
+    }
+
+    pub(crate) fn validate(&self, max_bytes: usize) -> Result<()> {
+        let size = self.size();
+        if size > max_bytes {
+            return Err(Error::TooLarge {
+                what: "message",
+                len: size,
+                max: max_bytes,
+            });
+        }
         let bad = |field, reason| Err(Error::InvalidField { field, reason });
         if self.topic.is_empty() {
             return bad("topic", "must not be empty");
@@ -88,15 +129,30 @@ impl Message {
         if let Some(key) = &self.ordering_key {
             Key::new(key.as_str()).validate()?;
         }
-        if self.content_type.contains('\0') {
-            return bad("content type", "contains a NUL byte");
+        if self.content_type.chars().any(char::is_control) {
+            return bad("content type", "contains a control character");
         }
-        if self
-            .headers
-            .iter()
-            .any(|(k, v)| k.contains('\0') || v.contains('\0'))
-        {
-            return bad("header", "contains a NUL byte");
+        for (name, value) in &self.headers {
+            if name.is_empty() {
+                return bad("header name", "must not be empty");
+            }
+            if name.len() > MAX_HEADER_NAME_BYTES {
+                return bad("header name", "longer than 255 bytes");
+            }
+            // What every broker's header model accepts: no controls (CR/LF would split a
+            // NATS header block), no whitespace, no ':' (the name/value separator on the wire).
+            if name
+                .chars()
+                .any(|c| c.is_control() || c.is_whitespace() || c == ':')
+            {
+                return bad(
+                    "header name",
+                    "contains a control character, whitespace or ':'",
+                );
+            }
+            if value.contains(['\0', '\r', '\n']) {
+                return bad("header value", "contains NUL, CR or LF");
+            }
         }
         Ok(())
     }
@@ -127,6 +183,30 @@ pub struct Envelope {
 }
 
 impl Envelope {
+    /// An envelope for `topic` with `payload`: how a transport outside this crate rebuilds a
+    /// received message. The other fields start empty (no key, `application/octet-stream`,
+    /// no headers, created now, seq and attempts 0); set them directly, they are public.
+    ///
+    /// ```
+    /// let mut e = pgbox::Envelope::new(uuid::Uuid::now_v7(), "orders", br#"{"order":42}"#.to_vec());
+    /// e.content_type = "application/json".into();
+    /// e.ordering_key = Some("order-42".into());
+    /// assert_eq!(e.json::<serde_json::Value>().unwrap()["order"], 42);
+    /// ```
+    pub fn new(id: Uuid, topic: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
+        Envelope {
+            seq: 0,
+            id,
+            topic: topic.into(),
+            ordering_key: None,
+            payload: payload.into(),
+            content_type: "application/octet-stream".into(),
+            headers: BTreeMap::new(),
+            created_at: OffsetDateTime::now_utc(),
+            attempts: 0,
+        }
+    }
+
     /// Decodes a row of the outbox or the queue (same columns); `attempts` is passed in
     /// because the two tables count attempts differently.
     pub(crate) fn from_row(row: &sqlx::postgres::PgRow, attempts: i32) -> Result<Self> {
@@ -147,6 +227,6 @@ impl Envelope {
 
     /// Deserializes a JSON payload.
     pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T> {
-        serde_json::from_slice(&self.payload).map_err(Error::DeserializeOutcome)
+        serde_json::from_slice(&self.payload).map_err(Error::DeserializePayload)
     }
 }

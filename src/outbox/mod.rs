@@ -11,7 +11,10 @@ use sqlx::{AssertSqlSafe, Postgres, Transaction};
 use tracing::Instrument;
 use uuid::Uuid;
 
-pub use self::message::{Envelope, MAX_TOPIC_BYTES, Message};
+pub use self::message::{
+    DEFAULT_MAX_MESSAGE_BYTES, Envelope, MAX_HEADER_NAME_BYTES, MAX_MESSAGE_BYTES_LIMIT,
+    MAX_TOPIC_BYTES, Message,
+};
 pub use self::trace::TRACEPARENT;
 
 use crate::error::Result;
@@ -21,6 +24,20 @@ use crate::migrate::DEFAULT_SCHEMA;
 /// Advisory-lock class for per-key enqueue locks (two-key form, so it never collides with an
 /// application's single-key advisory locks).
 pub(crate) const ENQUEUE_LOCK_CLASS: i32 = 0x7062_6f78; // "pbox"
+
+/// Advisory-lock class of the "a relay is asleep" lock, keyed by `hashtext(schema)`.
+///
+/// Producers do not NOTIFY on every commit: PostgreSQL serialises every notifying commit on
+/// one global lock, which halves durable enqueue throughput with many producers. Instead a
+/// relay about to sleep takes this lock exclusively (session level), drains once more, and
+/// sleeps holding it. Each enqueue statement tries to take it shared (transaction level):
+/// - if that succeeds, no relay is asleep; the producer holds the shared lock until it
+///   commits, so a relay going to sleep waits for that commit and its final drain sees it;
+/// - if it fails, a relay is asleep (or about to be), and the statement NOTIFYs; the
+///   notification is delivered at commit and wakes the sleeper.
+///
+/// Either way no committed message waits for the poll interval while a relay is idle.
+pub(crate) const ASLEEP_LOCK_CLASS: i32 = 0x7062_6f7a; // "pboz"
 
 /// Writes messages into the outbox table, inside the caller's transaction.
 ///
@@ -40,7 +57,14 @@ pub(crate) const ENQUEUE_LOCK_CLASS: i32 = 0x7062_6f78; // "pbox"
 pub struct Outbox {
     schema: Identifier,
     insert: Arc<str>,
+    insert_one: Arc<str>,
+    insert_one_keyed: Arc<str>,
+    max_message_bytes: usize,
 }
+
+/// Bytes one enqueue statement may carry in all: a quarter of PostgreSQL's 1 GiB protocol
+/// message limit, so escaping and headers never push a statement over it.
+const MAX_BATCH_BYTES: usize = 256 * 1024 * 1024;
 
 impl Default for Outbox {
     fn default() -> Self {
@@ -51,12 +75,12 @@ impl Default for Outbox {
 impl Outbox {
     /// An outbox in the default schema.
     pub fn new() -> Self {
-        Self::build(Identifier::new("schema", DEFAULT_SCHEMA).expect("valid default"))
+        Self::build(Identifier::pgbox_schema(DEFAULT_SCHEMA).expect("valid default"))
     }
 
     /// An outbox in `schema` (validated, then always quoted).
     pub fn with_schema(schema: &str) -> Result<Self> {
-        Ok(Self::build(Identifier::new("schema", schema)?))
+        Ok(Self::build(Identifier::pgbox_schema(schema)?))
     }
 
     fn build(schema: Identifier) -> Self {
@@ -77,10 +101,52 @@ impl Outbox {
              FROM msgs AS m CROSS JOIN locks ORDER BY m.n",
             class = ENQUEUE_LOCK_CLASS,
         );
+        // Notify only when a relay sleeps (see ASLEEP_LOCK_CLASS). The schema is a validated
+        // identifier ([a-z0-9_]), so it can stand as a literal.
+        let wake = format!(
+            "SELECT pg_notify('{name}.outbox', '') \
+             WHERE NOT pg_try_advisory_xact_lock_shared({asleep}, hashtext('{name}'))",
+            name = schema.as_str(),
+            asleep = ASLEEP_LOCK_CLASS,
+        );
+        let insert = format!("WITH inserted AS ({insert} RETURNING 1) {wake}");
+        // One message: a plain INSERT … VALUES, cheaper than the unnest statement.
+        let insert_one = format!(
+            "WITH inserted AS (\
+               INSERT INTO {schema}.outbox (message_id, topic, payload, content_type, headers) \
+               VALUES ($1, $2, $3, $4, $5) RETURNING 1) {wake}"
+        );
+        // One keyed message: the key's lock first (the FROM item is evaluated before the row,
+        // and so before its seq is drawn).
+        let insert_one_keyed = format!(
+            "WITH inserted AS (\
+               INSERT INTO {schema}.outbox (message_id, topic, ordering_key, payload, content_type, headers) \
+               SELECT $1::uuid, $2::text, $6::text, $3::bytea, $4::text, $5::jsonb \
+               FROM (SELECT pg_advisory_xact_lock({class}, hashtext($2::text || chr(31) || $6::text))) AS l \
+               RETURNING 1) {wake}",
+            class = ENQUEUE_LOCK_CLASS,
+        );
         Outbox {
             schema,
             insert: insert.into(),
+            insert_one: insert_one.into(),
+            insert_one_keyed: insert_one_keyed.into(),
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
         }
+    }
+
+    /// The largest message accepted, payload plus headers, in bytes (default
+    /// [`DEFAULT_MAX_MESSAGE_BYTES`], at most [`MAX_MESSAGE_BYTES_LIMIT`]). A larger message
+    /// is refused with [`Error::TooLarge`](crate::Error::TooLarge) before any SQL is sent,
+    /// leaving the caller's transaction usable. Set it to your broker's limit.
+    pub fn max_message_bytes(mut self, max: usize) -> Result<Self> {
+        if max == 0 || max > MAX_MESSAGE_BYTES_LIMIT {
+            return Err(crate::Error::InvalidConfig(format!(
+                "outbox max_message_bytes must be 1..={MAX_MESSAGE_BYTES_LIMIT}, got {max}"
+            )));
+        }
+        self.max_message_bytes = max;
+        Ok(self)
     }
 
     /// The schema of the outbox table.
@@ -95,8 +161,26 @@ impl Outbox {
         tx: &mut Transaction<'_, Postgres>,
         message: Message,
     ) -> Result<Uuid> {
+        message.validate(self.max_message_bytes)?;
         let id = message.id;
-        self.enqueue_batch(tx, [message]).await?;
+        let mut m = with_trace_context(message);
+        let span = tracing::debug_span!("pgbox.outbox.enqueue", messages = 1);
+        let key = m.ordering_key.take();
+        let sql = match key {
+            Some(_) => self.insert_one_keyed.clone(),
+            None => self.insert_one.clone(),
+        };
+        let mut query = sqlx::query(AssertSqlSafe(sql))
+            .bind(m.id)
+            .bind(m.topic)
+            .bind(m.payload)
+            .bind(m.content_type)
+            .bind(Json(m.headers));
+        if let Some(key) = key {
+            query = query.bind(key);
+        }
+        query.execute(&mut **tx).instrument(span).await?;
+        tracing::debug!(message_id = %id, "pgbox outbox enqueued");
         Ok(id)
     }
 
@@ -107,8 +191,17 @@ impl Outbox {
         messages: impl IntoIterator<Item = Message>,
     ) -> Result<Vec<Uuid>> {
         let messages: Vec<Message> = messages.into_iter().collect();
+        let mut total = 0usize;
         for m in &messages {
-            m.validate()?;
+            m.validate(self.max_message_bytes)?;
+            total += m.size();
+        }
+        if total > MAX_BATCH_BYTES {
+            return Err(crate::Error::TooLarge {
+                what: "batch",
+                len: total,
+                max: MAX_BATCH_BYTES,
+            });
         }
         if messages.is_empty() {
             return Ok(Vec::new());
@@ -120,12 +213,8 @@ impl Outbox {
         let mut payloads = Vec::with_capacity(n);
         let mut types = Vec::with_capacity(n);
         let mut headers = Vec::with_capacity(n);
-        for mut m in messages {
-            if !m.headers.contains_key(TRACEPARENT)
-                && let Some(traceparent) = trace::outgoing()
-            {
-                m.headers.insert(TRACEPARENT.to_owned(), traceparent);
-            }
+        for m in messages {
+            let m = with_trace_context(m);
             ids.push(m.id);
             topics.push(m.topic);
             keys.push(m.ordering_key);
@@ -147,4 +236,14 @@ impl Outbox {
         tracing::debug!(messages = n, "pgbox outbox enqueued");
         Ok(ids)
     }
+}
+
+/// Continues the current trace: adds `traceparent` unless the message has one.
+fn with_trace_context(mut m: Message) -> Message {
+    if !m.headers.contains_key(TRACEPARENT)
+        && let Some(traceparent) = trace::outgoing()
+    {
+        m.headers.insert(TRACEPARENT.to_owned(), traceparent);
+    }
+    m
 }

@@ -37,7 +37,8 @@ pub struct DeadLetter {
     pub dead_at: OffsetDateTime,
 }
 
-/// Operator access to the outbox's dead letters.
+/// Operator access to the outbox's dead letters. (The built-in queue's are
+/// [`QueueDeadLetters`](crate::transport::QueueDeadLetters).)
 #[derive(Debug, Clone)]
 pub struct DeadLetters {
     pool: PgPool,
@@ -49,7 +50,7 @@ impl DeadLetters {
     pub fn new(pool: PgPool) -> Self {
         DeadLetters {
             pool,
-            schema: Identifier::new("schema", DEFAULT_SCHEMA).expect("valid default"),
+            schema: Identifier::pgbox_schema(DEFAULT_SCHEMA).expect("valid default"),
         }
     }
 
@@ -57,7 +58,7 @@ impl DeadLetters {
     pub fn with_schema(pool: PgPool, schema: &str) -> Result<Self> {
         Ok(DeadLetters {
             pool,
-            schema: Identifier::new("schema", schema)?,
+            schema: Identifier::pgbox_schema(schema)?,
         })
     }
 

@@ -3,16 +3,23 @@
 //! [`Publisher`] is the relay's side: publish a batch, confirm each message. The built-in
 //! [`PgQueue`] implements it and also the receiving side (visibility timeout, ack, nack,
 //! dead letters), so a whole pipeline runs on PostgreSQL alone. Broker adapters implement
-//! `Publisher` for their client.
+//! both traits for their client: [`rabbitmq`] (feature `rabbitmq`) and [`nats`] (feature
+//! `nats`). Every transport is checked by the same [`conformance`] suite (feature `testing`).
 
+#[cfg(feature = "testing")]
+pub mod conformance;
+#[cfg(feature = "nats")]
+pub mod nats;
 mod postgres;
+#[cfg(feature = "rabbitmq")]
+pub mod rabbitmq;
 
 use std::future::Future;
 use std::time::Duration;
 
 use sqlx::PgPool;
 
-pub use self::postgres::{Delivery, PgQueue};
+pub use self::postgres::{Delivery, PgQueue, QueueDeadLetter, QueueDeadLetters};
 
 use crate::error::Result;
 use crate::outbox::Envelope;
@@ -31,6 +38,14 @@ pub trait Publisher: Send + Sync {
         &self,
         batch: &[Envelope],
     ) -> impl Future<Output = Vec<Result<(), PublishError>>> + Send;
+
+    /// Whether a batch is published all or nothing, in order (one database statement, one
+    /// broker transaction). The relay then hands over several messages of one ordering key
+    /// in one call. Otherwise (the default) it calls [`publish`](Self::publish) in waves, so
+    /// that no message of a key is sent before the previous one was confirmed.
+    fn atomic_batches(&self) -> bool {
+        false
+    }
 }
 
 /// A publisher that accepts everything and sends nothing: the database's ceiling in
@@ -42,6 +57,10 @@ impl Publisher for DiscardPublisher {
     async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
         vec![Ok(()); batch.len()]
     }
+
+    fn atomic_batches(&self) -> bool {
+        true
+    }
 }
 
 /// The receiving side of a transport, as the [`Consumer`](crate::Consumer) runner uses it:
@@ -51,6 +70,10 @@ pub trait Subscriber: Send + Sync {
     type Delivery: Send + Sync;
 
     /// Up to `max` messages of `topic`, hidden from other receivers for `visibility`.
+    /// Transports whose broker owns the timeout say how it applies instead (RabbitMQ:
+    /// redelivery when the consumer's channel closes; NATS: the consumer's `ack_wait`).
+    /// Broker transports wait a short while for messages before returning none, so a
+    /// consumer over them can use a short poll interval.
     fn receive(
         &self,
         topic: &str,

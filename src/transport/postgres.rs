@@ -1,11 +1,14 @@
 //! The built-in transport: a durable per-topic queue in PostgreSQL.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::PgRow;
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, PgPool, Row};
+use time::OffsetDateTime;
+use uuid::Uuid;
 
 use super::{PublishError, Publisher, Subscriber};
 use crate::error::{Error, Result};
@@ -55,13 +58,13 @@ impl PgQueue {
     pub fn new(pool: PgPool) -> Self {
         Self::build(
             pool,
-            Identifier::new("schema", DEFAULT_SCHEMA).expect("valid default"),
+            Identifier::pgbox_schema(DEFAULT_SCHEMA).expect("valid default"),
         )
     }
 
     /// The queue in `schema`.
     pub fn with_schema(pool: PgPool, schema: &str) -> Result<Self> {
-        Ok(Self::build(pool, Identifier::new("schema", schema)?))
+        Ok(Self::build(pool, Identifier::pgbox_schema(schema)?))
     }
 
     fn build(pool: PgPool, schema: Identifier) -> Self {
@@ -71,20 +74,11 @@ impl PgQueue {
                 "INSERT INTO {s}.queue (message_id, topic, ordering_key, payload, content_type, headers, created_at) \
                  SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::timestamptz[])"
             ),
-            // Head of each key only: a later message of a key waits while an earlier one is
-            // in the table (invisible, in flight, or waiting out a nack delay).
-            receive: format!(
-                "UPDATE {s}.queue AS q \
-                 SET visible_at = now() + make_interval(secs => $3), deliveries = q.deliveries + 1 \
-                 WHERE q.seq IN (\
-                   SELECT o.seq FROM {s}.queue AS o \
-                   WHERE o.topic = $1 AND o.visible_at <= now() \
-                     AND (o.ordering_key IS NULL OR NOT EXISTS (\
-                       SELECT 1 FROM {s}.queue AS p \
-                       WHERE p.topic = o.topic AND p.ordering_key = o.ordering_key AND p.seq < o.seq)) \
-                   ORDER BY o.seq LIMIT $2 FOR UPDATE SKIP LOCKED) \
-                 RETURNING {COLUMNS}"
-            ),
+            // Head of each key only, and not while the key has a dead letter: a later
+            // message of a key waits while an earlier one is in the table (invisible, in
+            // flight, or waiting out a nack delay) or dead-lettered. The statement lives in
+            // the `queue_receive` function (migration V6), which pins its plan.
+            receive: format!("SELECT {COLUMNS} FROM {s}.queue_receive($1, $2, $3)"),
             ack: format!("DELETE FROM {s}.queue WHERE seq = $1 AND deliveries = $2"),
             nack: format!(
                 "UPDATE {s}.queue SET visible_at = now() + make_interval(secs => $3), last_error = $4 \
@@ -161,7 +155,16 @@ impl PgQueue {
         Ok(done.rows_affected() == 1)
     }
 
-    /// Moves the message to `queue_dead_letters`.
+    /// Operator access to this queue's dead letters (list, replay, discard).
+    pub fn dead_letters(&self) -> QueueDeadLetters {
+        QueueDeadLetters {
+            pool: self.pool.clone(),
+            schema: self.inner.schema.clone(),
+        }
+    }
+
+    /// Moves the message to `queue_dead_letters`. Until it is replayed or discarded (see
+    /// [`QueueDeadLetters`]), later messages of its ordering key are not delivered.
     pub async fn dead_letter(&self, delivery: &Delivery, error: &str) -> Result<bool> {
         let done = sqlx::query(AssertSqlSafe(self.inner.dead_letter.clone()))
             .bind(delivery.queue_seq)
@@ -187,37 +190,76 @@ fn decode_delivery(row: &PgRow) -> Result<Delivery> {
 impl Publisher for PgQueue {
     async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
         let result: Result<()> = async {
-            sqlx::query(AssertSqlSafe(self.inner.publish.clone()))
-                .bind(batch.iter().map(|e| e.id).collect::<Vec<_>>())
-                .bind(batch.iter().map(|e| e.topic.as_str()).collect::<Vec<_>>())
-                .bind(
-                    batch
-                        .iter()
-                        .map(|e| e.ordering_key.as_deref())
-                        .collect::<Vec<_>>(),
-                )
-                .bind(
-                    batch
-                        .iter()
-                        .map(|e| e.payload.as_slice())
-                        .collect::<Vec<_>>(),
-                )
-                .bind(
-                    batch
-                        .iter()
-                        .map(|e| e.content_type.as_str())
-                        .collect::<Vec<_>>(),
-                )
-                .bind(batch.iter().map(|e| Json(&e.headers)).collect::<Vec<_>>())
-                .bind(batch.iter().map(|e| e.created_at).collect::<Vec<_>>())
-                .execute(&self.pool)
-                .await?;
+            let chunks = chunk_by_bytes(batch, MAX_STATEMENT_BYTES);
+            if let [only] = chunks.as_slice() {
+                return self.insert(&mut *self.pool.acquire().await?, only).await;
+            }
+            // Too big for one statement: several, in one transaction, so the batch stays
+            // all or nothing.
+            let mut tx = self.pool.begin().await?;
+            for chunk in &chunks {
+                self.insert(&mut tx, chunk).await?;
+            }
+            tx.commit().await?;
             Ok(())
         }
         .await;
-        // One statement: the whole batch is in, or none of it.
         let result = result.map_err(|e: Error| PublishError(e.to_string()));
         vec![result; batch.len()]
+    }
+
+    fn atomic_batches(&self) -> bool {
+        true
+    }
+}
+
+/// Payload bytes per queue INSERT: well under PostgreSQL's 1 GiB protocol message limit.
+const MAX_STATEMENT_BYTES: usize = 64 * 1024 * 1024;
+
+/// Consecutive slices of `batch` whose payloads add up to at most `max` bytes (a single
+/// larger message gets a slice of its own).
+fn chunk_by_bytes(batch: &[Envelope], max: usize) -> Vec<&[Envelope]> {
+    let mut chunks = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, e) in batch.iter().enumerate() {
+        if i > start && bytes + e.payload.len() > max {
+            chunks.push(&batch[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += e.payload.len();
+    }
+    chunks.push(&batch[start..]);
+    chunks
+}
+
+impl PgQueue {
+    async fn insert(&self, conn: &mut sqlx::PgConnection, batch: &[Envelope]) -> Result<()> {
+        sqlx::query(AssertSqlSafe(self.inner.publish.clone()))
+            .bind(batch.iter().map(|e| e.id).collect::<Vec<_>>())
+            .bind(batch.iter().map(|e| e.topic.as_str()).collect::<Vec<_>>())
+            .bind(
+                batch
+                    .iter()
+                    .map(|e| e.ordering_key.as_deref())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                batch
+                    .iter()
+                    .map(|e| e.payload.as_slice())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(
+                batch
+                    .iter()
+                    .map(|e| e.content_type.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(batch.iter().map(|e| Json(&e.headers)).collect::<Vec<_>>())
+            .bind(batch.iter().map(|e| e.created_at).collect::<Vec<_>>())
+            .execute(conn)
+            .await?;
+        Ok(())
     }
 }
 
@@ -256,4 +298,174 @@ impl Subscriber for PgQueue {
     fn wake_channel(&self) -> Option<(PgPool, String)> {
         Some((self.pool.clone(), self.channel()))
     }
+}
+
+/// A message of the built-in queue that a consumer gave up on (see [`PgQueue::dead_letter`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct QueueDeadLetter {
+    /// Its original queue position; replay puts it back there.
+    pub seq: i64,
+    /// Its id (the outbox's message id).
+    pub message_id: Uuid,
+    /// Topic.
+    pub topic: String,
+    /// Ordering key: later messages of this key are not delivered until it is replayed or
+    /// discarded.
+    pub ordering_key: Option<String>,
+    /// Headers.
+    pub headers: BTreeMap<String, String>,
+    /// Payload size in bytes.
+    pub payload_bytes: i32,
+    /// Deliveries made before it was dead-lettered.
+    pub deliveries: i32,
+    /// The error it was dead-lettered with.
+    pub last_error: Option<String>,
+    /// When the producer enqueued it.
+    pub created_at: OffsetDateTime,
+    /// When it was dead-lettered.
+    pub dead_at: OffsetDateTime,
+}
+
+/// Operator access to the built-in queue's dead letters, the counterpart of
+/// [`DeadLetters`](crate::DeadLetters) for the outbox.
+///
+/// A dead letter holds its ordering key: [`PgQueue::receive`] delivers no later message of
+/// that key until the dead letter is [replayed](Self::replay) (back at its original position,
+/// so it is delivered first and the held messages follow in order) or
+/// [discarded](Self::discard). Messages are named by message id; if the queue held a message
+/// twice (a repeated publish) and both copies were dead-lettered, an id names both.
+#[derive(Debug, Clone)]
+pub struct QueueDeadLetters {
+    pool: PgPool,
+    schema: Identifier,
+}
+
+const DEAD_LETTER_COLUMNS: &str = "seq, message_id, topic, ordering_key, headers, \
+     octet_length(payload) AS payload_bytes, deliveries, last_error, created_at, dead_at";
+
+impl QueueDeadLetters {
+    /// Dead letters of the queue in the default schema.
+    pub fn new(pool: PgPool) -> Self {
+        QueueDeadLetters {
+            pool,
+            schema: Identifier::new("schema", DEFAULT_SCHEMA).expect("valid default"),
+        }
+    }
+
+    /// Dead letters of the queue in `schema`.
+    pub fn with_schema(pool: PgPool, schema: &str) -> Result<Self> {
+        Ok(QueueDeadLetters {
+            pool,
+            schema: Identifier::new("schema", schema)?,
+        })
+    }
+
+    /// Up to `limit` dead letters, oldest (lowest queue position) first.
+    pub async fn list(&self, limit: i64) -> Result<Vec<QueueDeadLetter>> {
+        let sql = format!(
+            "SELECT {DEAD_LETTER_COLUMNS} FROM {}.queue_dead_letters ORDER BY seq LIMIT $1",
+            self.schema
+        );
+        let rows = sqlx::query(AssertSqlSafe(sql))
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(decode_dead_letter).collect()
+    }
+
+    /// One dead letter and its payload, if it exists (the oldest, if the id names several).
+    pub async fn get(&self, id: Uuid) -> Result<Option<(QueueDeadLetter, Vec<u8>)>> {
+        let sql = format!(
+            "SELECT {DEAD_LETTER_COLUMNS}, payload FROM {}.queue_dead_letters \
+             WHERE message_id = $1 ORDER BY seq LIMIT 1",
+            self.schema
+        );
+        let row = sqlx::query(AssertSqlSafe(sql))
+            .bind(id)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|r| Ok((decode_dead_letter(&r)?, r.try_get("payload")?)))
+            .transpose()
+    }
+
+    /// Moves these dead letters back into the queue at their original positions (same
+    /// `seq`), visible at once and with a fresh delivery count: each is delivered before the
+    /// messages its key held back. Returns how many of the distinct `ids` were found.
+    pub async fn replay(&self, ids: &[Uuid]) -> Result<u64> {
+        let s = &self.schema;
+        let sql = format!(
+            "WITH moved AS (DELETE FROM {s}.queue_dead_letters WHERE message_id = ANY($1) RETURNING *), \
+             back AS (\
+               INSERT INTO {s}.queue (seq, message_id, topic, ordering_key, payload, content_type, headers, created_at) \
+               OVERRIDING SYSTEM VALUE \
+               SELECT seq, message_id, topic, ordering_key, payload, content_type, headers, created_at FROM moved \
+               RETURNING message_id) \
+             SELECT count(DISTINCT message_id) FROM back"
+        );
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(ids)
+            .fetch_one(&self.pool)
+            .await?;
+        let n = n as u64;
+        tracing::info!(
+            schema = s.as_str(),
+            requested = ids.len(),
+            replayed = n,
+            "pgbox queue dead letters replayed"
+        );
+        tracing::debug!(?ids, "pgbox queue dead letters replayed: ids");
+        Ok(n)
+    }
+
+    /// Replays every dead letter.
+    pub async fn replay_all(&self) -> Result<u64> {
+        let sql = format!(
+            "SELECT DISTINCT message_id FROM {}.queue_dead_letters",
+            self.schema
+        );
+        let ids: Vec<Uuid> = sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_all(&self.pool)
+            .await?;
+        self.replay(&ids).await
+    }
+
+    /// Deletes these dead letters for good, releasing their ordering keys. Returns how many
+    /// of the distinct `ids` were found.
+    pub async fn discard(&self, ids: &[Uuid]) -> Result<u64> {
+        let s = &self.schema;
+        let sql = format!(
+            "WITH gone AS (DELETE FROM {s}.queue_dead_letters WHERE message_id = ANY($1) RETURNING message_id) \
+             SELECT count(DISTINCT message_id) FROM gone"
+        );
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(sql))
+            .bind(ids)
+            .fetch_one(&self.pool)
+            .await?;
+        let n = n as u64;
+        tracing::warn!(
+            schema = s.as_str(),
+            requested = ids.len(),
+            discarded = n,
+            "pgbox queue dead letters discarded"
+        );
+        tracing::debug!(?ids, "pgbox queue dead letters discarded: ids");
+        Ok(n)
+    }
+}
+
+fn decode_dead_letter(r: &PgRow) -> Result<QueueDeadLetter> {
+    let headers: Json<BTreeMap<String, String>> = r.try_get("headers")?;
+    Ok(QueueDeadLetter {
+        seq: r.try_get("seq")?,
+        message_id: r.try_get("message_id")?,
+        topic: r.try_get("topic")?,
+        ordering_key: r.try_get("ordering_key")?,
+        headers: headers.0,
+        payload_bytes: r.try_get("payload_bytes")?,
+        deliveries: r.try_get("deliveries")?,
+        last_error: r.try_get("last_error")?,
+        created_at: r.try_get("created_at")?,
+        dead_at: r.try_get("dead_at")?,
+    })
 }

@@ -1,6 +1,7 @@
 //! Test fixtures: every test gets a database of its own on a real PostgreSQL server.
 #![allow(dead_code)]
 
+pub mod brokers;
 pub mod local_pg;
 
 use std::str::FromStr;

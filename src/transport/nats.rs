@@ -1,0 +1,739 @@
+//! The NATS JetStream transport (feature `nats`, on [`async_nats`]).
+//!
+//! [`Nats`] is both a [`Publisher`] for the relay and a [`Subscriber`] for the
+//! [`Consumer`](crate::Consumer) runner. Clone it freely: clones share one client, which
+//! reconnects by itself after the connection breaks.
+//!
+//! # Streams and subjects
+//!
+//! A message of topic `T` is published on subject `<prefix>.<token(T)>` (default prefix
+//! `pgbox`), where `token` keeps ASCII letters, digits and `-` and writes every other byte
+//! as `_` plus two hex digits (`orders.paid` → `orders_2epaid`), so any topic is one valid
+//! subject token. With [`NatsBuilder::declare`] on (the default), pgbox creates, if missing:
+//! - the stream (default `PGBOX`) on `<prefix>.>`, file storage, limits retention with
+//!   [`NatsBuilder::max_age`] (default 7 days) and the duplicate window
+//!   [`NatsBuilder::duplicate_window`] (default 2 minutes);
+//! - the dead-letter stream `<stream>_DEAD` on `<prefix>-dead.>`;
+//! - per topic, a durable pull consumer `<durable>_<token(T)>` (default durable `pgbox`)
+//!   filtered on the topic's subject, explicit acks, `ack_wait` =
+//!   [`NatsBuilder::ack_wait`], unlimited deliveries (the consumer runner decides when to
+//!   dead-letter).
+//!
+//! An existing stream or consumer is used as it is (its settings are not changed). Turn
+//! `declare` off to create them yourself.
+//!
+//! # Publishing
+//!
+//! Every message carries `Nats-Msg-Id` = the outbox message id, so a relay re-publish within
+//! the stream's duplicate window is dropped by the server (and reported `Ok`). Acks are
+//! awaited concurrently: a batch is sent, then its acks are collected. Headers: pgbox's
+//! fields travel as JSON in `Pgbox-Meta` (content type, ordering key, creation time, and the
+//! message headers, byte-exact whatever their names); `traceparent` and `tracestate` are
+//! also set as plain NATS headers for other tools. Messages larger than the server's
+//! `max_payload` (1 MiB by default) fail; raise it in the server configuration if needed.
+//!
+//! # Receiving
+//!
+//! `receive` pulls a batch from the durable consumer, waiting up to
+//! [`NatsBuilder::receive_wait`]. The `visibility` argument does not apply: the consumer's
+//! `ack_wait` is the visibility timeout (a message not acked in time is redelivered). The
+//! attempt is JetStream's `num_delivered`. A nack with a delay is a `NAK` with that delay
+//! (the server redelivers no earlier). A dead letter is copied (with publish ack) to the
+//! dead-letter stream with the error in `Pgbox-Error`, then terminated (`TERM`) so it is
+//! never redelivered; inspect them with [`Nats::dead_letters`] or any NATS tool.
+//!
+//! **Order**: a stream keeps publication order per subject, but a pull consumer hands
+//! messages to whoever pulls, and redeliveries come back later. pgbox does not claim
+//! per-key order on NATS; use
+//! [`Inbox::process_in_order`](crate::Inbox::process_in_order) where order matters.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, AckKind, Context};
+use bytes::Bytes;
+use futures_util::StreamExt;
+use futures_util::future::join_all;
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use tokio::sync::OnceCell;
+use uuid::Uuid;
+
+use super::{PublishError, Publisher, Subscriber};
+use crate::error::{Error, Result};
+use crate::outbox::{Envelope, TRACEPARENT};
+
+const TRANSPORT: &str = "nats";
+const META: &str = "Pgbox-Meta";
+const ERROR: &str = "Pgbox-Error";
+const DELIVERIES: &str = "Pgbox-Deliveries";
+const MSG_ID: &str = "Nats-Msg-Id";
+/// The message id on dead-letter copies, whose `Nats-Msg-Id` also names the delivery.
+const ID: &str = "Pgbox-Id";
+const MAX_ERROR_BYTES: usize = 4096;
+/// Acks awaited at once; bigger batches go in chunks of this size.
+const ACK_CHUNK: usize = 1000;
+
+fn broker_error(what: &str, e: impl fmt::Display) -> Error {
+    Error::Transport {
+        transport: TRANSPORT,
+        message: format!("{what}: {e}"),
+    }
+}
+
+/// Builder for [`Nats`].
+#[derive(Debug, Clone)]
+pub struct NatsBuilder {
+    url: String,
+    stream: String,
+    subject_prefix: String,
+    durable: String,
+    declare: bool,
+    ack_wait: Duration,
+    max_ack_pending: i64,
+    max_age: Duration,
+    duplicate_window: Duration,
+    receive_wait: Duration,
+    inactive_threshold: Option<Duration>,
+}
+
+impl NatsBuilder {
+    /// The stream's name (default `PGBOX`); the dead letters go to `<stream>_DEAD`.
+    pub fn stream(mut self, name: impl Into<String>) -> Self {
+        self.stream = name.into();
+        self
+    }
+
+    /// The subject prefix (default `pgbox`): topic `T` is `<prefix>.<token(T)>`.
+    pub fn subject_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.subject_prefix = prefix.into();
+        self
+    }
+
+    /// The durable consumer name's prefix (default `pgbox`). Consumers sharing it share the
+    /// topic's messages; give each consuming service its own.
+    pub fn durable(mut self, name: impl Into<String>) -> Self {
+        self.durable = name.into();
+        self
+    }
+
+    /// Create the streams and consumers when missing (default `true`).
+    pub fn declare(mut self, declare: bool) -> Self {
+        self.declare = declare;
+        self
+    }
+
+    /// How long a delivered message may stay unacked before it is redelivered (default
+    /// 30 s): the visibility timeout. Must exceed the handler's worst case.
+    pub fn ack_wait(mut self, wait: Duration) -> Self {
+        self.ack_wait = wait;
+        self
+    }
+
+    /// Unacked messages per consumer (default 1000).
+    pub fn max_ack_pending(mut self, n: i64) -> Self {
+        self.max_ack_pending = n;
+        self
+    }
+
+    /// How long the stream keeps messages, acked or not (default 7 days).
+    pub fn max_age(mut self, age: Duration) -> Self {
+        self.max_age = age;
+        self
+    }
+
+    /// The stream's duplicate window for `Nats-Msg-Id` (default 2 minutes).
+    pub fn duplicate_window(mut self, window: Duration) -> Self {
+        self.duplicate_window = window;
+        self
+    }
+
+    /// How long `receive` waits for messages (default 200 ms).
+    pub fn receive_wait(mut self, wait: Duration) -> Self {
+        self.receive_wait = wait;
+        self
+    }
+
+    /// Delete a durable consumer after it has been idle this long (default: never). For
+    /// tests and throwaway topics.
+    pub fn inactive_threshold(mut self, idle: Duration) -> Self {
+        self.inactive_threshold = Some(idle);
+        self
+    }
+
+    /// Validates the settings. Connects lazily, on first use.
+    pub fn build(self) -> Result<Nats> {
+        let name_ok = |s: &str| {
+            !s.is_empty()
+                && s.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        };
+        if !name_ok(&self.stream) || !name_ok(&self.durable) {
+            return Err(Error::InvalidConfig(
+                "nats stream and durable names: ASCII letters, digits, '-' and '_'".into(),
+            ));
+        }
+        if self.subject_prefix.is_empty()
+            || self
+                .subject_prefix
+                .split('.')
+                .any(|t| t.is_empty() || t.contains(['*', '>', ' ']))
+        {
+            return Err(Error::InvalidConfig(
+                "nats subject prefix must be dot-separated non-empty tokens without wildcards"
+                    .into(),
+            ));
+        }
+        if self.receive_wait < Duration::from_millis(10) || self.ack_wait.is_zero() {
+            return Err(Error::InvalidConfig(
+                "nats receive_wait must be at least 10 ms and ack_wait positive".into(),
+            ));
+        }
+        Ok(Nats {
+            inner: Arc::new(Inner {
+                config: self,
+                client: OnceCell::new(),
+                consumers: StdMutex::new(HashMap::new()),
+                streams: OnceCell::new(),
+            }),
+        })
+    }
+}
+
+/// The NATS JetStream transport: see the [module docs](self). Cheap to clone.
+#[derive(Clone)]
+pub struct Nats {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Nats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Nats")
+            .field("stream", &self.inner.config.stream)
+            .field("subject_prefix", &self.inner.config.subject_prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+type PullConsumer = jetstream::consumer::Consumer<jetstream::consumer::pull::Config>;
+
+struct Inner {
+    config: NatsBuilder,
+    client: OnceCell<(async_nats::Client, Context)>,
+    consumers: StdMutex<HashMap<String, PullConsumer>>,
+    streams: OnceCell<()>,
+}
+
+/// A message received from [`Nats`]: settle it with `ack`, `nack` or `dead_letter`.
+pub struct NatsDelivery {
+    envelope: Envelope,
+    attempt: i32,
+    message: jetstream::Message,
+}
+
+impl fmt::Debug for NatsDelivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsDelivery")
+            .field("message_id", &self.envelope.id)
+            .field("attempt", &self.attempt)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NatsDelivery {
+    /// The message.
+    pub fn envelope(&self) -> &Envelope {
+        &self.envelope
+    }
+
+    /// JetStream's delivery count: 1 for a first delivery.
+    pub fn attempt(&self) -> i32 {
+        self.attempt
+    }
+}
+
+/// A dead-lettered message, as [`Nats::dead_letters`] shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NatsDeadLetter {
+    /// The message.
+    pub envelope: Envelope,
+    /// The error given when it was dead-lettered.
+    pub error: Option<String>,
+    /// Deliveries before it was dead-lettered.
+    pub deliveries: i32,
+    /// Its sequence number in the dead-letter stream.
+    pub sequence: u64,
+}
+
+/// pgbox's fields, as JSON in one header: exact whatever the header names and values.
+#[derive(Serialize, Deserialize)]
+struct Meta {
+    content_type: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    ordering_key: Option<String>,
+    created_at: i128,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+}
+
+/// One subject token (and consumer-name part) for any topic, reversible and collision-free.
+pub fn token(topic: &str) -> String {
+    let mut out = String::with_capacity(topic.len());
+    for b in topic.bytes() {
+        if b.is_ascii_alphanumeric() || b == b'-' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("_{b:02x}"));
+        }
+    }
+    out
+}
+
+impl Nats {
+    /// A transport for the server at `url` (`nats://host:port`).
+    pub fn builder(url: impl Into<String>) -> NatsBuilder {
+        NatsBuilder {
+            url: url.into(),
+            stream: "PGBOX".into(),
+            subject_prefix: "pgbox".into(),
+            durable: "pgbox".into(),
+            declare: true,
+            ack_wait: Duration::from_secs(30),
+            max_ack_pending: 1000,
+            max_age: Duration::from_secs(7 * 24 * 3600),
+            duplicate_window: Duration::from_secs(120),
+            receive_wait: Duration::from_millis(200),
+            inactive_threshold: None,
+        }
+    }
+
+    /// The subject of `topic`.
+    pub fn subject(&self, topic: &str) -> String {
+        format!("{}.{}", self.inner.config.subject_prefix, token(topic))
+    }
+
+    /// The dead-letter subject of `topic`.
+    pub fn dead_letter_subject(&self, topic: &str) -> String {
+        format!("{}-dead.{}", self.inner.config.subject_prefix, token(topic))
+    }
+
+    fn dead_stream(&self) -> String {
+        format!("{}_DEAD", self.inner.config.stream)
+    }
+
+    async fn context(&self) -> Result<&Context> {
+        let (_, context) = self
+            .inner
+            .client
+            .get_or_try_init(|| async {
+                let client = async_nats::ConnectOptions::new()
+                    .connection_timeout(Duration::from_secs(10))
+                    .reconnect_delay_callback(|attempts| {
+                        Duration::from_millis((attempts as u64 * 100).min(2000))
+                    })
+                    .event_callback(|event| async move {
+                        tracing::info!(%event, "pgbox nats connection event");
+                    })
+                    .connect(self.inner.config.url.as_str())
+                    .await
+                    .map_err(|e| broker_error("connect", e))?;
+                tracing::info!(url = %self.inner.config.url, "pgbox nats connected");
+                let context = jetstream::new(client.clone());
+                Ok::<_, Error>((client, context))
+            })
+            .await?;
+        if self.inner.config.declare {
+            self.inner
+                .streams
+                .get_or_try_init(|| self.declare_streams(context))
+                .await?;
+        }
+        Ok(context)
+    }
+
+    async fn declare_streams(&self, context: &Context) -> Result<()> {
+        let config = &self.inner.config;
+        for (name, subjects) in [
+            (
+                config.stream.clone(),
+                format!("{}.>", config.subject_prefix),
+            ),
+            (
+                self.dead_stream(),
+                format!("{}-dead.>", config.subject_prefix),
+            ),
+        ] {
+            context
+                .get_or_create_stream(jetstream::stream::Config {
+                    name: name.clone(),
+                    subjects: vec![subjects],
+                    max_age: config.max_age,
+                    duplicate_window: config.duplicate_window,
+                    storage: jetstream::stream::StorageType::File,
+                    allow_direct: true,
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| broker_error(&format!("create stream {name}"), e))?;
+        }
+        tracing::debug!(stream = %config.stream, "pgbox nats streams ready");
+        Ok(())
+    }
+
+    /// The largest payload the server takes, once connected.
+    pub async fn max_payload(&self) -> Result<usize> {
+        self.context().await?;
+        let (client, _) = self.inner.client.get().expect("connected");
+        Ok(client.server_info().max_payload)
+    }
+
+    /// Creates the topic's durable consumer if missing (idempotent), so that messages
+    /// published from now on are kept for it even before the first `receive`.
+    pub async fn declare_topic(&self, topic: &str) -> Result<()> {
+        self.consumer(topic).await.map(drop)
+    }
+
+    async fn consumer(&self, topic: &str) -> Result<PullConsumer> {
+        if let Some(c) = self.inner.consumers.lock().expect("consumers").get(topic) {
+            return Ok(c.clone());
+        }
+        let context = self.context().await?;
+        let config = &self.inner.config;
+        let name = format!("{}_{}", config.durable, token(topic));
+        let stream = context
+            .get_stream(&config.stream)
+            .await
+            .map_err(|e| broker_error("get stream", e))?;
+        let consumer_config = jetstream::consumer::pull::Config {
+            durable_name: Some(name.clone()),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: config.ack_wait,
+            max_deliver: -1,
+            max_ack_pending: config.max_ack_pending,
+            filter_subject: self.subject(topic),
+            inactive_threshold: config.inactive_threshold.unwrap_or_default(),
+            ..Default::default()
+        };
+        let consumer: PullConsumer = if config.declare {
+            stream
+                .get_or_create_consumer(&name, consumer_config)
+                .await
+                .map_err(|e| broker_error(&format!("create consumer {name}"), e))?
+        } else {
+            stream
+                .get_consumer(&name)
+                .await
+                .map_err(|e| broker_error(&format!("get consumer {name}"), e))?
+        };
+        tracing::info!(topic, consumer = %name, "pgbox nats consumer ready");
+        self.inner
+            .consumers
+            .lock()
+            .expect("consumers")
+            .insert(topic.to_owned(), consumer.clone());
+        Ok(consumer)
+    }
+
+    /// Up to `max` dead letters of `topic`, oldest first (read from the dead-letter stream,
+    /// which keeps them).
+    pub async fn dead_letters(&self, topic: &str, max: usize) -> Result<Vec<NatsDeadLetter>> {
+        let context = self.context().await?;
+        let mut stream = context
+            .get_stream(self.dead_stream())
+            .await
+            .map_err(|e| broker_error("get dead-letter stream", e))?;
+        let state = stream
+            .info()
+            .await
+            .map_err(|e| broker_error("dead-letter stream info", e))?
+            .state
+            .clone();
+        let subject = self.dead_letter_subject(topic);
+        let mut out = Vec::new();
+        let mut seq = state.first_sequence.max(1);
+        // Bounded: one lookup per matching message, at most `max`.
+        while out.len() < max && seq <= state.last_sequence {
+            let found = stream
+                .direct_get_next_for_subject(&subject, Some(seq))
+                .await;
+            let Ok(message) = found else { break };
+            seq = message.sequence + 1;
+            let envelope = decode(topic, &message.headers, &message.payload)?;
+            out.push(NatsDeadLetter {
+                envelope,
+                error: message.headers.get(ERROR).map(|v| v.as_str().to_owned()),
+                deliveries: message
+                    .headers
+                    .get(DELIVERIES)
+                    .and_then(|v| v.as_str().parse().ok())
+                    .unwrap_or(0),
+                sequence: message.sequence,
+            });
+        }
+        Ok(out)
+    }
+}
+
+fn headers(envelope: &Envelope) -> Result<HeaderMap, PublishError> {
+    let meta = Meta {
+        content_type: envelope.content_type.clone(),
+        ordering_key: envelope.ordering_key.clone(),
+        created_at: envelope.created_at.unix_timestamp_nanos(),
+        headers: envelope.headers.clone(),
+    };
+    let json = serde_json::to_string(&meta)
+        .map_err(|e| PublishError(format!("message {}: {e}", envelope.id)))?;
+    let mut map = HeaderMap::new();
+    map.insert(MSG_ID, envelope.id.to_string().as_str());
+    map.insert(META, json.as_str());
+    for name in [TRACEPARENT, "tracestate"] {
+        if let Some(v) = envelope.headers.get(name)
+            && !v.contains(['\r', '\n'])
+        {
+            map.insert(name, v.as_str());
+        }
+    }
+    Ok(map)
+}
+
+fn decode(topic: &str, headers: &HeaderMap, payload: &[u8]) -> Result<Envelope> {
+    let bad = |reason| Error::InvalidField {
+        field: "nats message",
+        reason,
+    };
+    let id = headers
+        .get(ID)
+        .or_else(|| headers.get(MSG_ID))
+        .and_then(|v| Uuid::parse_str(v.as_str()).ok())
+        .ok_or(bad("no Nats-Msg-Id, or not a UUID"))?;
+    let meta: Meta = headers
+        .get(META)
+        .and_then(|v| serde_json::from_str(v.as_str()).ok())
+        .ok_or(bad("no Pgbox-Meta header"))?;
+    Ok(Envelope {
+        seq: 0,
+        id,
+        topic: topic.to_owned(),
+        ordering_key: meta.ordering_key,
+        payload: payload.to_vec(),
+        content_type: meta.content_type,
+        headers: meta.headers,
+        created_at: OffsetDateTime::from_unix_timestamp_nanos(meta.created_at)
+            .map_err(|_| bad("creation time out of range"))?,
+        attempts: 0,
+    })
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+impl Publisher for Nats {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        let context = match self.context().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "pgbox nats publish: not connected");
+                return vec![Err(PublishError(e.to_string())); batch.len()];
+            }
+        };
+        let mut results = Vec::with_capacity(batch.len());
+        for chunk in batch.chunks(ACK_CHUNK) {
+            // Send the chunk, then await its acks together.
+            let mut pending = Vec::with_capacity(chunk.len());
+            for envelope in chunk {
+                let sent = match headers(envelope) {
+                    Ok(h) => context
+                        .send_publish(
+                            self.subject(&envelope.topic),
+                            jetstream::message::PublishMessage::build()
+                                .payload(Bytes::copy_from_slice(&envelope.payload))
+                                .headers(h),
+                        )
+                        .await
+                        .map_err(|e| PublishError(format!("publish failed: {e}"))),
+                    Err(e) => Err(e),
+                };
+                pending.push(sent);
+            }
+            let acks = join_all(pending.into_iter().map(|p| async move {
+                match p {
+                    Ok(ack) => ack
+                        .await
+                        .map_err(|e| PublishError(format!("publish ack: {e}"))),
+                    Err(e) => Err(e),
+                }
+            }))
+            .await;
+            for (envelope, ack) in chunk.iter().zip(acks) {
+                let result = match ack {
+                    Ok(ack) => {
+                        tracing::debug!(message_id = %envelope.id, topic = %envelope.topic, stream_seq = ack.sequence, duplicate = ack.duplicate, "pgbox nats published");
+                        Ok(())
+                    }
+                    Err(e) => {
+                        tracing::warn!(message_id = %envelope.id, topic = %envelope.topic, error = %e, "pgbox nats publish failed");
+                        Err(e)
+                    }
+                };
+                results.push(result);
+            }
+        }
+        results
+    }
+}
+
+impl Subscriber for Nats {
+    type Delivery = NatsDelivery;
+
+    async fn receive(
+        &self,
+        topic: &str,
+        max: usize,
+        _visibility: Duration,
+    ) -> Result<Vec<NatsDelivery>> {
+        let consumer = self.consumer(topic).await?;
+        let mut batch = match consumer
+            .batch()
+            .max_messages(max.max(1))
+            .expires(self.inner.config.receive_wait)
+            .messages()
+            .await
+        {
+            Ok(b) => b,
+            Err(e) => {
+                // The consumer may be gone (deleted, or expired while idle): look it up
+                // again next time.
+                self.inner
+                    .consumers
+                    .lock()
+                    .expect("consumers")
+                    .remove(topic);
+                return Err(broker_error("pull", e));
+            }
+        };
+        let mut out = Vec::new();
+        // Bounded by the batch's own `max_messages` and `expires`.
+        while let Some(next) = batch.next().await {
+            let message = match next {
+                Ok(m) => m,
+                Err(e) => {
+                    if out.is_empty() {
+                        return Err(broker_error("pull", e));
+                    }
+                    tracing::warn!(topic, error = %e, "pgbox nats pull ended early");
+                    break;
+                }
+            };
+            let attempt = message.info().map(|i| i.delivered).unwrap_or(1);
+            let empty = HeaderMap::new();
+            let headers = message.headers.as_ref().unwrap_or(&empty);
+            match decode(topic, headers, &message.payload) {
+                Ok(envelope) => out.push(NatsDelivery {
+                    envelope,
+                    attempt: i32::try_from(attempt).unwrap_or(i32::MAX),
+                    message,
+                }),
+                Err(e) => {
+                    // Not a pgbox message: never redeliver it.
+                    tracing::warn!(topic, error = %e, "pgbox nats: undecodable message terminated");
+                    let _ = message.ack_with(AckKind::Term).await;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn envelope<'d>(&self, delivery: &'d NatsDelivery) -> &'d Envelope {
+        &delivery.envelope
+    }
+
+    fn attempt(&self, delivery: &NatsDelivery) -> i32 {
+        delivery.attempt
+    }
+
+    async fn ack(&self, delivery: &NatsDelivery) -> Result<bool> {
+        delivery
+            .message
+            .ack()
+            .await
+            .map_err(|e| broker_error("ack", e))?;
+        tracing::debug!(message_id = %delivery.envelope.id, "pgbox nats ack");
+        Ok(true)
+    }
+
+    async fn nack(&self, delivery: &NatsDelivery, delay: Duration, error: &str) -> Result<bool> {
+        let delay = (!delay.is_zero()).then_some(delay);
+        delivery
+            .message
+            .ack_with(AckKind::Nak(delay))
+            .await
+            .map_err(|e| broker_error("nak", e))?;
+        tracing::info!(message_id = %delivery.envelope.id, ?delay, error, "pgbox nats nak; will redeliver");
+        Ok(true)
+    }
+
+    async fn dead_letter(&self, delivery: &NatsDelivery, error: &str) -> Result<bool> {
+        let context = self.context().await?;
+        let envelope = &delivery.envelope;
+        let mut map =
+            headers(envelope).map_err(|PublishError(e)| broker_error("dead letter", e))?;
+        map.insert(
+            ERROR,
+            truncate(&error.replace(['\r', '\n'], " "), MAX_ERROR_BYTES),
+        );
+        map.insert(DELIVERIES, delivery.attempt.to_string().as_str());
+        // Deduplicated per delivery, not per message: a message dead-lettered again after a
+        // replay must not be dropped as a duplicate of its first dead letter.
+        map.insert(ID, envelope.id.to_string().as_str());
+        map.insert(
+            MSG_ID,
+            format!("{}-dead-{}", envelope.id, delivery.attempt).as_str(),
+        );
+        context
+            .send_publish(
+                self.dead_letter_subject(&envelope.topic),
+                jetstream::message::PublishMessage::build()
+                    .payload(Bytes::copy_from_slice(&envelope.payload))
+                    .headers(map),
+            )
+            .await
+            .map_err(|e| broker_error("publish dead letter", e))?
+            .await
+            .map_err(|e| broker_error("dead letter publish ack", e))?;
+        delivery
+            .message
+            .ack_with(AckKind::Term)
+            .await
+            .map_err(|e| broker_error("term", e))?;
+        tracing::warn!(message_id = %envelope.id, attempt = delivery.attempt, error, "pgbox nats message dead-lettered");
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_are_subject_safe_and_distinct() {
+        assert_eq!(token("orders"), "orders");
+        assert_eq!(token("orders.paid"), "orders_2epaid");
+        assert_eq!(token("a_b"), "a_5fb");
+        assert_eq!(token("a b*>"), "a_20b_2a_3e");
+        assert_eq!(token("ü"), "_c3_bc");
+        // `_` is escaped too, so an escape cannot be forged by a topic.
+        assert_ne!(token("a.b"), token("a_2eb"));
+    }
+}

@@ -1,0 +1,1258 @@
+//! The RabbitMQ transport (feature `rabbitmq`, on [`lapin`]).
+//!
+//! [`RabbitMq`] is both a [`Publisher`] for the relay and a [`Subscriber`] for the
+//! [`Consumer`](crate::Consumer) runner. Clone it freely: clones share one AMQP connection,
+//! opened on first use and reopened after it breaks.
+//!
+//! # Topology
+//!
+//! With [`RabbitMqBuilder::declare`] on (the default), pgbox declares, idempotently:
+//! - a durable direct exchange (default `pgbox`); a message of topic `T` is published to it
+//!   with routing key `T`;
+//! - per topic, a durable **quorum** queue `<prefix>T` (default prefix `pgbox.`) bound with
+//!   key `T`, with single active consumer on (so one consumer process at a time receives
+//!   from it: see ordering) and dead-lettering to `<prefix>T.dead`;
+//! - a durable dead-letter queue `<prefix>T.dead`;
+//! - retry queues `<prefix>T.retry.<ms>ms` on demand (see delays).
+//!
+//! The queues are declared by the subscriber (on its first `receive`, or by
+//! [`RabbitMq::declare_topic`]), not by the publisher: messages published to a topic that
+//! has no queue yet are **unroutable**, and since every publish is `mandatory`, the relay
+//! gets an error and retries them later; nothing is dropped silently. Turn `declare` off to
+//! manage the topology yourself (same names and arguments).
+//!
+//! # Publishing
+//!
+//! Publisher confirms on, pipelined: a batch is written out, then its confirms are awaited
+//! together. Messages are persistent (`delivery_mode` 2). The message id is the AMQP
+//! `message_id`, the content type is `content_type`, headers are AMQP headers (long
+//! strings); pgbox adds `x-pgbox-created-at` and `x-pgbox-ordering-key`. Header names
+//! starting with `x-pgbox-`, and the broker's `x-death`, `x-delivery-count`,
+//! `x-first-death-*` and `x-last-death-*`, are reserved. A message is `Ok` only when the
+//! broker acked it and did not return it.
+//!
+//! # Receiving
+//!
+//! Manual acks with a prefetch (default 100) per topic. The `visibility` argument of
+//! `receive` does not apply: RabbitMQ redelivers a message when the connection or channel
+//! of the consumer holding it closes (or after the broker's `consumer_timeout`, 30 minutes
+//! by default). `receive` waits up to [`RabbitMqBuilder::receive_wait`] for a first message.
+//!
+//! **Attempts**: the quorum queue counts redeliveries (`x-delivery-count`, which grows when
+//! a consumer dies or a message is requeued); a message that went through a retry queue
+//! carries the deliveries before it in `x-pgbox-deliveries`. The attempt is their sum plus
+//! one.
+//!
+//! **Delays**: RabbitMQ has no per-message delay. A nack with a delay publishes a copy
+//! (with publisher confirm) to a retry queue whose queue-level TTL is the delay rounded
+//! **up** to a power of two milliseconds, and which dead-letters expired messages back to the
+//! topic's queue; then it acks the original. So the redelivery comes no earlier than the
+//! delay and at most about twice as late. Retry queues expire when unused. A nack with a
+//! zero delay requeues in place.
+//!
+//! **Dead letters**: `dead_letter` publishes a copy to `<prefix>T.dead` with the error in
+//! `x-pgbox-error`, then acks the original. Inspect them with [`RabbitMq::dead_letters`]
+//! (or any AMQP tool).
+//!
+//! **Order**: a quorum queue delivers in queue order, single active consumer gives one
+//! consumer process the queue at a time, and `receive` hands out at most one message per
+//! ordering key until it is settled (later ones wait in the prefetch buffer). So messages of
+//! a key are handled one at a time in publication order, **except** around a nack with a
+//! delay: the retried message goes behind later messages of its key. Use
+//! [`Inbox::process_in_order`](crate::Inbox::process_in_order) where order must survive
+//! retries.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex as StdMutex};
+use std::time::{Duration, Instant};
+
+use futures_util::future::join_all;
+use futures_util::{FutureExt, StreamExt};
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicPublishOptions,
+    BasicQosOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+use tokio::sync::Mutex;
+use uuid::Uuid;
+
+use super::{PublishError, Publisher, Subscriber};
+use crate::error::{Error, Result};
+use crate::outbox::Envelope;
+
+const TRANSPORT: &str = "rabbitmq";
+const CREATED_AT: &str = "x-pgbox-created-at";
+const ORDERING_KEY: &str = "x-pgbox-ordering-key";
+const DELIVERIES: &str = "x-pgbox-deliveries";
+const ERROR: &str = "x-pgbox-error";
+const DELIVERY_COUNT: &str = "x-delivery-count";
+const MAX_ERROR_BYTES: usize = 4096;
+
+/// Awaits one broker operation for at most `limit`. lapin resolves an operation when its
+/// frame is written, or its reply arrives, or the connection fails; a connection cut at the
+/// wrong moment can leave one of them waiting forever, and a consumer shutting down waits
+/// for its acks. Past the limit the operation counts as failed (and the connection is
+/// replaced: see [`Conn::usable`]).
+async fn bounded<T, E: fmt::Display>(
+    bound: &Bound,
+    what: &str,
+    operation: impl Future<Output = std::result::Result<T, E>>,
+) -> Result<T> {
+    let limit = bound.limit;
+    match tokio::time::timeout(limit, operation).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(e)) => Err(broker_error(what, e)),
+        Err(_) => {
+            bound.suspect.store(true, Ordering::Relaxed);
+            tracing::warn!(
+                operation = what,
+                ?limit,
+                "pgbox rabbitmq operation timed out; the connection will be replaced"
+            );
+            Err(broker_error(
+                what,
+                format_args!("no answer within {limit:?}"),
+            ))
+        }
+    }
+}
+
+/// The operation timeout, and the flag a timed-out operation raises so that the next
+/// [`RabbitMq::conn`] replaces the connection instead of trusting its status.
+#[derive(Clone)]
+struct Bound {
+    limit: Duration,
+    suspect: Arc<AtomicBool>,
+}
+
+/// [`bounded`] as a method, so that a chain of lapin calls reads in order.
+trait Within<T, E: fmt::Display>: Future<Output = std::result::Result<T, E>> + Sized {
+    fn within(self, bound: &Bound, what: &str) -> impl Future<Output = Result<T>> {
+        bounded(bound, what, self)
+    }
+}
+
+impl<T, E: fmt::Display, F: Future<Output = std::result::Result<T, E>>> Within<T, E> for F {}
+
+fn broker_error(what: &str, e: impl fmt::Display) -> Error {
+    Error::Transport {
+        transport: TRANSPORT,
+        message: format!("{what}: {e}"),
+    }
+}
+
+/// Builder for [`RabbitMq`].
+#[derive(Debug, Clone)]
+pub struct RabbitMqBuilder {
+    url: String,
+    exchange: String,
+    queue_prefix: String,
+    declare: bool,
+    single_active_consumer: bool,
+    prefetch: u16,
+    receive_wait: Duration,
+    connect_timeout: Duration,
+    confirm_timeout: Duration,
+    operation_timeout: Duration,
+    queue_expires: Option<Duration>,
+}
+
+impl RabbitMqBuilder {
+    /// The exchange messages are published to (default `pgbox`).
+    pub fn exchange(mut self, name: impl Into<String>) -> Self {
+        self.exchange = name.into();
+        self
+    }
+
+    /// The prefix of queue names (default `pgbox.`): topic `T` is queue `<prefix>T`.
+    pub fn queue_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.queue_prefix = prefix.into();
+        self
+    }
+
+    /// Declare the exchange and queues (default `true`); `false` leaves the topology to
+    /// you.
+    pub fn declare(mut self, declare: bool) -> Self {
+        self.declare = declare;
+        self
+    }
+
+    /// Declare topic queues with single active consumer (default `true`), which per-key
+    /// order relies on. Without it, several consumer processes share a queue's messages.
+    pub fn single_active_consumer(mut self, on: bool) -> Self {
+        self.single_active_consumer = on;
+        self
+    }
+
+    /// Unacked messages the broker sends ahead per topic (default 100).
+    pub fn prefetch(mut self, n: u16) -> Self {
+        self.prefetch = n;
+        self
+    }
+
+    /// How long `receive` waits for a first message before returning none (default
+    /// 200 ms).
+    pub fn receive_wait(mut self, wait: Duration) -> Self {
+        self.receive_wait = wait;
+        self
+    }
+
+    /// Declare topic and dead-letter queues with an expiry (`x-expires`): the broker deletes
+    /// them, messages included, after they go unused that long. For tests and throwaway
+    /// topics only; default none.
+    pub fn queue_expires(mut self, expires: Duration) -> Self {
+        self.queue_expires = Some(expires);
+        self
+    }
+
+    /// Bound on waiting for a batch's publisher confirms (default 30 s); messages not
+    /// confirmed by then are reported failed (and retried by the relay).
+    pub fn confirm_timeout(mut self, timeout: Duration) -> Self {
+        self.confirm_timeout = timeout;
+        self
+    }
+
+    /// Bound on opening a connection (default 10 s).
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// Bound on every other broker operation: opening a channel, declaring, acking,
+    /// nacking, publishing a retry or dead-letter copy (default 10 s). An operation past it
+    /// counts as failed and the connection is replaced, so that a connection that died
+    /// without a clean close can never hang a consumer (or its shutdown).
+    pub fn operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = timeout;
+        self
+    }
+
+    /// Validates the settings. Connects lazily, on first use.
+    pub fn build(self) -> Result<RabbitMq> {
+        if self.prefetch == 0 {
+            return Err(Error::InvalidConfig(
+                "rabbitmq prefetch must be at least 1".into(),
+            ));
+        }
+        for (name, value) in [
+            ("connect_timeout", self.connect_timeout),
+            ("confirm_timeout", self.confirm_timeout),
+            ("operation_timeout", self.operation_timeout),
+        ] {
+            if value.is_zero() || value > Duration::from_secs(24 * 3600) {
+                return Err(Error::InvalidConfig(format!(
+                    "rabbitmq {name} must be between 1 ns and 24 h, not {value:?}"
+                )));
+            }
+        }
+        if self.exchange.is_empty() || self.exchange.len() > 255 {
+            return Err(Error::InvalidConfig(
+                "rabbitmq exchange name must be 1..=255 bytes".into(),
+            ));
+        }
+        if self.queue_prefix.len() > 128 {
+            return Err(Error::InvalidConfig(
+                "rabbitmq queue prefix must be at most 128 bytes".into(),
+            ));
+        }
+        Ok(RabbitMq {
+            inner: Arc::new(Inner {
+                bound: Bound {
+                    limit: self.operation_timeout,
+                    suspect: Arc::default(),
+                },
+                config: self,
+                conn: Mutex::new(None),
+                consumers: StdMutex::new(HashMap::new()),
+            }),
+        })
+    }
+}
+
+/// The RabbitMQ transport: see the [module docs](self). Cheap to clone.
+#[derive(Clone)]
+pub struct RabbitMq {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for RabbitMq {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitMq")
+            .field("exchange", &self.inner.config.exchange)
+            .field("queue_prefix", &self.inner.config.queue_prefix)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    config: RabbitMqBuilder,
+    bound: Bound,
+    conn: Mutex<Option<Conn>>,
+    consumers: StdMutex<HashMap<String, Arc<Mutex<Option<TopicConsumer>>>>>,
+}
+
+#[derive(Clone)]
+struct Conn {
+    connection: Arc<Connection>,
+    /// Confirm-mode channel for publishing (relay batches, retry and dead-letter copies).
+    publish: Channel,
+    generation: u64,
+    /// Retry queues declared on this connection, and when. Re-declared every minute: a
+    /// declaration resets the queue's expiry, and publishing does not.
+    retry_queues: Arc<StdMutex<HashMap<String, Instant>>>,
+}
+
+impl Conn {
+    fn usable(&self) -> bool {
+        self.connection.status().connected() && self.publish.status().connected()
+    }
+}
+
+struct TopicConsumer {
+    channel: Channel,
+    /// The generation of the connection the channel belongs to.
+    generation: u64,
+    consumer: lapin::Consumer,
+    /// Received, but another message of its key is in hand.
+    held: VecDeque<RabbitDelivery>,
+    gate: Gate,
+}
+
+/// Ordering keys in hand, each with the tag of the delivery holding it.
+type Gate = Arc<StdMutex<HashMap<String, u64>>>;
+
+/// Tags deliveries, so that only the holder of a key releases it.
+static NEXT_TAG: AtomicU64 = AtomicU64::new(1);
+
+/// A message received from [`RabbitMq`]: settle it with `ack`, `nack` or `dead_letter`.
+/// Dropping it unsettled lets the next message of its key out; the message itself comes
+/// back when the channel closes.
+pub struct RabbitDelivery {
+    envelope: Envelope,
+    attempt: i32,
+    queue: String,
+    acker: lapin::Acker,
+    properties: BasicProperties,
+    gate: Gate,
+    tag: u64,
+    /// The transport's operation bound, for settling.
+    bound: Bound,
+}
+
+impl Drop for RabbitDelivery {
+    fn drop(&mut self) {
+        self.release_key();
+    }
+}
+
+impl fmt::Debug for RabbitDelivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitDelivery")
+            .field("message_id", &self.envelope.id)
+            .field("attempt", &self.attempt)
+            .field("queue", &self.queue)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RabbitDelivery {
+    /// The message.
+    pub fn envelope(&self) -> &Envelope {
+        &self.envelope
+    }
+
+    /// 1 for a first delivery, then one more per redelivery.
+    pub fn attempt(&self) -> i32 {
+        self.attempt
+    }
+
+    /// Lets the next message of this delivery's key out.
+    fn release_key(&self) {
+        if let Some(key) = &self.envelope.ordering_key {
+            let mut gate = self.gate.lock().expect("gate");
+            if gate.get(key) == Some(&self.tag) {
+                gate.remove(key);
+            }
+        }
+    }
+}
+
+/// A dead-lettered message, as [`RabbitMq::dead_letters`] shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RabbitDeadLetter {
+    /// The message.
+    pub envelope: Envelope,
+    /// The error given when it was dead-lettered (absent for messages the broker
+    /// dead-lettered itself).
+    pub error: Option<String>,
+    /// Deliveries before it was dead-lettered.
+    pub deliveries: i32,
+}
+
+impl RabbitMq {
+    /// A transport for the broker at `url` (`amqp://user:pass@host:port/vhost`).
+    pub fn builder(url: impl Into<String>) -> RabbitMqBuilder {
+        RabbitMqBuilder {
+            url: url.into(),
+            exchange: "pgbox".into(),
+            queue_prefix: "pgbox.".into(),
+            declare: true,
+            single_active_consumer: true,
+            prefetch: 100,
+            receive_wait: Duration::from_millis(200),
+            connect_timeout: Duration::from_secs(10),
+            confirm_timeout: Duration::from_secs(30),
+            operation_timeout: Duration::from_secs(10),
+            queue_expires: None,
+        }
+    }
+
+    /// The queue of `topic`.
+    pub fn queue_name(&self, topic: &str) -> String {
+        format!("{}{topic}", self.inner.config.queue_prefix)
+    }
+
+    /// The dead-letter queue of `topic`.
+    pub fn dead_letter_queue(&self, topic: &str) -> String {
+        format!("{}.dead", self.queue_name(topic))
+    }
+
+    /// Closes the connection (and so every consumer channel: unacked messages go back to
+    /// their queues). The next call opens a new one.
+    pub async fn close(&self) {
+        self.inner.consumers.lock().expect("consumers").clear();
+        if let Some(conn) = self.inner.conn.lock().await.take() {
+            let _ = conn
+                .connection
+                .close(200, "closed".into())
+                .within(&self.inner.bound, "close")
+                .await;
+            tracing::info!("pgbox rabbitmq connection closed");
+        }
+    }
+
+    async fn conn(&self) -> Result<Conn> {
+        let mut slot = self.inner.conn.lock().await;
+        let suspect = self.inner.bound.suspect.swap(false, Ordering::Relaxed);
+        if let Some(conn) = slot.as_ref()
+            && conn.usable()
+            && !suspect
+        {
+            return Ok(conn.clone());
+        }
+        let generation = slot.as_ref().map_or(0, |c| c.generation) + 1;
+        if generation > 1 {
+            tracing::warn!(generation, "pgbox rabbitmq connection lost; reconnecting");
+        }
+        if let Some(old) = slot.take() {
+            // Close what is left of it without waiting here.
+            let bound = self.inner.bound.clone();
+            tokio::spawn(async move {
+                let _ = old
+                    .connection
+                    .close(200, "replaced".into())
+                    .within(&bound, "close")
+                    .await;
+            });
+        }
+        let config = &self.inner.config;
+        let connection = tokio::time::timeout(
+            config.connect_timeout,
+            Connection::connect(&config.url, ConnectionProperties::default()),
+        )
+        .await
+        .map_err(|_| broker_error("connect", "timed out"))?
+        .map_err(|e| broker_error("connect", e))?;
+        let publish = connection
+            .create_channel()
+            .within(&self.inner.bound, "open channel")
+            .await?;
+        publish
+            .confirm_select(ConfirmSelectOptions::default())
+            .within(&self.inner.bound, "confirm.select")
+            .await?;
+        if config.declare {
+            publish
+                .exchange_declare(
+                    short(&config.exchange)?,
+                    ExchangeKind::Direct,
+                    ExchangeDeclareOptions {
+                        durable: true,
+                        ..Default::default()
+                    },
+                    FieldTable::default(),
+                )
+                .within(&self.inner.bound, "declare exchange")
+                .await?;
+        }
+        tracing::info!(generation, "pgbox rabbitmq connected");
+        let conn = Conn {
+            connection: Arc::new(connection),
+            publish,
+            generation,
+            retry_queues: Arc::default(),
+        };
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Declares the exchange, the topic's queue, its binding and its dead-letter queue
+    /// (idempotent; a no-op when `declare` is off).
+    pub async fn declare_topic(&self, topic: &str) -> Result<()> {
+        let conn = self.conn().await?;
+        let channel = conn
+            .connection
+            .create_channel()
+            .within(&self.inner.bound, "open channel")
+            .await?;
+        let result = self.declare_on(&channel, topic).await;
+        let _ = channel
+            .close(200, "declared".into())
+            .within(&self.inner.bound, "close channel")
+            .await;
+        result
+    }
+
+    async fn declare_on(&self, channel: &Channel, topic: &str) -> Result<()> {
+        let config = &self.inner.config;
+        if !config.declare {
+            return Ok(());
+        }
+        let durable = QueueDeclareOptions {
+            durable: true,
+            ..Default::default()
+        };
+        let queue = self.queue_name(topic);
+        let dead = self.dead_letter_queue(topic);
+        let mut args_expiry = None;
+        channel
+            .exchange_declare(
+                short(&config.exchange)?,
+                ExchangeKind::Direct,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .within(&self.inner.bound, "declare exchange")
+            .await?;
+        let mut dead_args = FieldTable::default();
+        if let Some(expires) = config.queue_expires {
+            let ms = AMQPValue::LongLongInt(expires.as_millis().min(u32::MAX.into()) as i64);
+            dead_args.insert("x-expires".into(), ms.clone());
+            args_expiry = Some(ms);
+        }
+        channel
+            .queue_declare(short(&dead)?, durable, dead_args)
+            .within(&self.inner.bound, "declare dead-letter queue")
+            .await?;
+        let mut args = FieldTable::default();
+        args.insert("x-queue-type".into(), long_value("quorum"));
+        args.insert("x-dead-letter-exchange".into(), long_value(""));
+        args.insert("x-dead-letter-routing-key".into(), long_value(&dead));
+        if let Some(ms) = args_expiry {
+            args.insert("x-expires".into(), ms);
+        }
+        if config.single_active_consumer {
+            args.insert("x-single-active-consumer".into(), AMQPValue::Boolean(true));
+        }
+        channel
+            .queue_declare(short(&queue)?, durable, args)
+            .within(&self.inner.bound, "declare queue")
+            .await?;
+        channel
+            .queue_bind(
+                short(&queue)?,
+                short(&config.exchange)?,
+                short(topic)?,
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .within(&self.inner.bound, "bind queue")
+            .await?;
+        tracing::debug!(topic, queue, "pgbox rabbitmq topology declared");
+        Ok(())
+    }
+
+    /// Up to `max` dead letters of `topic`, oldest first, left in their queue (they are
+    /// read on a channel that is then closed, which puts them back).
+    pub async fn dead_letters(&self, topic: &str, max: usize) -> Result<Vec<RabbitDeadLetter>> {
+        let conn = self.conn().await?;
+        let channel = conn
+            .connection
+            .create_channel()
+            .within(&self.inner.bound, "open channel")
+            .await?;
+        let queue = self.dead_letter_queue(topic);
+        let mut out = Vec::new();
+        while out.len() < max {
+            let got = channel
+                .basic_get(short(&queue)?, BasicGetOptions { no_ack: false })
+                .within(&self.inner.bound, "basic.get")
+                .await?;
+            let Some(message) = got else { break };
+            let d = &message.delivery;
+            let envelope = decode(topic, &d.properties, &d.data)?;
+            let headers = d.properties.headers().clone().unwrap_or_default();
+            out.push(RabbitDeadLetter {
+                envelope,
+                error: header_text(&headers, ERROR),
+                deliveries: header_int(&headers, DELIVERIES).unwrap_or(0) as i32,
+            });
+        }
+        let _ = channel
+            .close(200, "inspected".into())
+            .within(&self.inner.bound, "close channel")
+            .await;
+        Ok(out)
+    }
+
+    /// Publishes `properties`/`payload` to `queue` through the default exchange and awaits
+    /// the confirm.
+    async fn publish_copy(
+        &self,
+        conn: &Conn,
+        queue: &str,
+        properties: BasicProperties,
+        payload: &[u8],
+    ) -> Result<()> {
+        let confirm = conn
+            .publish
+            .basic_publish(
+                "".into(),
+                short(queue)?,
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                payload,
+                properties,
+            )
+            .within(&self.inner.bound, "publish")
+            .await?
+            .within(&self.inner.bound, "publish confirm")
+            .await?;
+        confirmed(confirm).map_err(|PublishError(e)| broker_error("publish", e))
+    }
+
+    /// A copy of a delivery's message with the redelivery bookkeeping headers.
+    fn copy_properties(delivery: &RabbitDelivery, error: &str) -> BasicProperties {
+        let mut headers = delivery.properties.headers().clone().unwrap_or_default();
+        let mut clean = FieldTable::default();
+        for (k, v) in headers.inner() {
+            if !is_broker_header(k.as_str()) && k.as_str() != DELIVERIES && k.as_str() != ERROR {
+                clean.insert(k.clone(), v.clone());
+            }
+        }
+        headers = clean;
+        headers.insert(
+            DELIVERIES.into(),
+            AMQPValue::LongLongInt(i64::from(delivery.attempt)),
+        );
+        headers.insert(ERROR.into(), long_value(truncate(error, MAX_ERROR_BYTES)));
+        delivery.properties.clone().with_headers(headers)
+    }
+
+    async fn consumer_slot(&self, topic: &str) -> Arc<Mutex<Option<TopicConsumer>>> {
+        self.inner
+            .consumers
+            .lock()
+            .expect("consumers")
+            .entry(topic.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    async fn open_consumer(&self, topic: &str) -> Result<TopicConsumer> {
+        let conn = self.conn().await?;
+        let channel = conn
+            .connection
+            .create_channel()
+            .within(&self.inner.bound, "open channel")
+            .await?;
+        channel
+            .basic_qos(self.inner.config.prefetch, BasicQosOptions::default())
+            .within(&self.inner.bound, "basic.qos")
+            .await?;
+        self.declare_on(&channel, topic).await?;
+        let consumer = channel
+            .basic_consume(
+                short(&self.queue_name(topic))?,
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .within(&self.inner.bound, "basic.consume")
+            .await?;
+        tracing::info!(topic, "pgbox rabbitmq consumer started");
+        Ok(TopicConsumer {
+            channel,
+            generation: conn.generation,
+            consumer,
+            held: VecDeque::new(),
+            gate: Arc::default(),
+        })
+    }
+}
+
+/// Whether the broker set this header (never copied, never shown as a message header).
+fn is_broker_header(name: &str) -> bool {
+    name == "x-death"
+        || name == DELIVERY_COUNT
+        || name.starts_with("x-first-death-")
+        || name.starts_with("x-last-death-")
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+fn short(s: &str) -> Result<ShortString> {
+    ShortString::try_new(s).map_err(|_| Error::InvalidField {
+        field: "rabbitmq name",
+        reason: "longer than 255 bytes",
+    })
+}
+
+fn long_value(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.as_bytes()))
+}
+
+fn value_text(v: &AMQPValue) -> Option<String> {
+    Some(match v {
+        AMQPValue::LongString(s) => String::from_utf8_lossy(s.as_bytes()).into_owned(),
+        AMQPValue::ShortString(s) => s.as_str().to_owned(),
+        AMQPValue::Boolean(b) => b.to_string(),
+        AMQPValue::ShortShortInt(n) => n.to_string(),
+        AMQPValue::ShortShortUInt(n) => n.to_string(),
+        AMQPValue::ShortInt(n) => n.to_string(),
+        AMQPValue::ShortUInt(n) => n.to_string(),
+        AMQPValue::LongInt(n) => n.to_string(),
+        AMQPValue::LongUInt(n) => n.to_string(),
+        AMQPValue::LongLongInt(n) => n.to_string(),
+        AMQPValue::Timestamp(n) => n.to_string(),
+        _ => return None,
+    })
+}
+
+fn header_text(headers: &FieldTable, name: &str) -> Option<String> {
+    headers.inner().get(name).and_then(value_text)
+}
+
+fn header_int(headers: &FieldTable, name: &str) -> Option<i64> {
+    header_text(headers, name).and_then(|s| s.parse().ok())
+}
+
+fn properties(envelope: &Envelope) -> Result<BasicProperties, PublishError> {
+    let bad = |what: &str| PublishError(format!("message {}: {what}", envelope.id));
+    let mut headers = FieldTable::default();
+    for (k, v) in &envelope.headers {
+        let name = ShortString::try_new(k.as_str())
+            .map_err(|_| bad("header name longer than 255 bytes"))?;
+        if k.starts_with("x-pgbox-") || is_broker_header(k) {
+            return Err(bad("header name is reserved"));
+        }
+        headers.insert(name, long_value(v));
+    }
+    let created_at = envelope
+        .created_at
+        .format(&Rfc3339)
+        .map_err(|_| bad("creation time out of range"))?;
+    headers.insert(CREATED_AT.into(), long_value(&created_at));
+    if let Some(key) = &envelope.ordering_key {
+        headers.insert(ORDERING_KEY.into(), long_value(key));
+    }
+    let content_type = ShortString::try_new(envelope.content_type.as_str())
+        .map_err(|_| bad("content type longer than 255 bytes"))?;
+    Ok(BasicProperties::default()
+        .with_message_id(envelope.id.to_string().into())
+        .with_content_type(content_type)
+        .with_delivery_mode(2)
+        .with_timestamp(envelope.created_at.unix_timestamp().max(0) as u64)
+        .with_headers(headers))
+}
+
+fn decode(topic: &str, properties: &BasicProperties, data: &[u8]) -> Result<Envelope> {
+    let bad = |reason| Error::InvalidField {
+        field: "rabbitmq message",
+        reason,
+    };
+    let id = properties
+        .message_id()
+        .as_ref()
+        .and_then(|id| Uuid::parse_str(id.as_str()).ok())
+        .ok_or(bad("no message id, or not a UUID"))?;
+    let table = properties.headers().clone().unwrap_or_default();
+    let mut headers = BTreeMap::new();
+    for (k, v) in table.inner() {
+        let k = k.as_str();
+        if k.starts_with("x-pgbox-") || is_broker_header(k) {
+            continue;
+        }
+        if let Some(text) = value_text(v) {
+            headers.insert(k.to_owned(), text);
+        }
+    }
+    let created_at = header_text(&table, CREATED_AT)
+        .and_then(|s| OffsetDateTime::parse(&s, &Rfc3339).ok())
+        .or_else(|| {
+            properties
+                .timestamp()
+                .and_then(|t| OffsetDateTime::from_unix_timestamp(t as i64).ok())
+        })
+        .unwrap_or_else(OffsetDateTime::now_utc);
+    Ok(Envelope {
+        seq: 0,
+        id,
+        topic: topic.to_owned(),
+        ordering_key: header_text(&table, ORDERING_KEY),
+        payload: data.to_vec(),
+        content_type: properties
+            .content_type()
+            .as_ref()
+            .map_or_else(|| "application/octet-stream".to_owned(), |c| c.to_string()),
+        headers,
+        created_at,
+        attempts: 0,
+    })
+}
+
+fn confirmed(confirmation: Confirmation) -> Result<(), PublishError> {
+    match confirmation {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(returned)) => Err(PublishError(format!(
+            "unroutable: returned by the broker ({} {}); is the topic's queue declared?",
+            returned.reply_code, returned.reply_text
+        ))),
+        Confirmation::Nack(_) => Err(PublishError("nacked by the broker".into())),
+        Confirmation::NotRequested => Err(PublishError("publisher confirms are off".into())),
+    }
+}
+
+/// The TTL bucket of a delay: milliseconds rounded up to a power of two (1 ms ..= 2^31 ms).
+fn delay_bucket(delay: Duration) -> u64 {
+    let ms = delay.as_nanos().div_ceil(1_000_000).clamp(1, 1 << 31) as u64;
+    ms.next_power_of_two()
+}
+
+impl Publisher for RabbitMq {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        let conn = match self.conn().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "pgbox rabbitmq publish: no connection");
+                return vec![Err(PublishError(e.to_string())); batch.len()];
+            }
+        };
+        let exchange = match short(&self.inner.config.exchange) {
+            Ok(x) => x,
+            Err(e) => return vec![Err(PublishError(e.to_string())); batch.len()],
+        };
+        // Write the whole batch out, then await the confirms: one round trip per batch.
+        // The publishes run concurrently: each waits for lapin's I/O loop to write its
+        // frames, and awaiting them one by one would cost a hand-off per message. Each
+        // enqueues its frames (and takes its delivery tag) on its first poll, which
+        // `join_all` does in order, so frames go out in batch order.
+        let publish_channel = &conn.publish;
+        let bound = &self.inner.bound;
+        let sends = batch.iter().map(|envelope| {
+            let prepared = properties(envelope).and_then(|p| {
+                short(&envelope.topic)
+                    .map(|k| (p, k))
+                    .map_err(|e| PublishError(e.to_string()))
+            });
+            let exchange = exchange.clone();
+            async move {
+                let (props, routing_key) = prepared?;
+                publish_channel
+                    .basic_publish(
+                        exchange,
+                        routing_key,
+                        BasicPublishOptions {
+                            mandatory: true,
+                            ..Default::default()
+                        },
+                        &envelope.payload,
+                        props,
+                    )
+                    .within(bound, "publish")
+                    .await
+                    .map_err(|e| PublishError(e.to_string()))
+            }
+        });
+        let pending = join_all(sends).await;
+        let mut results = Vec::with_capacity(batch.len());
+        let deadline = tokio::time::Instant::now() + self.inner.config.confirm_timeout;
+        for (envelope, p) in batch.iter().zip(pending) {
+            let result = match p {
+                Ok(confirm) => match tokio::time::timeout_at(deadline, confirm).await {
+                    Ok(Ok(c)) => confirmed(c),
+                    Ok(Err(e)) => Err(PublishError(format!("confirm failed: {e}"))),
+                    Err(_) => Err(PublishError("no confirm within the confirm timeout".into())),
+                },
+                Err(e) => Err(e),
+            };
+            match &result {
+                Ok(()) => {
+                    tracing::debug!(message_id = %envelope.id, topic = %envelope.topic, "pgbox rabbitmq published")
+                }
+                Err(e) => {
+                    tracing::warn!(message_id = %envelope.id, topic = %envelope.topic, error = %e, "pgbox rabbitmq publish failed")
+                }
+            }
+            results.push(result);
+        }
+        results
+    }
+}
+
+impl Subscriber for RabbitMq {
+    type Delivery = RabbitDelivery;
+
+    async fn receive(
+        &self,
+        topic: &str,
+        max: usize,
+        _visibility: Duration,
+    ) -> Result<Vec<RabbitDelivery>> {
+        let slot = self.consumer_slot(topic).await;
+        let mut slot = slot.lock().await;
+        // A channel of a replaced connection is stale even if it looks connected (the
+        // connection was replaced because an operation on it hung).
+        let generation = self.conn().await?.generation;
+        if slot
+            .as_ref()
+            .is_some_and(|c| !c.channel.status().connected() || c.generation != generation)
+        {
+            tracing::warn!(topic, "pgbox rabbitmq consumer channel lost; reopening");
+            *slot = None;
+        }
+        if slot.is_none() {
+            *slot = Some(self.open_consumer(topic).await?);
+        }
+        let state = slot.as_mut().expect("just set");
+        let mut out = Vec::new();
+        // Held messages first, in arrival order, one per key.
+        let mut still_held = VecDeque::new();
+        while let Some(d) = state.held.pop_front() {
+            if out.len() < max && admit(&state.gate, &d) {
+                out.push(d);
+            } else {
+                still_held.push_back(d);
+            }
+        }
+        state.held = still_held;
+        let mut waited = false;
+        // Bounded: each turn takes one message off the prefetch buffer.
+        for _ in 0..(max + usize::from(self.inner.config.prefetch)) {
+            if out.len() >= max {
+                break;
+            }
+            let next = if out.is_empty() && !waited {
+                waited = true;
+                match tokio::time::timeout(self.inner.config.receive_wait, state.consumer.next())
+                    .await
+                {
+                    Ok(n) => n,
+                    Err(_) => break,
+                }
+            } else {
+                match state.consumer.next().now_or_never() {
+                    Some(n) => n,
+                    None => break,
+                }
+            };
+            let delivery = match next {
+                Some(Ok(d)) => d,
+                Some(Err(e)) => {
+                    *slot = None;
+                    if out.is_empty() {
+                        return Err(broker_error("consume", e));
+                    }
+                    tracing::warn!(topic, error = %e, "pgbox rabbitmq consumer failed");
+                    return Ok(out);
+                }
+                None => {
+                    *slot = None;
+                    tracing::warn!(topic, "pgbox rabbitmq consumer cancelled");
+                    return Ok(out);
+                }
+            };
+            let envelope = match decode(topic, &delivery.properties, &delivery.data) {
+                Ok(e) => e,
+                Err(e) => {
+                    // Not a pgbox message: straight to the dead letters (through the
+                    // queue's dead-letter exchange).
+                    tracing::warn!(topic, error = %e, "pgbox rabbitmq: undecodable message dead-lettered");
+                    let _ = delivery
+                        .acker
+                        .nack(BasicNackOptions {
+                            requeue: false,
+                            ..Default::default()
+                        })
+                        .within(&self.inner.bound, "nack")
+                        .await;
+                    continue;
+                }
+            };
+            let table = delivery.properties.headers().clone().unwrap_or_default();
+            let before = header_int(&table, DELIVERIES).unwrap_or(0)
+                + header_int(&table, DELIVERY_COUNT).unwrap_or(0);
+            let d = RabbitDelivery {
+                envelope,
+                attempt: i32::try_from(before + 1).unwrap_or(i32::MAX),
+                queue: self.queue_name(topic),
+                acker: delivery.acker,
+                properties: delivery.properties,
+                gate: state.gate.clone(),
+                tag: NEXT_TAG.fetch_add(1, Ordering::Relaxed),
+                bound: self.inner.bound.clone(),
+            };
+            if admit(&state.gate, &d) {
+                out.push(d);
+            } else {
+                state.held.push_back(d);
+            }
+        }
+        Ok(out)
+    }
+
+    fn envelope<'d>(&self, delivery: &'d RabbitDelivery) -> &'d Envelope {
+        &delivery.envelope
+    }
+
+    fn attempt(&self, delivery: &RabbitDelivery) -> i32 {
+        delivery.attempt
+    }
+
+    async fn ack(&self, delivery: &RabbitDelivery) -> Result<bool> {
+        let result = delivery
+            .acker
+            .ack(BasicAckOptions::default())
+            .within(&delivery.bound, "ack")
+            .await;
+        delivery.release_key();
+        match result {
+            Ok(done) => {
+                tracing::debug!(message_id = %delivery.envelope.id, "pgbox rabbitmq ack");
+                Ok(done)
+            }
+            // The channel is gone: the broker redelivers it.
+            Err(e) => {
+                tracing::warn!(message_id = %delivery.envelope.id, error = %e, "pgbox rabbitmq ack failed; it will be redelivered");
+                Ok(false)
+            }
+        }
+    }
+
+    async fn nack(&self, delivery: &RabbitDelivery, delay: Duration, error: &str) -> Result<bool> {
+        let result = self.nack_inner(delivery, delay, error).await;
+        delivery.release_key();
+        result
+    }
+
+    async fn dead_letter(&self, delivery: &RabbitDelivery, error: &str) -> Result<bool> {
+        let result = async {
+            let conn = self.conn().await?;
+            let dead = format!("{}.dead", delivery.queue);
+            self.publish_copy(
+                &conn,
+                &dead,
+                Self::copy_properties(delivery, error),
+                &delivery.envelope.payload,
+            )
+            .await?;
+            ack_original(delivery).await
+        }
+        .await;
+        delivery.release_key();
+        match &result {
+            Ok(_) => {
+                tracing::warn!(message_id = %delivery.envelope.id, attempt = delivery.attempt, error, "pgbox rabbitmq message dead-lettered")
+            }
+            Err(e) => {
+                tracing::warn!(message_id = %delivery.envelope.id, error = %e, "pgbox rabbitmq dead-letter failed; requeued");
+                requeue(delivery).await;
+            }
+        }
+        result
+    }
+}
+
+/// Whether `d` may be handed out now (no other message of its key in hand); marks its key.
+fn admit(gate: &Gate, d: &RabbitDelivery) -> bool {
+    match &d.envelope.ordering_key {
+        None => true,
+        Some(key) => {
+            let mut gate = gate.lock().expect("gate");
+            if gate.contains_key(key) {
+                return false;
+            }
+            gate.insert(key.clone(), d.tag);
+            true
+        }
+    }
+}
+
+async fn ack_original(delivery: &RabbitDelivery) -> Result<bool> {
+    delivery
+        .acker
+        .ack(BasicAckOptions::default())
+        .within(&delivery.bound, "ack")
+        .await
+        .or_else(|e| {
+            tracing::warn!(message_id = %delivery.envelope.id, error = %e, "pgbox rabbitmq ack of the original failed; a duplicate will follow");
+            Ok(false)
+        })
+}
+
+async fn requeue(delivery: &RabbitDelivery) {
+    let _ = delivery
+        .acker
+        .nack(BasicNackOptions {
+            requeue: true,
+            ..Default::default()
+        })
+        .within(&delivery.bound, "nack")
+        .await;
+}
+
+impl RabbitMq {
+    async fn nack_inner(
+        &self,
+        delivery: &RabbitDelivery,
+        delay: Duration,
+        error: &str,
+    ) -> Result<bool> {
+        if delay.is_zero() {
+            let done = delivery
+                .acker
+                .nack(BasicNackOptions {
+                    requeue: true,
+                    ..Default::default()
+                })
+                .within(&delivery.bound, "nack")
+                .await
+                .unwrap_or(false);
+            tracing::info!(message_id = %delivery.envelope.id, error, "pgbox rabbitmq nack; requeued");
+            return Ok(done);
+        }
+        let bucket = delay_bucket(delay);
+        let retry_queue = format!("{}.retry.{bucket}ms", delivery.queue);
+        let result = async {
+            let conn = self.conn().await?;
+            let declared = conn
+                .retry_queues
+                .lock()
+                .expect("retry queues")
+                .get(&retry_queue)
+                .is_some_and(|at| at.elapsed() < Duration::from_secs(60));
+            if !declared {
+                let mut args = FieldTable::default();
+                args.insert(
+                    "x-message-ttl".into(),
+                    AMQPValue::LongLongInt(bucket as i64),
+                );
+                args.insert("x-dead-letter-exchange".into(), long_value(""));
+                args.insert(
+                    "x-dead-letter-routing-key".into(),
+                    long_value(&delivery.queue),
+                );
+                // Unused retry queues go away; messages waiting do not count as use, so
+                // the expiry must outlast the TTL (each nack re-declares and resets it).
+                let expires = (bucket * 2 + 600_000).min(u64::from(u32::MAX));
+                args.insert("x-expires".into(), AMQPValue::LongLongInt(expires as i64));
+                conn.publish
+                    .queue_declare(
+                        short(&retry_queue)?,
+                        QueueDeclareOptions {
+                            durable: true,
+                            ..Default::default()
+                        },
+                        args,
+                    )
+                    .within(&self.inner.bound, "declare retry queue")
+                    .await?;
+                conn.retry_queues
+                    .lock()
+                    .expect("retry queues")
+                    .insert(retry_queue.clone(), Instant::now());
+            }
+            self.publish_copy(
+                &conn,
+                &retry_queue,
+                Self::copy_properties(delivery, error),
+                &delivery.envelope.payload,
+            )
+            .await?;
+            ack_original(delivery).await
+        }
+        .await;
+        match &result {
+            Ok(_) => {
+                tracing::info!(message_id = %delivery.envelope.id, ?delay, ttl_ms = bucket, error, "pgbox rabbitmq nack; will redeliver")
+            }
+            Err(e) => {
+                tracing::warn!(message_id = %delivery.envelope.id, error = %e, "pgbox rabbitmq delayed nack failed; requeued now");
+                requeue(delivery).await;
+            }
+        }
+        result
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_round_up_to_a_power_of_two_milliseconds() {
+        assert_eq!(delay_bucket(Duration::ZERO), 1);
+        assert_eq!(delay_bucket(Duration::from_micros(1)), 1);
+        assert_eq!(delay_bucket(Duration::from_millis(10)), 16);
+        assert_eq!(delay_bucket(Duration::from_millis(16)), 16);
+        assert_eq!(delay_bucket(Duration::from_millis(1500)), 2048);
+        assert_eq!(delay_bucket(Duration::from_secs(1 << 40)), 1 << 31);
+        for ms in [1u64, 3, 999, 1001, 65_537] {
+            let b = delay_bucket(Duration::from_millis(ms));
+            assert!(b >= ms && b < 2 * ms, "{ms} ms -> {b} ms");
+        }
+    }
+
+    #[test]
+    #[cfg(feature = "testing")]
+    fn reserved_headers_are_refused_and_not_shown() {
+        let mut e = crate::transport::conformance::envelope("t", "x");
+        e.headers.insert("x-pgbox-mine".into(), "v".into());
+        assert!(properties(&e).is_err());
+        e.headers.clear();
+        e.headers.insert("x-death".into(), "v".into());
+        assert!(properties(&e).is_err());
+        e.headers.clear();
+        e.headers.insert("ok".into(), "v".into());
+        e.ordering_key = Some("k".into());
+        let p = properties(&e).unwrap();
+        let back = decode("t", &p, b"x").unwrap();
+        assert_eq!(back.headers, e.headers);
+        assert_eq!(back.ordering_key, e.ordering_key);
+        assert_eq!(back.created_at, e.created_at);
+        assert_eq!(back.id, e.id);
+    }
+}
