@@ -15,6 +15,10 @@
 //!     --duplicate-rate 0.3 --producer-retries 0.1 --crash-rate 0.05
 //! ```
 //!
+//! With `--metrics-addr 127.0.0.1:9000`, pgbox's metrics are served for Prometheus at
+//! `http://127.0.0.1:9000/metrics` while the run lasts (gauges refreshed every half second;
+//! `--metrics-linger-secs` keeps serving the final values after the report).
+//!
 //! Uses `DATABASE_URL` when set, else the local bootstrap of the tests. With
 //! `--transport rabbitmq` or `--transport nats` the messages go through that broker instead
 //! of the built-in queue (found or started like the tests do: `RABBITMQ_URL`, `NATS_URL`, or
@@ -27,6 +31,7 @@ mod local_pg;
 #[path = "../tests/support/brokers.rs"]
 mod brokers;
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
@@ -69,6 +74,13 @@ struct Args {
     /// Where the messages go between the services.
     #[arg(long, value_enum, default_value_t = TransportKind::Postgres)]
     transport: TransportKind,
+    /// Serve pgbox's metrics for Prometheus at http://<this address>/metrics during the run
+    /// (off by default).
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics_addr: Option<SocketAddr>,
+    /// With --metrics-addr: after the report, keep serving the final metrics this long.
+    #[arg(long, default_value_t = 0, requires = "metrics_addr")]
+    metrics_linger_secs: u64,
     /// The topic (set at start: per run on a broker, whose queues outlive the run).
     #[arg(skip)]
     topic: String,
@@ -300,6 +312,11 @@ async fn main() -> anyhow::Result<()> {
 
     let counters = Arc::new(Counters::default());
     let shutdown = CancellationToken::new();
+    // Before the relay and the consumers start: they register their metrics when they do.
+    let gauges_task = match args.metrics_addr {
+        Some(addr) => Some(serve_metrics(addr, &pool, &shutdown)?),
+        None => None,
+    };
     let started = Instant::now();
 
     // The relay of the payments service: its outbox → the broker.
@@ -373,8 +390,63 @@ async fn main() -> anyhow::Result<()> {
     for t in consumer_tasks {
         t.await??;
     }
+    if let Some(task) = gauges_task {
+        task.await?;
+        // The final values, for a last scrape.
+        refresh_gauges(&pool).await;
+    }
 
-    report_and_check(&pool, &args, &counters, elapsed).await
+    report_and_check(&pool, &args, &counters, elapsed).await?;
+    if args.metrics_addr.is_some() && args.metrics_linger_secs > 0 {
+        eprintln!(
+            "serving the final metrics for {} s more",
+            args.metrics_linger_secs
+        );
+        tokio::time::sleep(Duration::from_secs(args.metrics_linger_secs)).await;
+    }
+    Ok(())
+}
+
+/// The pgbox schemas of this run: the payments outbox, the queue, the points inbox.
+const PGBOX_SCHEMAS: [&str; 3] = ["payments_pgbox", "broker", "points_pgbox"];
+
+/// Installs the Prometheus exporter (its HTTP listener runs on this runtime until the process
+/// exits) and refreshes pgbox's gauges every half second until `shutdown`.
+fn serve_metrics(
+    addr: SocketAddr,
+    pool: &PgPool,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<()>> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        // Latencies as Prometheus histograms (buckets) rather than summaries.
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+            &[
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            ],
+        )?
+        .install()?;
+    pgbox::telemetry::describe_metrics();
+    eprintln!("serving metrics at http://{addr}/metrics");
+    let (pool, shutdown) = (pool.clone(), shutdown.clone());
+    Ok(tokio::spawn(async move {
+        loop {
+            refresh_gauges(&pool).await;
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            }
+        }
+    }))
+}
+
+async fn refresh_gauges(pool: &PgPool) {
+    for schema in PGBOX_SCHEMAS {
+        if let Err(e) = pgbox::telemetry::refresh_gauges(pool, schema).await {
+            eprintln!("cannot refresh the gauges of {schema}: {e}");
+        }
+    }
 }
 
 /// Each order: one transaction that moves it to paid and writes the event to the outbox.

@@ -1,21 +1,22 @@
 //! The consumer runner: receive from a [`Subscriber`], process through the inbox, ack.
 
 use std::fmt;
-use std::sync::Arc;
-use std::time::Duration;
-
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures_util::stream::FuturesUnordered;
 use futures_util::{FutureExt, StreamExt};
+use metrics::{Counter, Histogram};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::error::{Error, Result};
-use crate::inbox::{HandlerConnection, Inbox, Key, Lease, LeasedRun, Outcome};
+use crate::inbox::{HandlerConnection, Inbox, Key, Lease, LeasedRun, Outcome, Verdict};
 use crate::outbox::Envelope;
 use crate::outbox::trace::{TRACEPARENT, with_incoming};
 use crate::retry::RetryPolicy;
+use crate::telemetry;
 use crate::transport::Subscriber;
 use sqlx::PgPool;
 
@@ -150,7 +151,7 @@ pub struct ConsumerStats {
     pub processed: u64,
     /// Skipped by the inbox as already processed (then acked).
     pub duplicates: u64,
-    /// Rejected by the handler for good (then acked).
+    /// Rejected by the handler for good (then acked): [`Consumer::run_or_reject`] only.
     pub rejected: u64,
     /// Failed and sent back for redelivery.
     pub retried: u64,
@@ -167,6 +168,10 @@ pub struct ConsumerStats {
 /// → commit → ack. A handler error rolls back and nacks with backoff; after
 /// `max_deliveries` the message is dead-lettered. A crash between commit and ack only means
 /// a redelivery, which the inbox reports as a duplicate and which is then acked.
+///
+/// Every run records its counts, its handler durations and its receive lag as metrics
+/// labelled with the consumer and the topic (see [`telemetry`](crate::telemetry)); install
+/// the recorder before starting the run.
 pub struct Consumer<S> {
     pool: PgPool,
     source: S,
@@ -232,8 +237,35 @@ impl<S: Subscriber> Consumer<S> {
         F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<(), E> + Clone,
         E: From<Error> + fmt::Display,
     {
-        self.drive(|delivery| self.handle(delivery, handler.clone()), shutdown)
-            .await
+        self.run_or_reject(
+            async move |envelope: &Envelope, conn: &mut HandlerConnection<'_>| {
+                handler(envelope, conn).await.map(Verdict::Accept)
+            },
+            shutdown,
+        )
+        .await
+    }
+
+    /// Like [`run`](Self::run), for handlers that may refuse a message for good by returning
+    /// [`Verdict::Reject`]: the inbox row commits with the reason (see
+    /// [`Inbox::process_or_reject`]), the message is acked, and later deliveries of its key
+    /// are duplicates. Counted in [`ConsumerStats::rejected`].
+    pub async fn run_or_reject<F, E>(
+        &self,
+        handler: F,
+        shutdown: CancellationToken,
+    ) -> Result<ConsumerStats>
+    where
+        F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<Verdict<()>, E> + Clone,
+        E: From<Error> + fmt::Display,
+    {
+        let metrics = RunMetrics::new(self.inbox.consumer(), &self.topic);
+        self.drive(
+            |delivery| self.handle(delivery, handler.clone(), &metrics),
+            &metrics,
+            shutdown,
+        )
+        .await
     }
 
     /// Lease mode for a topic whose handler's effect is outside the database (an HTTP call,
@@ -258,16 +290,23 @@ impl<S: Subscriber> Consumer<S> {
         E: From<Error> + fmt::Display,
     {
         crate::inbox::lease_ttl_micros(ttl)?;
+        let metrics = RunMetrics::new(self.inbox.consumer(), &self.topic);
         self.drive(
-            |delivery| self.handle_leased(delivery, handler.clone(), ttl),
+            |delivery| self.handle_leased(delivery, handler.clone(), ttl, &metrics),
+            &metrics,
             shutdown,
         )
         .await
     }
 
-    /// The receive loop shared by [`run`](Self::run) and [`run_leased`](Self::run_leased):
-    /// `handle` settles one delivery.
-    async fn drive<H, Fut>(&self, handle: H, shutdown: CancellationToken) -> Result<ConsumerStats>
+    /// The receive loop shared by [`run_or_reject`](Self::run_or_reject) and
+    /// [`run_leased`](Self::run_leased): `handle` settles one delivery.
+    async fn drive<H, Fut>(
+        &self,
+        handle: H,
+        metrics: &RunMetrics,
+        shutdown: CancellationToken,
+    ) -> Result<ConsumerStats>
     where
         H: Fn(S::Delivery) -> Fut,
         Fut: Future<Output = Settled>,
@@ -303,7 +342,7 @@ impl<S: Subscriber> Consumer<S> {
                     tokio::select! {
                         r = &mut receive => break Some(r),
                         Some(settled) = in_flight.next(), if !in_flight.is_empty() => {
-                            count(&mut stats, settled);
+                            count(&mut stats, settled, metrics);
                         }
                         _ = shutdown.cancelled() => break None,
                     }
@@ -327,7 +366,7 @@ impl<S: Subscriber> Consumer<S> {
             let mut lost_listener = false;
             tokio::select! {
                 Some(settled) = in_flight.next(), if !in_flight.is_empty() => {
-                    count(&mut stats, settled);
+                    count(&mut stats, settled, metrics);
                 }
                 _ = shutdown.cancelled(), if !stopping => {}
                 _ = wait => {}
@@ -348,13 +387,14 @@ impl<S: Subscriber> Consumer<S> {
         }
     }
 
-    async fn handle<F, E>(&self, delivery: S::Delivery, handler: F) -> Settled
+    async fn handle<F, E>(&self, delivery: S::Delivery, handler: F, metrics: &RunMetrics) -> Settled
     where
-        F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<(), E>,
+        F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<Verdict<()>, E>,
         E: From<Error> + fmt::Display,
     {
         let envelope = self.source.envelope(&delivery);
         let attempt = self.source.attempt(&delivery);
+        metrics.received(envelope, attempt);
         let key = match &self.key {
             Some(f) => f(envelope),
             None => envelope.id.to_string(),
@@ -366,6 +406,9 @@ impl<S: Subscriber> Consumer<S> {
             delivery = attempt,
             traceparent = envelope.headers.get(TRACEPARENT).map(String::as_str),
         );
+        // Before the span is entered: its parent is fixed then.
+        #[cfg(feature = "opentelemetry")]
+        crate::otel::join_producer_trace(&span, envelope);
         async {
             // A redelivery was often processed already (the ack was lost, or the visibility
             // timeout expired just after the commit): one autocommit read settles it, without
@@ -381,7 +424,7 @@ impl<S: Subscriber> Consumer<S> {
             // A panicking handler is a failed delivery like any other: the transaction was
             // aborted and is rolled back as the unwind drops it; the message is nacked or
             // dead-lettered, and the runner and the other messages in flight carry on.
-            let result = match AssertUnwindSafe(self.process(&key, envelope, handler))
+            let result = match AssertUnwindSafe(self.process(&key, envelope, handler, metrics))
                 .catch_unwind()
                 .await
             {
@@ -396,9 +439,13 @@ impl<S: Subscriber> Consumer<S> {
                 Ok(Outcome::Duplicate(_)) => Settled::Duplicate,
                 Ok(Outcome::Rejected(_)) => Settled::Rejected,
                 Ok(Outcome::InProgress) => {
+                    metrics.in_progress.increment(1);
                     return self.retry(&delivery, "in progress elsewhere").await;
                 }
-                Err(e) => return self.retry(&delivery, &e.to_string()).await,
+                Err(e) => {
+                    metrics.handler_errors.increment(1);
+                    return self.retry(&delivery, &e.to_string()).await;
+                }
             };
             if let Err(e) = self.source.ack(&delivery).await {
                 // Committed but not acked: the redelivery will be a duplicate.
@@ -426,13 +473,20 @@ impl<S: Subscriber> Consumer<S> {
         }
     }
 
-    async fn handle_leased<F, E>(&self, delivery: S::Delivery, handler: F, ttl: Duration) -> Settled
+    async fn handle_leased<F, E>(
+        &self,
+        delivery: S::Delivery,
+        handler: F,
+        ttl: Duration,
+        metrics: &RunMetrics,
+    ) -> Settled
     where
         F: AsyncFnOnce(&Envelope, &mut Lease) -> Result<(), E>,
         E: From<Error> + fmt::Display,
     {
         let envelope = self.source.envelope(&delivery);
         let attempt = self.source.attempt(&delivery);
+        metrics.received(envelope, attempt);
         let key = match &self.key {
             Some(f) => f(envelope),
             None => envelope.id.to_string(),
@@ -445,6 +499,9 @@ impl<S: Subscriber> Consumer<S> {
             mode = "lease",
             traceparent = envelope.headers.get(TRACEPARENT).map(String::as_str),
         );
+        // Before the span is entered: its parent is fixed then.
+        #[cfg(feature = "opentelemetry")]
+        crate::otel::join_producer_trace(&span, envelope);
         async {
             // No redelivery shortcut: the lease statement is itself one autocommit read for
             // a consumed key.
@@ -454,6 +511,7 @@ impl<S: Subscriber> Consumer<S> {
                 incoming,
                 self.inbox
                     .run_leased(&self.pool, key, ttl, async |lease: &mut Lease| {
+                        let _timer = metrics.time_handler();
                         handler(envelope, lease).await
                     }),
             );
@@ -469,11 +527,15 @@ impl<S: Subscriber> Consumer<S> {
                 Ok(LeasedRun::Completed { .. }) => Settled::Processed,
                 Ok(LeasedRun::Duplicate(_)) => Settled::Duplicate,
                 Ok(LeasedRun::InProgress { retry_after, .. }) => {
+                    metrics.in_progress.increment(1);
                     return self
                         .retry_not_before(&delivery, "leased elsewhere", retry_after)
                         .await;
                 }
-                Err(e) => return self.retry(&delivery, &e.to_string()).await,
+                Err(e) => {
+                    metrics.handler_errors.increment(1);
+                    return self.retry(&delivery, &e.to_string()).await;
+                }
             };
             if let Err(e) = self.source.ack(&delivery).await {
                 tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
@@ -489,9 +551,10 @@ impl<S: Subscriber> Consumer<S> {
         key: &str,
         envelope: &Envelope,
         handler: F,
+        metrics: &RunMetrics,
     ) -> Result<Outcome<()>, E>
     where
-        F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<(), E>,
+        F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<Verdict<()>, E>,
         E: From<Error>,
     {
         let mut tx = self.pool.begin().await.map_err(Error::from)?;
@@ -501,7 +564,8 @@ impl<S: Subscriber> Consumer<S> {
         let outcome = with_incoming(
             incoming,
             self.inbox
-                .process(&mut tx, key, async |conn: &mut HandlerConnection<'_>| {
+                .process_or_reject(&mut tx, key, async |conn: &mut HandlerConnection<'_>| {
+                    let _timer = metrics.time_handler();
                     handler(envelope, conn).await
                 }),
         )
@@ -546,21 +610,97 @@ impl<S: Subscriber> Consumer<S> {
     }
 }
 
-fn count(stats: &mut ConsumerStats, settled: Settled) {
+fn count(stats: &mut ConsumerStats, settled: Settled, metrics: &RunMetrics) {
     match settled {
-        Settled::Processed => stats.processed += 1,
-        Settled::Duplicate => stats.duplicates += 1,
-        Settled::Rejected => stats.rejected += 1,
-        Settled::Retried => stats.retried += 1,
-        Settled::DeadLettered => stats.dead_lettered += 1,
+        Settled::Processed => {
+            stats.processed += 1;
+            metrics.processed.increment(1);
+        }
+        Settled::Duplicate => {
+            stats.duplicates += 1;
+            metrics.duplicates.increment(1);
+        }
+        Settled::Rejected => {
+            stats.rejected += 1;
+            metrics.rejected.increment(1);
+        }
+        Settled::Retried => {
+            stats.retried += 1;
+            metrics.retried.increment(1);
+        }
+        Settled::DeadLettered => {
+            stats.dead_lettered += 1;
+            metrics.dead_lettered.increment(1);
+        }
         Settled::Panicked(dead) => {
             stats.panicked += 1;
+            metrics.panics.increment(1);
             if dead {
                 stats.dead_lettered += 1;
+                metrics.dead_lettered.increment(1);
             } else {
                 stats.retried += 1;
+                metrics.retried.increment(1);
             }
         }
+    }
+}
+
+/// A run's metric handles (see [`telemetry`]), registered once when the run starts: counting
+/// a message is then an atomic add, with no key built and no registry lookup.
+struct RunMetrics {
+    processed: Counter,
+    duplicates: Counter,
+    rejected: Counter,
+    in_progress: Counter,
+    retried: Counter,
+    dead_lettered: Counter,
+    handler_errors: Counter,
+    panics: Counter,
+    handler_duration: Histogram,
+    receive_lag: Histogram,
+}
+
+impl RunMetrics {
+    fn new(consumer: &str, topic: &str) -> Self {
+        let labels = [
+            ("consumer", consumer.to_owned()),
+            ("topic", topic.to_owned()),
+        ];
+        RunMetrics {
+            processed: metrics::counter!(telemetry::CONSUMER_PROCESSED, &labels),
+            duplicates: metrics::counter!(telemetry::CONSUMER_DUPLICATES, &labels),
+            rejected: metrics::counter!(telemetry::CONSUMER_REJECTED, &labels),
+            in_progress: metrics::counter!(telemetry::CONSUMER_IN_PROGRESS, &labels),
+            retried: metrics::counter!(telemetry::CONSUMER_RETRIED, &labels),
+            dead_lettered: metrics::counter!(telemetry::CONSUMER_DEAD_LETTERED, &labels),
+            handler_errors: metrics::counter!(telemetry::CONSUMER_HANDLER_ERRORS, &labels),
+            panics: metrics::counter!(telemetry::CONSUMER_HANDLER_PANICS, &labels),
+            handler_duration: metrics::histogram!(telemetry::CONSUMER_HANDLER_DURATION, &labels),
+            receive_lag: metrics::histogram!(telemetry::CONSUMER_RECEIVE_LAG, &labels),
+        }
+    }
+
+    /// The end-to-end lag, on first deliveries only: a redelivery's lag is mostly its
+    /// backoff or visibility timeout.
+    fn received(&self, envelope: &Envelope, attempt: i32) {
+        if attempt <= 1 {
+            self.receive_lag
+                .record(telemetry::seconds_since(envelope.created_at));
+        }
+    }
+
+    /// Records the handler's duration when dropped: after it returns, fails or panics.
+    fn time_handler(&self) -> HandlerTimer<'_> {
+        HandlerTimer(&self.handler_duration, Instant::now())
+    }
+}
+
+struct HandlerTimer<'a>(&'a Histogram, Instant);
+
+impl Drop for HandlerTimer<'_> {
+    fn drop(&mut self) {
+        self.0.record(self.1.elapsed());
     }
 }
 

@@ -8,17 +8,22 @@
 )]
 
 mod consumer;
+pub mod doctor;
 mod error;
 mod ident;
 pub mod inbox;
+pub mod janitor;
 mod json;
 mod listen;
 mod migrate;
+#[cfg(feature = "opentelemetry")]
+mod otel;
 mod outbox;
 mod relay;
 mod retry;
 mod state;
 mod status;
+pub mod telemetry;
 pub mod transport;
 mod version;
 

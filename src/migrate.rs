@@ -17,7 +17,8 @@ use tracing::Instrument;
 use crate::error::{Error, Result};
 use crate::ident::Identifier;
 
-mod embedded {
+/// The migrations this build applies (also read by [`crate::doctor`]).
+pub(crate) mod embedded {
     refinery::embed_migrations!("migrations");
 }
 

@@ -738,7 +738,7 @@ async fn release_extend_and_growing_tokens() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn run_leased_completes_on_success_and_releases_on_error_or_panic() {
+async fn run_leased_completes_on_success_or_unstorable_outcome_and_releases_on_error_or_panic() {
     let db = TestDb::migrated().await;
     let inbox = Inbox::new("runner").unwrap();
     let ttl = Duration::from_secs(30);
@@ -793,7 +793,8 @@ async fn run_leased_completes_on_success_and_releases_on_error_or_panic() {
     assert!(panicked.is_panic());
     assert_eq!(rows(&db.pool, "panics").await, 0, "released");
 
-    // An outcome that cannot be stored: released, typed error.
+    // An outcome that cannot be stored: the effect has happened, so the key is completed
+    // (without an outcome) and never run again; the caller gets the typed error.
     let err = inbox
         .run_leased(&db.pool, "nan", ttl, async |_lease| {
             Ok::<_, Error>(f64::NAN)
@@ -801,10 +802,14 @@ async fn run_leased_completes_on_success_and_releases_on_error_or_panic() {
         .await
         .unwrap_err();
     assert!(matches!(err, Error::InvalidField { .. }));
-    assert_eq!(rows(&db.pool, "nan").await, 0);
+    assert_eq!(rows(&db.pool, "nan").await, 1, "completed, not released");
+    match inbox.lease(&db.pool, "nan", ttl).await.unwrap() {
+        LeaseAttempt::Duplicate(d) => assert_eq!(d.outcome::<f64>().unwrap(), None),
+        other => panic!("an effect that happened must not run again: {other:?}"),
+    }
 
     // Each released key leases again at once.
-    for key in ["fails", "panics", "nan"] {
+    for key in ["fails", "panics"] {
         assert!(matches!(
             inbox.lease(&db.pool, key, ttl).await.unwrap(),
             LeaseAttempt::Leased(_)

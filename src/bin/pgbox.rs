@@ -2,13 +2,15 @@
 //!
 //! Exit codes: 0 success; 1 other failure; 2 bad usage; 3 cannot connect (bad URL or
 //! unreachable server); 4 the pgbox schema is missing (run `pgbox migrate`); 5 an id was not
-//! found; 6 refused (a retention below the floor without `--force`).
+//! found; 6 refused (a retention below the floor without `--force`); 7 `doctor` found
+//! warnings (and nothing critical); 8 `doctor` found critical findings.
 
 use std::collections::HashSet;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use pgbox::doctor::{Doctor, Report, Severity};
 use pgbox::transport::{QueueDeadLetter, QueueDeadLetters};
 use pgbox::{DbErrorKind, DeadLetter, DeadLetters, Error, Inbox, Migrator};
 use serde_json::{Value, json};
@@ -22,7 +24,7 @@ use uuid::Uuid;
 #[command(
     name = "pgbox",
     version,
-    about = "Operate pgbox: migrations, status, dead letters, retention."
+    about = "Operate pgbox: migrations, status, health checks, dead letters, retention."
 )]
 struct Cli {
     /// PostgreSQL connection URL.
@@ -49,6 +51,21 @@ enum Command {
     /// Backlog, oldest pending message and dead letters per topic; rows, live and expired
     /// leases per consumer.
     Status,
+    /// Health checks with advice: migrations, indexes, bloat, what holds back vacuum, the
+    /// notification queue, dead letters.
+    ///
+    /// Exit status: 0 when every finding is ok, 7 when the worst is a warning, 8 when one is
+    /// critical, 4 when the schema is not migrated.
+    Doctor {
+        /// A transaction (or prepared transaction) of this database holding back vacuum this
+        /// long is a warning: `90s`, `5m`, `1h`.
+        #[arg(long, value_parser = parse_age, default_value = "5m")]
+        xmin_age_warn: Duration,
+        /// A transaction (or prepared transaction) of this database holding back vacuum this
+        /// long is critical.
+        #[arg(long, value_parser = parse_age, default_value = "1h")]
+        xmin_age_critical: Duration,
+    },
     /// Inspect, replay or discard dead letters: the outbox's, or with `--queue` the built-in
     /// queue's. Either kind holds back later messages of its ordering key until it is
     /// replayed or discarded.
@@ -359,6 +376,44 @@ fn dead_letter_json(d: &DeadLetter) -> Value {
     })
 }
 
+/// `doctor`'s exit status: 0 all ok, 7 warnings, 8 critical, 4 not migrated.
+fn doctor_exit_code(report: &Report) -> u8 {
+    if report.not_migrated() {
+        return 4;
+    }
+    match report.severity() {
+        Severity::Ok => 0,
+        Severity::Warning => 7,
+        Severity::Critical => 8,
+    }
+}
+
+/// The report for a terminal: a summary line, then each finding (worst first) with its
+/// advice.
+fn doctor_text(report: &Report) -> String {
+    let mut out = format!(
+        "pgbox doctor, schema {:?}: {} critical, {} warning(s), {} ok\n",
+        report.schema,
+        report.count(Severity::Critical),
+        report.count(Severity::Warning),
+        report.count(Severity::Ok)
+    );
+    let mut findings: Vec<_> = report.findings.iter().collect();
+    findings.sort_by_key(|f| std::cmp::Reverse(f.severity));
+    for f in findings {
+        let label = match f.severity {
+            Severity::Ok => "ok",
+            Severity::Warning => "WARNING",
+            Severity::Critical => "CRITICAL",
+        };
+        out.push_str(&format!(
+            "\n{label:<8}  {}: {}\n{:<8}  what to do: {}\n",
+            f.code, f.message, "", f.advice
+        ));
+    }
+    out
+}
+
 async fn run(cli: Cli) -> Result<(), Failure> {
     let json_mode = cli.json;
     let schema = cli.schema.as_str();
@@ -481,6 +536,33 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 }
                 out
             });
+        }
+        Command::Doctor {
+            xmin_age_warn,
+            xmin_age_critical,
+        } => {
+            let pool = connect(cli.database_url.as_deref()).await?;
+            ensure_schema(&pool, schema).await?;
+            let report = Doctor::new()
+                .schema(schema)?
+                .xmin_age_warn(xmin_age_warn)
+                .xmin_age_critical(xmin_age_critical)
+                .check(&pool)
+                .await?;
+            let code = doctor_exit_code(&report);
+            let mut value = serde_json::to_value(&report).expect("json");
+            value["exit_code"] = json!(code);
+            print(json_mode, value, || doctor_text(&report));
+            if code != 0 {
+                let (critical, warnings) = (
+                    report.count(Severity::Critical),
+                    report.count(Severity::Warning),
+                );
+                return Err(fail(
+                    code,
+                    format!("doctor: {critical} critical finding(s), {warnings} warning(s)"),
+                ));
+            }
         }
         Command::DeadLetters { queue, action } => {
             let pool = connect(cli.database_url.as_deref()).await?;

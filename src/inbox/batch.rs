@@ -11,8 +11,10 @@ impl Inbox {
     /// Claims every key on the caller's transaction: a plain `INSERT … SELECT unnest(…)` in
     /// a savepoint (three statements for the whole batch), falling back to
     /// `ON CONFLICT DO NOTHING RETURNING` when the batch holds a key already recorded. A key
-    /// held by a live or expired lease (lease mode) fails the call with
-    /// [`Error::KeyInProgress`](crate::Error::KeyInProgress): roll back and retry later. Returns, per input key and in input order, whether this
+    /// held by a live or expired lease (lease mode), or released or purged while the batch
+    /// was being claimed, fails the call with
+    /// [`Error::KeyInProgress`](crate::Error::KeyInProgress): roll back and retry later.
+    /// Returns, per input key and in input order, whether this
     /// transaction claimed it: `false` means it was already recorded, or it repeats an
     /// earlier key of the same batch.
     ///
@@ -74,16 +76,19 @@ impl Inbox {
                     .bind(&message_ids)
                     .fetch_all(&mut **tx)
                     .await?;
-            // A key held by a lease (lease mode, not finished) is neither new nor done: the
-            // batch cannot report it as `false` ("already recorded"), or its message would be
-            // acked before its effect happened.
-            let leased: Option<String> =
-                sqlx::query_scalar(AssertSqlSafe(self.inner.sql.batch_leased.clone()))
+            // A key the batch did not claim is reported `false` ("already recorded") only on
+            // positive evidence: a committed row without a lease. A key held by a lease (lease
+            // mode, not finished), or one whose lease was released or whose row was purged
+            // since the statement above, is neither new nor done: reporting it as done would
+            // ack its message before its effect happened. The caller retries.
+            let unsettled: Option<String> =
+                sqlx::query_scalar(AssertSqlSafe(self.inner.sql.batch_unsettled.clone()))
                     .bind(&self.inner.consumer)
                     .bind(&key_strs)
+                    .bind(&claimed)
                     .fetch_optional(&mut **tx)
                     .await?;
-            if let Some(key) = leased {
+            if let Some(key) = unsettled {
                 return Err(crate::Error::KeyInProgress {
                     consumer: self.inner.consumer.clone(),
                     key,

@@ -174,7 +174,7 @@ impl LeaseStatements {
             .into(),
             extend: format!(
                 "WITH done AS (\
-                   UPDATE {s}.inbox SET lease_expires_at = now() + $4 * interval '1 microsecond' \
+                   UPDATE {s}.inbox SET lease_expires_at = clock_timestamp() + $4 * interval '1 microsecond' \
                    WHERE consumer = $1 AND key = $2 AND lease_token = $3 \
                      AND lease_expires_at IS NOT NULL RETURNING lease_expires_at) \
                  SELECT (SELECT lease_expires_at FROM done), i.lease_token {current}"
@@ -272,12 +272,19 @@ impl Inbox {
                     taken_over_from: previous.map(FencingToken),
                 };
                 match lease.taken_over_from {
-                    Some(previous) => tracing::warn!(
-                        token = %lease.token,
-                        previous_token = %previous,
-                        expires_at = %lease.expires_at,
-                        "pgbox expired lease taken over; the previous holder's completion will be refused"
-                    ),
+                    Some(previous) => {
+                        metrics::counter!(
+                            crate::telemetry::INBOX_LEASE_TAKEOVERS,
+                            "consumer" => self.inner.consumer.clone()
+                        )
+                        .increment(1);
+                        tracing::warn!(
+                            token = %lease.token,
+                            previous_token = %previous,
+                            expires_at = %lease.expires_at,
+                            "pgbox expired lease taken over; the previous holder's completion will be refused"
+                        )
+                    }
                     None => tracing::info!(
                         token = %lease.token,
                         expires_at = %lease.expires_at,
@@ -381,7 +388,11 @@ impl Inbox {
                     let json = match self.lease_outcome(&value) {
                         Ok(json) => json,
                         Err(e) => {
-                            lease.release_quietly(pool).await;
+                            // The effect has happened: releasing would let the next delivery
+                            // lease the key again, with a new token (a new idempotency key),
+                            // and repeat it. Complete without an outcome, then report.
+                            tracing::error!(error = %e, "pgbox leased handler's outcome cannot be stored; completing without it");
+                            lease.complete_json(pool, None).await?;
                             return Err(e.into());
                         }
                     };

@@ -102,7 +102,7 @@ struct Statements {
     verify: Arc<str>,
     claim_batch: Arc<str>,
     claim_batch_plain: Arc<str>,
-    batch_leased: Arc<str>,
+    batch_unsettled: Arc<str>,
     lock_watermark: Arc<str>,
     create_watermark: Arc<str>,
     advance_watermark: Arc<str>,
@@ -160,9 +160,15 @@ impl Statements {
                  SELECT $1, k.key, k.message_id FROM unnest($2::text[], $3::text[]) AS k(key, message_id)"
             )
             .into(),
-            batch_leased: format!(
-                "SELECT key FROM {s}.inbox WHERE consumer = $1 AND key = ANY($2) \
-                 AND lease_expires_at IS NOT NULL LIMIT 1"
+            // Of the keys a batch did not claim, one that is not positively recorded: under
+            // a lease, or gone (released or purged since the claim statement). Failing
+            // closed: only a committed row without a lease may be reported as done.
+            batch_unsettled: format!(
+                "SELECT k FROM unnest($2::text[]) AS k \
+                 WHERE k <> ALL($3::text[]) AND NOT EXISTS (\
+                   SELECT 1 FROM {s}.inbox AS i \
+                   WHERE i.consumer = $1 AND i.key = k AND i.lease_expires_at IS NULL) \
+                 LIMIT 1"
             )
             .into(),
             lock_watermark: format!(
@@ -500,6 +506,17 @@ impl Inbox {
     }
 
     async fn claim_validated(&self, conn: &mut PgConnection, key: &Key<'_>) -> Result<Claim> {
+        let started = std::time::Instant::now();
+        let claim = self.claim_statement(conn, key).await;
+        metrics::histogram!(
+            crate::telemetry::INBOX_CLAIM_DURATION,
+            "consumer" => self.inner.consumer.clone()
+        )
+        .record(started.elapsed());
+        claim
+    }
+
+    async fn claim_statement(&self, conn: &mut PgConnection, key: &Key<'_>) -> Result<Claim> {
         let sql = &self.inner.sql;
         let lock_timeout = match self.inner.wait {
             Wait::Block => None,

@@ -1,10 +1,13 @@
 //! W3C trace context (`traceparent`) carried in message headers.
 //!
-//! pgbox does not depend on OpenTelemetry. It propagates the context it can see: while the
+//! Without OpenTelemetry (feature `opentelemetry` off, or no `tracing-opentelemetry` layer
+//! installed), pgbox propagates the context it can see: while the
 //! [`Consumer`](crate::Consumer) runs a handler for a message that carried a `traceparent`,
 //! messages enqueued by that handler continue the same trace (same trace id, a new parent
 //! id), so a chain of services shares one trace id. Outside a handler, when a `tracing` span
-//! is active, enqueue starts a new trace. An explicit `traceparent` header always wins.
+//! is active, enqueue starts a new trace. With an OpenTelemetry layer, enqueue stamps the
+//! current span's own ids, so the consumer's span hangs under the producer's. An explicit
+//! `traceparent` header always wins.
 
 use std::future::Future;
 
@@ -23,7 +26,16 @@ pub(crate) async fn with_incoming<F: Future>(traceparent: Option<String>, f: F) 
 /// The `traceparent` for a message enqueued now, if there is a context to propagate.
 pub(crate) fn outgoing() -> Option<String> {
     let incoming = INCOMING.try_with(|t| t.clone()).ok().flatten();
-    if let Some((trace_id, flags)) = incoming.as_deref().and_then(parse) {
+    let incoming = incoming.as_deref().and_then(parse);
+    // With an OpenTelemetry layer installed, the current span is a real, exported parent:
+    // stamp its ids, unless it belongs to another trace than the message being handled.
+    #[cfg(feature = "opentelemetry")]
+    if let Some(current) = crate::otel::current_traceparent()
+        && incoming.is_none_or(|(trace_id, _)| current[3..35] == *trace_id)
+    {
+        return Some(current);
+    }
+    if let Some((trace_id, flags)) = incoming {
         return Some(format!("00-{trace_id}-{:016x}-{flags}", nonzero_u64()));
     }
     if tracing::Span::current().is_disabled() {

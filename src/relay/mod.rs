@@ -17,10 +17,11 @@ mod dead_letters;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgListener, PgRow};
 use sqlx::{AssertSqlSafe, PgPool, Row};
+use time::OffsetDateTime;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
@@ -31,6 +32,7 @@ use crate::ident::Identifier;
 use crate::migrate::DEFAULT_SCHEMA;
 use crate::outbox::{ASLEEP_LOCK_CLASS, Envelope};
 use crate::retry::RetryPolicy;
+use crate::telemetry;
 use crate::transport::{PublishError, Publisher};
 
 /// How a relay learns that there is work.
@@ -173,15 +175,17 @@ impl Statements {
             // a key: a key's claimed rows are exactly its oldest pending ones, in order.
             // `blocked`: keys whose head waits out a backoff (few rows, a partial index).
             // `c`: due rows in commit order, keyed ones only while their key is neither
-            // blocked nor dead-lettered. The LIMIT is a literal: with `$1` the statement is
-            // planned anew every round.
+            // blocked nor dead-lettered. A row never tried is due whatever its
+            // `available_at` (its producer's transaction start, which is not in `seq` order:
+            // skipping it for one round would let a later row of its key overtake it). The
+            // LIMIT is a literal: with `$1` the statement is planned anew every round.
             claim: format!(
                 "WITH blocked AS MATERIALIZED (\
                    SELECT DISTINCT b.topic, b.ordering_key FROM {s}.outbox AS b \
                    WHERE b.attempts > 0 AND b.published_at IS NULL AND b.available_at > now()) \
                  SELECT seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, attempts \
                  FROM {s}.outbox AS o \
-                 WHERE o.published_at IS NULL AND o.available_at <= now() \
+                 WHERE o.published_at IS NULL AND (o.attempts = 0 OR o.available_at <= now()) \
                    AND (o.ordering_key IS NULL OR (\
                      NOT EXISTS (SELECT 1 FROM blocked AS b \
                        WHERE b.topic = o.topic AND b.ordering_key = o.ordering_key) \
@@ -193,7 +197,8 @@ impl Statements {
             claim_unkeyed: format!(
                 "SELECT seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, attempts \
                  FROM {s}.outbox AS o \
-                 WHERE o.published_at IS NULL AND o.ordering_key IS NULL AND o.available_at <= now() \
+                 WHERE o.published_at IS NULL AND o.ordering_key IS NULL \
+                   AND (o.attempts = 0 OR o.available_at <= now()) \
                  ORDER BY o.seq LIMIT {batch_size} FOR UPDATE SKIP LOCKED"
             ),
             keyed_lock: format!(
@@ -402,7 +407,23 @@ impl<P: Publisher> Relay<P> {
     }
 
     /// One round: claim, publish, settle, commit. Returns what it did.
+    ///
+    /// Records the relay's metrics (see [`telemetry`](crate::telemetry)) once the round has
+    /// committed: what a failed round published is published again, and counted then.
     pub async fn relay_once(&self) -> Result<RoundReport> {
+        let started = Instant::now();
+        let result = self.round().await;
+        match &result {
+            Ok(report) if report.claimed > 0 => {
+                metrics::histogram!(telemetry::RELAY_ROUND_DURATION).record(started.elapsed());
+            }
+            Ok(_) => {}
+            Err(_) => metrics::counter!(telemetry::RELAY_ROUND_ERRORS).increment(1),
+        }
+        result
+    }
+
+    async fn round(&self) -> Result<RoundReport> {
         let span = tracing::debug_span!("pgbox.relay.round");
         async {
             let mut tx = self.pool.begin_with(PINNED_BEGIN).await?;
@@ -426,15 +447,23 @@ impl<P: Publisher> Relay<P> {
             }
             let batch = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
             tracing::debug!(messages = batch.len(), "pgbox relay claimed");
+            #[cfg(feature = "opentelemetry")]
+            crate::otel::link_producer_traces(&tracing::Span::current(), &batch);
             let results = self.publish_in_key_order(&batch).await;
+            let confirmed_at = OffsetDateTime::now_utc();
+            let mut tally = Tally::default();
             let (mut done, mut retry, mut dead) = (Vec::new(), Vec::new(), Vec::new());
             for (message, result) in batch.iter().zip(results) {
                 // Not attempted: an earlier message of its key failed in this round.
                 let Some(result) = result else { continue };
+                let counts = tally.topic(&message.topic);
                 match result {
                     Ok(()) => {
                         tracing::debug!(message_id = %message.id, topic = %message.topic, "pgbox published");
                         done.push(message.seq);
+                        counts
+                            .lags
+                            .push(telemetry::seconds_between(message.created_at, confirmed_at));
                     }
                     Err(PublishError(error)) => {
                         let attempt = message.attempts + 1;
@@ -442,10 +471,12 @@ impl<P: Publisher> Relay<P> {
                         if attempt >= self.max_attempts {
                             tracing::error!(message_id = %message.id, attempt, error, "pgbox publish failed for the last time; dead-lettered");
                             dead.push((message.seq, error));
+                            counts.dead_lettered += 1;
                         } else {
                             let delay = self.backoff.delay_after(attempt as u32);
                             tracing::warn!(message_id = %message.id, attempt, ?delay, error, "pgbox publish failed; will retry");
                             retry.push((message.seq, error, delay.as_secs_f64()));
+                            counts.retried += 1;
                         }
                     }
                 }
@@ -479,6 +510,7 @@ impl<P: Publisher> Relay<P> {
             }
             tx.commit().await?;
             report.published = done.len();
+            tally.record();
             Ok(report)
         }
         .instrument(span)
@@ -572,6 +604,58 @@ impl<P: Publisher> Relay<P> {
             batch.len()
         );
         vec![Err(PublishError(msg)); batch.len()]
+    }
+}
+
+/// What a round did per topic, recorded once it commits. A round's topics are few: a linear
+/// search beats hashing, and nothing is allocated per message but the lag.
+#[derive(Default)]
+struct Tally<'a>(Vec<TopicTally<'a>>);
+
+struct TopicTally<'a> {
+    topic: &'a str,
+    /// Commit→publish lag of each published message, seconds.
+    lags: Vec<f64>,
+    retried: u64,
+    dead_lettered: u64,
+}
+
+impl<'a> Tally<'a> {
+    fn topic(&mut self, topic: &'a str) -> &mut TopicTally<'a> {
+        let i = match self.0.iter().position(|t| t.topic == topic) {
+            Some(i) => i,
+            None => {
+                self.0.push(TopicTally {
+                    topic,
+                    lags: Vec::new(),
+                    retried: 0,
+                    dead_lettered: 0,
+                });
+                self.0.len() - 1
+            }
+        };
+        &mut self.0[i]
+    }
+
+    fn record(self) {
+        for t in self.0 {
+            let labels = [("topic", t.topic.to_owned())];
+            if !t.lags.is_empty() {
+                metrics::counter!(telemetry::RELAY_PUBLISHED, &labels)
+                    .increment(t.lags.len() as u64);
+                let lag = metrics::histogram!(telemetry::RELAY_PUBLISH_LAG, &labels);
+                for seconds in t.lags {
+                    lag.record(seconds);
+                }
+            }
+            if t.retried > 0 {
+                metrics::counter!(telemetry::RELAY_RETRIED, &labels).increment(t.retried);
+            }
+            if t.dead_lettered > 0 {
+                metrics::counter!(telemetry::RELAY_DEAD_LETTERED, &labels)
+                    .increment(t.dead_lettered);
+            }
+        }
     }
 }
 

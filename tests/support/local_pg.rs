@@ -76,7 +76,7 @@ async fn reachable(url: &str) -> bool {
     }
 }
 
-fn is_root() -> bool {
+pub fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
         .output()
@@ -84,7 +84,7 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-fn find_bindir() -> Option<PathBuf> {
+pub fn find_bindir() -> Option<PathBuf> {
     if let Ok(dir) = std::env::var("PG_BIN") {
         return Some(PathBuf::from(dir));
     }
@@ -101,7 +101,7 @@ fn find_bindir() -> Option<PathBuf> {
     dirs.pop().map(|(_, bin)| bin)
 }
 
-fn run(cmd: &mut Command) -> Result<(), String> {
+pub fn run(cmd: &mut Command) -> Result<(), String> {
     let out = cmd.output().map_err(|e| format!("{cmd:?}: {e}"))?;
     if out.status.success() {
         Ok(())
@@ -116,7 +116,7 @@ fn run(cmd: &mut Command) -> Result<(), String> {
 }
 
 /// `initdb` and `postgres` refuse to run as root: run them as the `postgres` user then.
-fn pg_command(root: bool, program: &Path) -> Command {
+pub fn pg_command(root: bool, program: &Path) -> Command {
     if root {
         let mut c = Command::new("runuser");
         c.args(["-u", "postgres", "--"]).arg(program);

@@ -1,0 +1,414 @@
+//! The crash harness: a producer, two relays and two consumers, each its own process, run
+//! against a private PostgreSQL cluster while the test kills them with SIGKILL at random
+//! moments (and starts them again) and crash-restarts the server (`pg_ctl restart -m
+//! immediate`). Afterwards every produced message has taken effect exactly once, and each
+//! ordering key's messages took effect in the order they were produced.
+//!
+//! The cluster is the test's own (a temporary directory, a free port), never the shared
+//! server the other tests use. Every loop is bounded.
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pgbox::transport::PgQueue;
+use pgbox::{CancellationToken, Consumer, Envelope, Error, Inbox, Message, Outbox, Relay};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Connection, Executor, PgConnection, PgPool};
+use support::local_pg;
+
+/// Set in a child process: its role (`producer`, `relay` or `consumer`).
+const ROLE_ENV: &str = "PGBOX_CRASH_ROLE";
+/// Set in a child process: the database it works on.
+const URL_ENV: &str = "PGBOX_CRASH_URL";
+
+/// Messages the producer writes in all, over `KEYS` ordering keys, `PER_TX` per transaction.
+const TOTAL: i64 = 2_000;
+const KEYS: i64 = 20;
+const PER_TX: i64 = 5;
+const TOPIC: &str = "crash";
+
+/// A private cluster in a temporary directory, stopped and removed on drop.
+struct Cluster {
+    dir: PathBuf,
+    bindir: PathBuf,
+    port: u16,
+    root: bool,
+}
+
+impl Cluster {
+    fn start() -> Cluster {
+        let bindir = local_pg::find_bindir()
+            .expect("PostgreSQL's binaries (initdb, pg_ctl) under /usr/lib/postgresql or PG_BIN");
+        let root = local_pg::is_root();
+        let dir =
+            std::env::temp_dir().join(format!("pgbox-crash-{}", uuid::Uuid::now_v7().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        if root {
+            local_pg::run(Command::new("chown").arg("postgres:postgres").arg(&dir)).unwrap();
+        }
+        local_pg::run(
+            local_pg::pg_command(root, &bindir.join("initdb"))
+                .arg("-D")
+                .arg(dir.join("data"))
+                .args(["-U", "postgres", "-A", "trust", "-E", "UTF8"])
+                .arg("--locale=C.UTF-8"),
+        )
+        .unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let cluster = Cluster {
+            dir,
+            bindir,
+            port,
+            root,
+        };
+        cluster.pg_ctl(&["start"]);
+        cluster
+    }
+
+    fn url(&self, database: &str) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
+    }
+
+    /// Commits are durable (`synchronous_commit` on): a crash of the server, not of the
+    /// machine, loses no committed transaction even with `fsync` off, which only matters
+    /// to an operating-system crash.
+    fn pg_ctl(&self, action: &[&str]) {
+        let options = format!(
+            "-c listen_addresses=127.0.0.1 -p {} -k {} -c fsync=off -c max_connections=100",
+            self.port,
+            self.dir.display()
+        );
+        local_pg::run(
+            local_pg::pg_command(self.root, &self.bindir.join("pg_ctl"))
+                .arg("-D")
+                .arg(self.dir.join("data"))
+                .arg("-l")
+                .arg(self.dir.join("server.log"))
+                .args(["-w", "-t", "60", "-o", &options])
+                .args(action),
+        )
+        .unwrap_or_else(|e| panic!("pg_ctl {action:?}: {e}"));
+    }
+
+    /// Kills every server process at once (no checkpoint, no clean shutdown of a single
+    /// connection), then starts the server again, which replays its WAL.
+    fn crash_restart(&self) {
+        self.pg_ctl(&["-m", "immediate", "restart"]);
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let _ = local_pg::run(
+            local_pg::pg_command(self.root, &self.bindir.join("pg_ctl"))
+                .arg("-D")
+                .arg(self.dir.join("data"))
+                .args(["-m", "immediate", "-w", "stop"]),
+        );
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A connection to `url`, retried while the server restarts (up to 60 s).
+async fn connect(url: &str) -> PgConnection {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        match PgConnection::connect(url).await {
+            Ok(c) => return c,
+            Err(e) if Instant::now() < deadline => {
+                let _ = e;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Err(e) => panic!("cannot connect to {url}: {e}"),
+        }
+    }
+}
+
+/// One scalar of a query, retried across server restarts.
+async fn scalar(url: &str, sql: &'static str) -> i64 {
+    for _ in 0..100 {
+        let mut conn = connect(url).await;
+        match sqlx::query_scalar::<_, i64>(sql).fetch_one(&mut conn).await {
+            Ok(v) => return v,
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+    panic!("{sql} kept failing");
+}
+
+async fn pool(url: &str, connections: u32) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(connections)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect_lazy(url)
+        .expect("pool options")
+}
+
+/// The producer: transactions of `PER_TX` messages, each with its business rows, resuming
+/// after a kill from what committed. Returns when all `TOTAL` are produced.
+async fn produce(url: &str) {
+    let pool = pool(url, 2).await;
+    let outbox = Outbox::new();
+    loop {
+        let attempt = async {
+            let next: i64 = sqlx::query_scalar("SELECT coalesce(max(n) + 1, 0) FROM produced")
+                .fetch_one(&pool)
+                .await?;
+            if next >= TOTAL {
+                return Ok::<bool, Error>(true);
+            }
+            let last = (next + PER_TX).min(TOTAL);
+            let mut tx = pool.begin().await?;
+            sqlx::query("INSERT INTO produced (n) SELECT generate_series($1::bigint, $2 - 1)")
+                .bind(next)
+                .bind(last)
+                .execute(&mut *tx)
+                .await?;
+            let messages = (next..last).map(|n| {
+                Message::json(TOPIC, &n)
+                    .expect("a number serializes")
+                    .ordering_key(format!("k{}", n % KEYS))
+            });
+            outbox.enqueue_batch(&mut tx, messages).await?;
+            tx.commit().await?;
+            Ok(false)
+        };
+        match attempt.await {
+            Ok(true) => return,
+            Ok(false) => tokio::time::sleep(Duration::from_millis(40)).await,
+            Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+        }
+    }
+}
+
+/// A relay into the built-in queue, started again whenever its run fails.
+async fn relay(url: &str) {
+    let pool = pool(url, 3).await;
+    let relay = Relay::builder(pool.clone(), PgQueue::new(pool))
+        .batch_size(50)
+        .poll_interval(Duration::from_millis(200))
+        .build()
+        .expect("relay config");
+    loop {
+        let _ = relay.run(CancellationToken::new()).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A consumer recording each message's effect through the inbox, started again whenever
+/// its run fails.
+async fn consume(url: &str) {
+    let pool = pool(url, 6).await;
+    let consumer = Consumer::builder(
+        pool.clone(),
+        PgQueue::new(pool),
+        TOPIC,
+        Inbox::new("effects").expect("consumer name"),
+    )
+    .concurrency(4)
+    .visibility_timeout(Duration::from_secs(2))
+    .poll_interval(Duration::from_millis(200))
+    .max_deliveries(1_000)
+    .build()
+    .expect("consumer config");
+    loop {
+        let _ = consumer
+            .run(
+                async |envelope: &Envelope, conn: &mut pgbox::HandlerConnection<'_>| {
+                    let n: i64 = envelope.json()?;
+                    sqlx::query("INSERT INTO effects (n, key, message_id) VALUES ($1, $2, $3)")
+                        .bind(n)
+                        .bind(envelope.ordering_key.as_deref())
+                        .bind(envelope.id)
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(Error::from)?;
+                    Ok::<(), Error>(())
+                },
+                CancellationToken::new(),
+            )
+            .await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// A child process's body: a no-op in a normal test run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crash_child() {
+    let (Ok(role), Ok(url)) = (std::env::var(ROLE_ENV), std::env::var(URL_ENV)) else {
+        return;
+    };
+    match role.as_str() {
+        "producer" => {
+            produce(&url).await;
+            // Done: stay alive like a service would, until killed.
+            std::future::pending::<()>().await;
+        }
+        "relay" => relay(&url).await,
+        "consumer" => consume(&url).await,
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// One child process per role instance, started again after each kill.
+struct Process {
+    role: &'static str,
+    child: Child,
+    kills: u32,
+}
+
+impl Process {
+    fn spawn(role: &'static str, url: &str, logs: &Path) -> Process {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(logs.join(format!("{role}.log")))
+            .unwrap();
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args(["crash_child", "--exact", "--nocapture", "--test-threads=1"])
+            .env(ROLE_ENV, role)
+            .env(URL_ENV, url)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("spawn a child process");
+        Process {
+            role,
+            child,
+            kills: 0,
+        }
+    }
+
+    /// SIGKILL, reaped, then started again.
+    fn kill_and_restart(&mut self, url: &str, logs: &Path) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+        let kills = self.kills + 1;
+        *self = Process::spawn(self.role, url, logs);
+        self.kills = kills;
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn processes_killed_and_postgres_crash_restarted_lose_nothing_double_nothing_reorder_nothing()
+{
+    if std::env::var(ROLE_ENV).is_ok() {
+        return; // a child runs only `crash_child`
+    }
+    let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
+    let url = cluster.url("crash");
+    {
+        let mut admin = connect(&cluster.url("postgres")).await;
+        admin.execute("CREATE DATABASE crash").await.unwrap();
+    }
+    let setup = pool(&url, 2).await;
+    pgbox::migrate(&setup).await.unwrap();
+    setup
+        .execute(
+            "CREATE TABLE produced (n bigint PRIMARY KEY); \
+             CREATE TABLE effects (seq bigserial PRIMARY KEY, n bigint NOT NULL, \
+                                   key text NOT NULL, message_id uuid NOT NULL)",
+        )
+        .await
+        .unwrap();
+    setup.close().await;
+
+    let logs = cluster.dir.clone();
+    let mut processes: Vec<Process> = ["producer", "relay", "relay", "consumer", "consumer"]
+        .into_iter()
+        .map(|role| Process::spawn(role, &url, &logs))
+        .collect();
+
+    // Chaos for a bounded time: a random process killed every 0.3–1.5 s, the server
+    // crash-restarted three times, spread over the period.
+    let chaos = Duration::from_secs(30);
+    let start = Instant::now();
+    let mut restarts = 0;
+    let mut kills = 0;
+    while start.elapsed() < chaos {
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(300..1_500))).await;
+        if restarts < 3 && start.elapsed() > chaos * (restarts * 3 + 2) / 10 {
+            let c = &cluster;
+            tokio::task::block_in_place(|| c.crash_restart());
+            restarts += 1;
+        } else {
+            let i = fastrand::usize(..processes.len());
+            processes[i].kill_and_restart(&url, &logs);
+            kills += 1;
+        }
+    }
+    eprintln!("chaos over: {kills} processes killed, {restarts} server crash-restarts; draining");
+
+    // Drain: everything produced, published and consumed, within a bound.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let effects = scalar(&url, "SELECT count(*) FROM effects").await;
+        let produced = scalar(&url, "SELECT count(*) FROM produced").await;
+        let outbox = scalar(&url, "SELECT count(*) FROM pgbox.outbox").await;
+        let queue = scalar(&url, "SELECT count(*) FROM pgbox.queue").await;
+        if produced == TOTAL && outbox == 0 && queue == 0 && effects >= TOTAL {
+            break;
+        }
+        if Instant::now() > deadline {
+            let log = std::fs::read_to_string(logs.join("consumer.log")).unwrap_or_default();
+            let tail: String = log.lines().rev().take(30).collect::<Vec<_>>().join("\n");
+            panic!(
+                "not drained within 120 s: produced {produced}, outbox {outbox}, \
+                 queue {queue}, effects {effects}; consumer log (last lines, newest first):\n{tail}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    drop(processes);
+
+    let mut conn = connect(&url).await;
+    let (total, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT n) FROM effects")
+            .fetch_one(&mut conn)
+            .await
+            .unwrap();
+    assert_eq!(distinct, TOTAL, "every produced message took effect");
+    assert_eq!(total, TOTAL, "no message took effect twice");
+    let unproduced: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM effects e WHERE NOT EXISTS (SELECT 1 FROM produced p WHERE p.n = e.n)",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(unproduced, 0, "only committed messages took effect");
+    let out_of_order: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT n, lag(n) OVER (PARTITION BY key ORDER BY seq) AS before \
+         FROM effects) e WHERE e.before > e.n",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(out_of_order, 0, "each key's messages took effect in order");
+    let dead: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM pgbox.outbox_dead_letters) \
+              + (SELECT count(*) FROM pgbox.queue_dead_letters)",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(dead, 0, "nothing dead-lettered");
+    assert!(kills >= 10, "only {kills} kills");
+    assert_eq!(restarts, 3);
+    eprintln!("crash harness: {TOTAL} messages, exactly once, in per-key order");
+}
