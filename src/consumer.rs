@@ -395,9 +395,13 @@ impl<S: Subscriber> Consumer<S> {
         let envelope = self.source.envelope(&delivery);
         let attempt = self.source.attempt(&delivery);
         metrics.received(envelope, attempt);
-        let key = match &self.key {
-            Some(f) => f(envelope),
-            None => envelope.id.to_string(),
+        let key = match self.key_of(envelope) {
+            Ok(key) => key,
+            Err(message) => {
+                return self
+                    .panicked(&delivery, format!("key function: {message}"))
+                    .await;
+            }
         };
         let span = tracing::info_span!(
             "pgbox.consumer.handle",
@@ -457,6 +461,17 @@ impl<S: Subscriber> Consumer<S> {
         .await
     }
 
+    /// The inbox key of `envelope`: the configured key function's, or the message id. A
+    /// panicking key function (an `unwrap` on a payload field) is caught like a panicking
+    /// handler, so one bad message cannot take the runner down.
+    fn key_of(&self, envelope: &Envelope) -> std::result::Result<String, String> {
+        match &self.key {
+            Some(f) => std::panic::catch_unwind(AssertUnwindSafe(|| f(envelope)))
+                .map_err(|panic| panic_message(panic.as_ref())),
+            None => Ok(envelope.id.to_string()),
+        }
+    }
+
     /// A handler panicked: a failed delivery, logged at error level, then nacked or
     /// dead-lettered like an error.
     async fn panicked(&self, delivery: &S::Delivery, message: String) -> Settled {
@@ -487,9 +502,13 @@ impl<S: Subscriber> Consumer<S> {
         let envelope = self.source.envelope(&delivery);
         let attempt = self.source.attempt(&delivery);
         metrics.received(envelope, attempt);
-        let key = match &self.key {
-            Some(f) => f(envelope),
-            None => envelope.id.to_string(),
+        let key = match self.key_of(envelope) {
+            Ok(key) => key,
+            Err(message) => {
+                return self
+                    .panicked(&delivery, format!("key function: {message}"))
+                    .await;
+            }
         };
         let span = tracing::info_span!(
             "pgbox.consumer.handle",

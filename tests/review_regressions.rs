@@ -103,3 +103,89 @@ async fn a_message_never_tried_is_not_overtaken_by_a_later_one_of_its_key() {
         .collect();
     assert_eq!(order, vec![b"first".to_vec(), b"second".to_vec()]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_panicking_key_function_is_a_failed_delivery_not_a_dead_runner() {
+    use pgbox::transport::PgQueue;
+    use pgbox::{CancellationToken, Consumer, Error};
+
+    let db = TestDb::migrated().await;
+    db.pool
+        .execute("CREATE TABLE effects (payload text PRIMARY KEY)")
+        .await
+        .unwrap();
+    let outbox = Outbox::new();
+    let mut tx = db.pool.begin().await.unwrap();
+    for p in ["a", "no-key", "b"] {
+        outbox
+            .enqueue(&mut tx, Message::bytes("jobs", p))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let queue = PgQueue::new(db.pool.clone());
+    Relay::builder(db.pool.clone(), queue.clone())
+        .build()
+        .unwrap()
+        .relay_once()
+        .await
+        .unwrap();
+    let consumer = Consumer::builder(db.pool.clone(), queue, "jobs", Inbox::new("keys").unwrap())
+        // The business key comes from the payload; one payload has none.
+        .key(|e: &Envelope| {
+            let text = String::from_utf8(e.payload.clone()).unwrap();
+            assert_ne!(text, "no-key", "a payload without its business key");
+            format!("order-{text}")
+        })
+        .max_deliveries(2)
+        .backoff(pgbox::RetryPolicy::new().base_delay(Duration::from_millis(10)))
+        .poll_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let s = shutdown.clone();
+        async move {
+            consumer
+                .run(
+                    async |e: &Envelope, conn: &mut pgbox::HandlerConnection<'_>| {
+                        sqlx::query("INSERT INTO effects VALUES ($1)")
+                            .bind(String::from_utf8(e.payload.clone()).unwrap())
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(Error::from)?;
+                        Ok::<(), Error>(())
+                    },
+                    s,
+                )
+                .await
+        }
+    });
+    let dead_letters = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM pgbox.queue_dead_letters")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap()
+    };
+    for _ in 0..1_000 {
+        if dead_letters().await >= 1 || run.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown.cancel();
+    let stats = run
+        .await
+        .expect("the runner survived the key function's panics")
+        .unwrap();
+    assert_eq!(stats.processed, 2);
+    assert_eq!(stats.panicked, 2, "two deliveries, each panicked");
+    assert_eq!(stats.dead_lettered, 1);
+    let error: String = sqlx::query_scalar(
+        "SELECT last_error FROM pgbox.queue_dead_letters WHERE payload = 'no-key'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(error.contains("key function"), "{error}");
+}

@@ -357,7 +357,7 @@ impl QueueDeadLetters {
     pub fn with_schema(pool: PgPool, schema: &str) -> Result<Self> {
         Ok(QueueDeadLetters {
             pool,
-            schema: Identifier::new("schema", schema)?,
+            schema: Identifier::pgbox_schema(schema)?,
         })
     }
 
