@@ -103,6 +103,7 @@ struct Statements {
     claim_batch: Arc<str>,
     claim_batch_plain: Arc<str>,
     batch_unsettled: Arc<str>,
+    take_expired_lease: Arc<str>,
     lock_watermark: Arc<str>,
     create_watermark: Arc<str>,
     advance_watermark: Arc<str>,
@@ -130,6 +131,21 @@ impl Statements {
                 "SELECT false, lease_expires_at IS NOT NULL, processed_at, message_id, outcome, \
                         rejection, NULL::text \
                  FROM {s}.inbox WHERE consumer = $1 AND key = $2"
+            )
+            .into(),
+            // An expired lease, taken over by a transactional claim: the row becomes this
+            // transaction's like a fresh claim (lease cleared, so the stale holder's
+            // complete, extend and release are refused). SKIP LOCKED: never waits, so the
+            // bounded `Wait` modes stay bounded; a row someone holds stays in progress.
+            take_expired_lease: format!(
+                "UPDATE {s}.inbox AS i SET lease_token = NULL, lease_expires_at = NULL, \
+                   processed_at = now(), message_id = $3 \
+                 WHERE i.ctid = (SELECT l.ctid FROM {s}.inbox AS l \
+                   WHERE l.consumer = $1 AND l.key = $2 \
+                     AND l.lease_expires_at IS NOT NULL AND l.lease_expires_at <= now() \
+                   FOR UPDATE SKIP LOCKED) \
+                 RETURNING true, false, i.processed_at, i.message_id, NULL::jsonb, NULL::text, \
+                           pg_current_xact_id()::text"
             )
             .into(),
             // Only the row this transaction claimed, and only from that transaction: $4 is
@@ -277,7 +293,8 @@ pub enum Claim {
     /// Already recorded by a committed transaction.
     Duplicate(Duplicate),
     /// Held by another uncommitted transaction and the inbox's [`Wait`] expired, or held
-    /// under a lease ([`Inbox::lease`], live or expired): redeliver later.
+    /// under a live lease ([`Inbox::lease`]): redeliver later. (An expired lease is taken
+    /// over: the claim comes back [`Claimed`](Claim::Claimed).)
     InProgress,
 }
 
@@ -550,6 +567,25 @@ impl Inbox {
                     key: key.as_str().to_owned(),
                 })?,
         };
+        // A key under a lease whose holder is gone (lease mode's CONSUMING, expired): take it
+        // over in this transaction rather than report it in progress until a purge. A live
+        // lease, or one another session holds locked, stays in progress; a pure duplicate
+        // never gets here.
+        let in_progress: Option<bool> = row.try_get(1)?;
+        if in_progress == Some(true)
+            && let Some(taken) = sqlx::query(AssertSqlSafe(sql.take_expired_lease.clone()))
+                .bind(&self.inner.consumer)
+                .bind(key.as_str())
+                .bind(key.message_id())
+                .fetch_optional(&mut *conn)
+                .await?
+        {
+            tracing::warn!(
+                key = %key.as_str(),
+                "pgbox key's lease had expired; claimed by this transaction"
+            );
+            return self.decode_claim(&taken, key);
+        }
         self.decode_claim(&row, key)
     }
 
