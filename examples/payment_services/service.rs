@@ -1,0 +1,244 @@
+//! What both services share: configuration, logs, metrics, health, shutdown.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use pgbox::CancellationToken;
+use sqlx::PgPool;
+
+/// Configuration of one service, from flags or the environment.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ServiceArgs {
+    /// The database (both services may share one; each keeps to its own schemas).
+    #[arg(long, env = "DATABASE_URL")]
+    pub database_url: String,
+    /// Where the HTTP API listens (default: 127.0.0.1:8081 for payments, :8082 for points).
+    #[arg(long, env = "LISTEN")]
+    pub listen: Option<SocketAddr>,
+    /// Where the messages go between the services.
+    #[arg(long, env = "TRANSPORT", value_enum, default_value_t = TransportKind::Postgres)]
+    pub transport: TransportKind,
+    /// The broker's URL for rabbitmq/nats (default: RABBITMQ_URL / NATS_URL, else the local
+    /// standard port).
+    #[arg(long, env = "BROKER_URL")]
+    pub broker_url: Option<String>,
+    /// The topic of PaymentSucceeded.
+    #[arg(long, env = "TOPIC", default_value = "payment-succeeded")]
+    pub topic: String,
+    /// rabbitmq/nats: let the broker drop this service's queue or consumer after this many
+    /// seconds unused (default: never; the demo's per-run topics use an hour).
+    #[arg(long, env = "BROKER_EXPIRES_SECS")]
+    pub broker_expires_secs: Option<u64>,
+    /// Database connections of this process.
+    #[arg(long, env = "MAX_CONNECTIONS", default_value_t = 10)]
+    pub max_connections: u32,
+    /// points: how long a received message stays invisible to other consumers; a consumer
+    /// killed with messages in hand gets them redelivered after this.
+    #[arg(long, env = "VISIBILITY_TIMEOUT_MS", default_value_t = 5000)]
+    pub visibility_timeout_ms: u64,
+}
+
+/// The transport between the two services.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TransportKind {
+    /// The built-in queue (`PgQueue`), in schema `broker` of the same database.
+    Postgres,
+    /// RabbitMQ (`--broker-url` or RABBITMQ_URL).
+    Rabbitmq,
+    /// NATS JetStream (`--broker-url` or NATS_URL).
+    Nats,
+}
+
+impl TransportKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Postgres => "postgres",
+            TransportKind::Rabbitmq => "rabbitmq",
+            TransportKind::Nats => "nats",
+        }
+    }
+}
+
+impl ServiceArgs {
+    pub fn broker_url(&self) -> String {
+        if let Some(url) = &self.broker_url {
+            return url.clone();
+        }
+        match self.transport {
+            TransportKind::Postgres => String::new(),
+            TransportKind::Rabbitmq => std::env::var("RABBITMQ_URL")
+                .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+            TransportKind::Nats => {
+                std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+            }
+        }
+    }
+
+    pub fn rabbitmq(&self) -> anyhow::Result<pgbox::transport::rabbitmq::RabbitMq> {
+        let mut builder = pgbox::transport::rabbitmq::RabbitMq::builder(self.broker_url())
+            .exchange("pgbox-services")
+            .queue_prefix("pgbox-services.");
+        if let Some(secs) = self.broker_expires_secs {
+            builder = builder.queue_expires(Duration::from_secs(secs));
+        }
+        Ok(builder.build()?)
+    }
+
+    pub fn nats(&self) -> anyhow::Result<pgbox::transport::nats::Nats> {
+        let mut builder = pgbox::transport::nats::Nats::builder(self.broker_url())
+            .stream("PGBOX_SERVICES")
+            .subject_prefix("pgbox-services")
+            .durable("points-service")
+            .ack_wait(Duration::from_millis(self.visibility_timeout_ms));
+        if let Some(secs) = self.broker_expires_secs {
+            builder = builder
+                .inactive_threshold(Duration::from_secs(secs))
+                .max_age(Duration::from_secs(secs));
+        }
+        Ok(builder.build()?)
+    }
+
+    pub async fn connect(&self) -> anyhow::Result<PgPool> {
+        Ok(sqlx::postgres::PgPoolOptions::new()
+            .max_connections(self.max_connections)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(&self.database_url)
+            .await?)
+    }
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Installs the Prometheus recorder (before the relay or consumer registers its metrics) and
+/// describes pgbox's metrics.
+pub fn install_metrics() -> anyhow::Result<PrometheusHandle> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            metrics_exporter_prometheus::Matcher::Suffix("_seconds".into()),
+            &[
+                0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            ],
+        )?
+        .install_recorder()?;
+    pgbox::telemetry::describe_metrics();
+    Ok(handle)
+}
+
+/// Refreshes pgbox's gauges of `schemas` every second until `shutdown`.
+pub fn spawn_gauges(
+    pool: PgPool,
+    schemas: Vec<&'static str>,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            for schema in &schemas {
+                if let Err(e) = pgbox::telemetry::refresh_gauges(&pool, schema).await {
+                    tracing::warn!(schema, error = %e, "cannot refresh pgbox gauges");
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            }
+        }
+    })
+}
+
+#[derive(Clone)]
+struct OpsState {
+    pool: PgPool,
+    metrics: PrometheusHandle,
+}
+
+/// `/health` (the database answers) and `/metrics` (Prometheus text format).
+pub fn ops_routes<S: Clone + Send + Sync + 'static>(
+    pool: PgPool,
+    metrics: PrometheusHandle,
+) -> Router<S> {
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(render_metrics))
+        .with_state(OpsState { pool, metrics })
+}
+
+async fn health(State(ops): State<OpsState>) -> impl IntoResponse {
+    match sqlx::query("SELECT 1").execute(&ops.pool).await {
+        Ok(_) => (StatusCode::OK, "ok".to_owned()),
+        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),
+    }
+}
+
+async fn render_metrics(State(ops): State<OpsState>) -> impl IntoResponse {
+    (
+        [("content-type", "text/plain; version=0.0.4")],
+        ops.metrics.render(),
+    )
+}
+
+/// Cancels `shutdown` on SIGTERM or Ctrl-C.
+pub fn cancel_on_signal(shutdown: CancellationToken) {
+    tokio::spawn(async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("install the SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = tokio::signal::ctrl_c() => tracing::info!("Ctrl-C: shutting down"),
+            _ = shutdown.cancelled() => {}
+        }
+        shutdown.cancel();
+    });
+}
+
+/// Serves `app` on `addr` until `shutdown`, then lets requests in flight finish.
+pub async fn serve(
+    addr: SocketAddr,
+    app: Router,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    tracing::info!(addr = %listener.local_addr()?, "listening");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await?;
+    Ok(())
+}
+
+/// A JSON error body.
+pub fn error_body(message: impl Into<String>) -> serde_json::Value {
+    serde_json::json!({ "error": message.into() })
+}
+
+/// A handler error: logged, answered with 500.
+pub struct AppError(anyhow::Error);
+
+impl<E: Into<anyhow::Error>> From<E> for AppError {
+    fn from(e: E) -> Self {
+        AppError(e.into())
+    }
+}
+
+impl IntoResponse for AppError {
+    fn into_response(self) -> axum::response::Response {
+        tracing::error!(error = %format!("{:#}", self.0), "request failed");
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            axum::Json(error_body(format!("{:#}", self.0))),
+        )
+            .into_response()
+    }
+}

@@ -1,0 +1,236 @@
+//! The payment/points services (examples/payment_services/), run as processes: the demo
+//! driver end to end, and the payments API's idempotency over HTTP.
+
+mod support;
+
+#[allow(dead_code)]
+#[path = "../examples/payment_services/http.rs"]
+mod http;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+use support::TestDb;
+
+/// target/debug/examples/<name>, next to this test binary's directory.
+fn example_path(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{path:?} not built (cargo test builds examples; or cargo build --example {name})"
+    );
+    path
+}
+
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn post(
+    addr: SocketAddr,
+    path: &str,
+    key: Option<&str>,
+    body: Option<&serde_json::Value>,
+) -> http::Response {
+    let headers: Vec<(&str, &str)> = key.map(|k| ("Idempotency-Key", k)).into_iter().collect();
+    http::request(addr, "POST", path, &headers, body, TIMEOUT)
+        .await
+        .unwrap_or_else(|e| panic!("POST {path}: {e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_keeps_its_invariants_while_services_are_killed() {
+    let db = TestDb::empty().await;
+    let example = example_path("payment_services");
+    let url = db.url();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(example)
+            .args(["demo", "--orders", "60", "--users", "6", "--clients", "4"])
+            .args(["--kills", "2", "--timeout-secs", "60"])
+            .env("DATABASE_URL", url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the demo failed");
+    for line in [
+        "[ok] points = 30 × paid orders per user",
+        "[ok] no order rewarded twice",
+        "[ok] none unrewarded",
+        "[ok] every idempotent retry got the original response",
+        "all invariants hold",
+    ] {
+        assert!(text.contains(line), "missing {line:?}");
+    }
+    assert!(!text.contains("FAILED"));
+
+    // Independently: 60 paid orders, 30 points each, once.
+    let (paid, ledger): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM payments.orders WHERE status = 'paid'), \
+                (SELECT coalesce(sum(points), 0)::bigint FROM points.ledger)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((paid, ledger), (60, 60 * 30));
+}
+
+/// The payments service alone, as a child process killed when dropped.
+struct Payments {
+    child: std::process::Child,
+    addr: SocketAddr,
+}
+
+impl Payments {
+    async fn start(url: &str) -> Payments {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let child = Command::new(example_path("payment_services"))
+            .args(["payments", "--listen", &addr.to_string()])
+            .env("DATABASE_URL", url)
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .unwrap();
+        let mut payments = Payments { child, addr };
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(r) = http::request(addr, "GET", "/health", &[], None, TIMEOUT).await
+                && r.status == 200
+            {
+                return payments;
+            }
+            if let Some(status) = payments.child.try_wait().unwrap() {
+                panic!("payments exited during start-up: {status}");
+            }
+            assert!(Instant::now() < deadline, "payments not healthy in 30 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// SIGTERM; the service finishes its work and exits 0.
+    async fn stop(mut self) {
+        let pid = self.child.id().to_string();
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "payments exited with {status}");
+                return;
+            }
+            assert!(Instant::now() < deadline, "payments did not stop in 30 s");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+impl Drop for Payments {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn create_order(addr: SocketAddr, user_id: i64) -> i64 {
+    let r = post(
+        addr,
+        "/orders",
+        None,
+        Some(&json!({ "user_id": user_id, "amount": 500 })),
+    )
+    .await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    r.json().unwrap()["id"].as_i64().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pay_is_idempotent_by_key_over_http() {
+    let db = TestDb::empty().await;
+    let payments = Payments::start(&db.url()).await;
+    let addr = payments.addr;
+    let order = create_order(addr, 7).await;
+    let pay = format!("/orders/{order}/pay");
+
+    // No key: refused, nothing paid.
+    let r = post(addr, &pay, None, None).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+
+    // Same key: the identical response, marked as a replay.
+    let first = post(addr, &pay, Some("key-1"), None).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    let body = first.json().unwrap();
+    assert_eq!(body["status"], "paid");
+    assert_eq!(body["id"], order);
+    assert!(body["payment_id"].is_string());
+    let again = post(addr, &pay, Some("key-1"), None).await;
+    assert_eq!((again.status, &again.body), (first.status, &first.body));
+    assert_eq!(again.header("idempotent-replayed"), Some("true"));
+
+    // Same key, another request: refused.
+    let other = create_order(addr, 7).await;
+    let r = post(addr, &format!("/orders/{other}/pay"), Some("key-1"), None).await;
+    assert_eq!(r.status, 422, "{}", r.text());
+
+    // A new key for the paid order: conflict; the order keeps its payment.
+    let r = post(addr, &pay, Some("key-2"), None).await;
+    assert_eq!(r.status, 409, "{}", r.text());
+
+    // Two requests with one key at once: the same payment for both, one effect.
+    let pay_other = format!("/orders/{other}/pay");
+    let (a, b) = tokio::join!(
+        post(addr, &pay_other, Some("key-3"), None),
+        post(addr, &pay_other, Some("key-3"), None),
+    );
+    assert_eq!(a.status, 200, "{}", a.text());
+    assert_eq!((a.status, &a.body), (b.status, &b.body));
+    let replays = [&a, &b]
+        .iter()
+        .filter(|r| r.header("idempotent-replayed") == Some("true"))
+        .count();
+    assert_eq!(
+        replays, 1,
+        "one request ran, the other was answered from it"
+    );
+
+    // The relay finishes its round on SIGTERM; then every message is in the outbox or the
+    // queue (nobody consumes here), and each paid order has exactly one PaymentSucceeded.
+    payments.stop().await;
+    let events: Vec<(i64, i64)> = sqlx::query_as(
+        "SELECT (convert_from(payload, 'UTF8')::jsonb->>'order_id')::bigint AS order_id, \
+                count(DISTINCT message_id) \
+         FROM (SELECT payload, message_id FROM payments_pgbox.outbox \
+               UNION ALL SELECT payload, message_id FROM broker.queue) m \
+         GROUP BY 1 ORDER BY 1",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(events, vec![(order, 1), (other, 1)]);
+    let paid: Vec<(i64, String)> =
+        sqlx::query_as("SELECT id, status FROM payments.orders ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        paid,
+        vec![(order, "paid".to_owned()), (other, "paid".to_owned())]
+    );
+}
