@@ -1,4 +1,9 @@
-//! The payment/points scenario, end to end, with faults injected on request.
+//! The payment/points scenario, end to end.
+//!
+//! Without arguments (or with `demo`, `payments`, `points`), this runs the scenario as two
+//! real services, each its own process, with a driver that kills and restarts them: see
+//! `examples/payment_services/`. With flags, it runs the one-process simulation below, with
+//! faults injected on request.
 //!
 //! A user pays for an order. The payments service marks the order paid (a state-machine
 //! transition) and writes `PaymentSucceeded` to its outbox in the same transaction. A relay
@@ -30,6 +35,22 @@ mod local_pg;
 #[allow(dead_code)]
 #[path = "../tests/support/brokers.rs"]
 mod brokers;
+
+// The scenario as two services (examples/payment_services): without arguments, or with one of
+// its subcommands (`demo`, `payments`, `points`), this example runs them instead of the
+// one-process simulation below.
+#[path = "payment_services/cli.rs"]
+mod cli;
+#[path = "payment_services/demo.rs"]
+mod demo;
+#[path = "payment_services/http.rs"]
+mod http;
+#[path = "payment_services/payments.rs"]
+mod payments;
+#[path = "payment_services/points.rs"]
+mod points;
+#[path = "payment_services/service.rs"]
+mod service;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -248,6 +269,21 @@ CREATE TABLE points.accounts (id bigint PRIMARY KEY, total bigint NOT NULL, vers
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    let mut argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    match argv.get(1).and_then(|a| a.to_str()) {
+        None => argv.push("demo".into()),
+        Some("demo" | "payments" | "points") => {}
+        Some(_) => return simulate().await,
+    }
+    if cli::run(argv).await {
+        Ok(())
+    } else {
+        std::process::exit(1)
+    }
+}
+
+/// The one-process simulation: both sides in this process, faults injected in-process.
+async fn simulate() -> anyhow::Result<()> {
     let mut args = Args::parse();
     // Injected crashes are expected: keep their panic messages out of the output.
     let default_hook = std::panic::take_hook();

@@ -26,45 +26,13 @@ mod payments;
 mod points;
 mod service;
 
-use std::process::ExitCode;
-
-use clap::{Parser, Subcommand};
-
-/// The payment/points services.
-#[derive(Parser, Debug)]
-#[command(version, about, long_about = None)]
-struct Cli {
-    #[command(subcommand)]
-    command: Command,
-}
-
-#[derive(Subcommand, Debug)]
-enum Command {
-    /// The payments service: orders API, outbox and relay.
-    Payments(service::ServiceArgs),
-    /// The points service: consumer of PaymentSucceeded, points API.
-    Points(service::ServiceArgs),
-    /// Starts both services as child processes, drives orders through them while killing
-    /// them, and checks the invariants.
-    Demo(demo::DemoArgs),
-}
+mod cli;
 
 #[tokio::main]
-async fn main() -> ExitCode {
-    let cli = Cli::parse();
-    service::init_tracing();
-    let result = match cli.command {
-        Command::Payments(args) => payments::run(args).await.map(|()| true),
-        Command::Points(args) => points::run(args).await.map(|()| true),
-        Command::Demo(args) => demo::run(args).await,
-    };
-    match result {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(e) => {
-            tracing::error!("{e:#}");
-            eprintln!("error: {e:#}");
-            ExitCode::FAILURE
-        }
+async fn main() -> std::process::ExitCode {
+    if cli::run(std::env::args_os().collect()).await {
+        std::process::ExitCode::SUCCESS
+    } else {
+        std::process::ExitCode::FAILURE
     }
 }
