@@ -86,25 +86,114 @@ async fn demo_keeps_its_invariants_while_services_are_killed() {
     assert_eq!((paid, ledger), (60, 60 * 30));
 }
 
-/// The payments service alone, as a child process killed when dropped.
+/// The number on the demo's summary line starting with `label`.
+fn summary_count(text: &str, label: &str) -> i64 {
+    let line = text
+        .lines()
+        .find(|l| l.trim_start().starts_with(label))
+        .unwrap_or_else(|| panic!("no {label:?} line"));
+    line.split_whitespace().last().unwrap().parse().unwrap()
+}
+
+/// Runs `payment_services demo <args>` with `env` (and without DATABASE_URL unless given);
+/// its stdout, after asserting that it passed.
+async fn run_demo(args: &[&str], env: &[(&str, &str)]) -> String {
+    let mut cmd = Command::new(example_path("payment_services"));
+    cmd.arg("demo").args(args).env_remove("DATABASE_URL");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "the demo failed");
+    assert!(text.contains("all invariants hold"));
+    assert!(!text.contains("FAILED"));
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_with_injected_faults_keeps_its_invariants() {
+    let db = TestDb::empty().await;
+    let url = db.url();
+    let text = run_demo(
+        &[
+            "--orders",
+            "60",
+            "--users",
+            "6",
+            "--clients",
+            "4",
+            "--kills",
+            "1",
+            "--timeout-secs",
+            "60",
+            "--duplicate-rate",
+            "0.5",
+            "--producer-retries",
+            "0.3",
+        ],
+        &[("DATABASE_URL", &url)],
+    )
+    .await;
+    assert!(text.contains("injecting --duplicate-rate 0.5 --producer-retries 0.3"));
+    let duplicates = summary_count(&text, "relay duplicates injected");
+    let resends = summary_count(&text, "producer re-sends injected");
+    assert!(duplicates > 0, "no duplicate injected");
+    assert!(resends > 0, "no re-send injected");
+    for line in [
+        "[ok] no order rewarded twice",
+        "[ok] none unrewarded",
+        "[ok] SQL: ledger 1800 = account totals 1800",
+    ] {
+        assert!(text.contains(line), "missing {line:?}");
+    }
+
+    // Independently: whatever was injected, one ledger row per order, 30 points each.
+    let (ledger_rows, ledger, recorded): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM points.ledger), \
+                (SELECT coalesce(sum(points), 0)::bigint FROM points.ledger), \
+                (SELECT count FROM payments.injected_faults WHERE kind = 'producer_resends')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((ledger_rows, ledger), (60, 60 * 30));
+    assert_eq!(
+        recorded, resends,
+        "the summary reports what payments recorded"
+    );
+}
+
+/// A service alone, as a child process killed when dropped.
 struct Payments {
     child: std::process::Child,
     addr: SocketAddr,
+    name: &'static str,
 }
 
 impl Payments {
     async fn start(url: &str) -> Payments {
+        Payments::start_service("payments", url, &[]).await
+    }
+
+    /// `payment_services <name> --listen <free port>` with DATABASE_URL = `url` and `env`;
+    /// returns when its /health answers.
+    async fn start_service(name: &'static str, url: &str, env: &[(&str, &str)]) -> Payments {
         let addr = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap();
         let child = Command::new(example_path("payment_services"))
-            .args(["payments", "--listen", &addr.to_string()])
+            .args([name, "--listen", &addr.to_string()])
             .env("DATABASE_URL", url)
             .env("RUST_LOG", "warn")
+            .envs(env.iter().copied())
             .spawn()
             .unwrap();
-        let mut payments = Payments { child, addr };
+        let mut payments = Payments { child, addr, name };
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Ok(r) = http::request(addr, "GET", "/health", &[], None, TIMEOUT).await
@@ -113,9 +202,9 @@ impl Payments {
                 return payments;
             }
             if let Some(status) = payments.child.try_wait().unwrap() {
-                panic!("payments exited during start-up: {status}");
+                panic!("{name} exited during start-up: {status}");
             }
-            assert!(Instant::now() < deadline, "payments not healthy in 30 s");
+            assert!(Instant::now() < deadline, "{name} not healthy in 30 s");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -133,10 +222,14 @@ impl Payments {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(status.success(), "payments exited with {status}");
+                assert!(status.success(), "{} exited with {status}", self.name);
                 return;
             }
-            assert!(Instant::now() < deadline, "payments did not stop in 30 s");
+            assert!(
+                Instant::now() < deadline,
+                "{} did not stop in 30 s",
+                self.name
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
@@ -233,4 +326,66 @@ async fn pay_is_idempotent_by_key_over_http() {
         paid,
         vec![(order, "paid".to_owned()), (other, "paid".to_owned())]
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_drives_running_services_in_external_mode() {
+    let db = TestDb::empty().await;
+    let url = db.url();
+    let faults = [("DUPLICATE_RATE", "0.5"), ("PRODUCER_RETRIES", "0.3")];
+    // Points first: the queue's consumer is there before payments publishes.
+    let points = Payments::start_service("points", &url, &[]).await;
+    let payments = Payments::start_service("payments", &url, &faults).await;
+    let payments_url = format!("http://{}", payments.addr);
+    let points_url = format!("http://{}/", points.addr);
+    let external = [
+        "--payments-url",
+        payments_url.as_str(),
+        "--points-url",
+        points_url.as_str(),
+        "--orders",
+        "40",
+        "--users",
+        "5",
+        "--clients",
+        "4",
+        "--timeout-secs",
+        "60",
+    ];
+
+    // HTTP only: no DATABASE_URL, so no SQL checks.
+    let text = run_demo(&external, &[]).await;
+    assert!(text.contains("SQL checks off"), "SQL checks ran");
+    assert!(!text.contains("SQL: ledger"));
+    assert!(text.contains("[ok] every order paid (API: 40 paid, 40 driven)"));
+    assert!(text.contains("[ok] no order rewarded twice"));
+    assert!(
+        !text.contains("stopped gracefully"),
+        "the driver stopped the services"
+    );
+    assert!(summary_count(&text, "relay duplicates injected") > 0);
+
+    // Again, on the same database (not reset), with the SQL checks: they see this run only.
+    let text = run_demo(&external, &[("DATABASE_URL", &url)]).await;
+    assert!(text.contains("SQL checks on"));
+    assert!(text.contains("[ok] every order created once and paid (40 created, 40 paid"));
+    assert!(text.contains("[ok] SQL: ledger 1200 = account totals 1200"));
+
+    // Both runs' orders, rewarded once each; the services are still up and stop cleanly.
+    let (paid, ledger): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM payments.orders WHERE status = 'paid'), \
+                (SELECT coalesce(sum(points), 0)::bigint FROM points.ledger)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((paid, ledger), (80, 80 * 30));
+    let stats = http::request(payments.addr, "GET", "/stats", &[], None, TIMEOUT)
+        .await
+        .unwrap()
+        .json()
+        .unwrap();
+    assert!(stats["injected"]["relay_duplicates"].as_i64().unwrap() > 0);
+    payments.stop().await;
+    points.stop().await;
 }

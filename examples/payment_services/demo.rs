@@ -1,6 +1,15 @@
 //! The driver: starts both services as child processes, pays orders over HTTP (retrying with
 //! the same Idempotency-Key, sometimes concurrently), SIGKILLs and restarts the services
 //! during the run, then checks the invariants through both HTTP APIs and SQL.
+//!
+//! The payments child runs with faults injected (`--duplicate-rate`: its relay publishes some
+//! messages twice; `--producer-retries`: some payments enqueue PaymentSucceeded again under a
+//! new message id); the points inbox, keyed by order id, must absorb both.
+//!
+//! With `--payments-url` and `--points-url` it drives services that are already running
+//! instead (docker compose's `driver`): no schema reset, no children, no kills; its users are
+//! new to the database, so the checks cover this run only, through the HTTP APIs, plus SQL
+//! when `DATABASE_URL` is set.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -47,6 +56,24 @@ pub struct DemoArgs {
     /// tests do).
     #[arg(long, value_enum, default_value_t = TransportKind::Postgres)]
     transport: TransportKind,
+    /// Fault injected into the payments child: the share of relayed messages published twice.
+    #[arg(long, default_value_t = 0.1)]
+    duplicate_rate: f64,
+    /// Fault injected into the payments child: the share of payments whose PaymentSucceeded
+    /// is enqueued again, under a new message id, after the first commit.
+    #[arg(long, default_value_t = 0.05)]
+    producer_retries: f64,
+    /// Drive an already-running payments service at this URL (http://host:port) instead of
+    /// starting one; requires --points-url. No reset, no kills; the fault flags are then the
+    /// service's own (DUPLICATE_RATE, PRODUCER_RETRIES).
+    #[arg(long, env = "PAYMENTS_URL", requires = "points_url")]
+    payments_url: Option<String>,
+    /// The already-running points service (http://host:port); requires --payments-url.
+    #[arg(long, env = "POINTS_URL", requires = "payments_url")]
+    points_url: Option<String>,
+    /// External mode: how long to wait for both services' /health (they may be compiling).
+    #[arg(long, default_value_t = 900)]
+    wait_secs: u64,
 }
 
 const RESET: &str =
@@ -107,6 +134,45 @@ impl Service {
                 child.wait().await.ok();
                 None
             }
+        }
+    }
+
+    /// A service this driver did not start, at `url` (`http://host:port`): waits (bounded)
+    /// until its name resolves and its `/health` answers 200.
+    async fn external(name: &'static str, url: &str, within: Duration) -> anyhow::Result<Self> {
+        let (host, port) = parse_http_url(url)?;
+        let deadline = Instant::now() + within;
+        let mut last_report = Instant::now();
+        let mut last_error = String::from("not tried");
+        loop {
+            match tokio::net::lookup_host((host.as_str(), port)).await {
+                Ok(addrs) => {
+                    for addr in addrs {
+                        match get(addr, "/health").await {
+                            Ok(r) if r.status == 200 => {
+                                return Ok(Service {
+                                    name,
+                                    addr,
+                                    args: Vec::new(),
+                                    env: Vec::new(),
+                                    child: Mutex::new(None),
+                                });
+                            }
+                            Ok(r) => last_error = format!("/health: {} {}", r.status, r.text()),
+                            Err(e) => last_error = format!("{addr}: {e}"),
+                        }
+                    }
+                }
+                Err(e) => last_error = format!("resolve {host}: {e}"),
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!("{name} at {url} not healthy within {within:?}: {last_error}");
+            }
+            if last_report.elapsed() > Duration::from_secs(10) {
+                println!("  … waiting for {name} at {url} ({last_error})");
+                last_report = Instant::now();
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
         }
     }
 
@@ -197,6 +263,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<bool> {
     for (name, p) in [
         ("--retry-rate", args.retry_rate),
         ("--concurrent-rate", args.concurrent_rate),
+        ("--duplicate-rate", args.duplicate_rate),
+        ("--producer-retries", args.producer_retries),
     ] {
         anyhow::ensure!((0.0..=1.0).contains(&p), "{name} must be between 0 and 1");
     }
@@ -204,6 +272,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<bool> {
         args.users >= 1 && args.clients >= 1,
         "--users and --clients must be at least 1"
     );
+    if let (Some(payments_url), Some(points_url)) = (&args.payments_url, &args.points_url) {
+        return run_external(&args, payments_url, points_url).await;
+    }
     let started = Instant::now();
     let url = local_pg::database_url()
         .await
@@ -235,11 +306,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<bool> {
             common.extend(["--broker-expires-secs".into(), "3600".into()]);
         }
     }
-    let service = |name: &'static str, extra: &[&str]| -> anyhow::Result<Arc<Service>> {
+    let service = |name: &'static str, extra: &[String]| -> anyhow::Result<Arc<Service>> {
         let addr = free_port()?;
         let mut service_args = vec![name.to_owned(), "--listen".into(), addr.to_string()];
         service_args.extend(common.iter().cloned());
-        service_args.extend(extra.iter().map(|s| s.to_string()));
+        service_args.extend(extra.iter().cloned());
         Ok(Arc::new(Service {
             name,
             addr,
@@ -249,23 +320,49 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<bool> {
         }))
     };
     // Points first: on a broker, its queue must exist before payments publishes.
-    let points = service("points", &["--visibility-timeout-ms", "2000"])?;
-    let payments = service("payments", &[])?;
+    let points = service("points", &["--visibility-timeout-ms".into(), "2000".into()])?;
+    let payments = service(
+        "payments",
+        &[
+            "--duplicate-rate".into(),
+            args.duplicate_rate.to_string(),
+            "--producer-retries".into(),
+            args.producer_retries.to_string(),
+        ],
+    )?;
     let services = [payments.clone(), points.clone()];
 
-    let outcome = drive_and_check(&args, &pool, &payments, &points, started).await;
+    let outcome = async {
+        points.start().await?;
+        points.wait_healthy(Duration::from_secs(30)).await?;
+        payments.start().await?;
+        payments.wait_healthy(Duration::from_secs(30)).await?;
+        println!(
+            "payments on {}, points on {} ({} transport; injecting --duplicate-rate {} \
+             --producer-retries {})",
+            payments.addr,
+            points.addr,
+            args.transport.name(),
+            args.duplicate_rate,
+            args.producer_retries,
+        );
+        let target = Target {
+            payments: &payments,
+            points: &points,
+            pool: Some(&pool),
+            queue_backlog: args.transport == TransportKind::Postgres,
+            kills: args.kills,
+            user_base: 0,
+        };
+        drive_and_check(&args, &target, started).await
+    }
+    .await;
     // Stop the children whatever happened (they are also killed when dropped).
     let mut stopped = Vec::new();
     for s in &services {
         stopped.push((s.name, s.stop().await));
     }
-    let mut ok = match outcome {
-        Ok(ok) => ok,
-        Err(e) => {
-            println!("  [FAILED] {e:#}");
-            false
-        }
-    };
+    let mut ok = report_outcome(outcome);
     for (name, status) in stopped {
         let graceful = status.is_some_and(|s| s.success());
         println!(
@@ -275,6 +372,90 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<bool> {
         );
         ok &= graceful;
     }
+    print_verdict(ok, started);
+    Ok(ok)
+}
+
+/// External mode: drives services started by someone else (docker compose) and checks this
+/// run's orders only.
+async fn run_external(
+    args: &DemoArgs,
+    payments_url: &str,
+    points_url: &str,
+) -> anyhow::Result<bool> {
+    parse_http_url(payments_url)?;
+    parse_http_url(points_url)?;
+    let within = Duration::from_secs(args.wait_secs);
+    println!("external mode: waiting for payments at {payments_url} and points at {points_url}");
+    let payments = Arc::new(Service::external("payments", payments_url, within).await?);
+    let points = Arc::new(Service::external("points", points_url, within).await?);
+    let pool = match std::env::var("DATABASE_URL") {
+        Ok(url) if !url.is_empty() => Some(
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(2)
+                .connect(&url)
+                .await
+                .context("connect to DATABASE_URL")?,
+        ),
+        _ => None,
+    };
+    let queue_backlog = match &pool {
+        Some(pool) => {
+            sqlx::query_scalar::<_, bool>("SELECT to_regclass('broker.queue') IS NOT NULL")
+                .fetch_one(pool)
+                .await?
+        }
+        None => false,
+    };
+    if args.kills > 0 {
+        println!("  (external mode: --kills ignored, the services are not this driver's)");
+    }
+    // Users no earlier run has: the checks then see this run's orders only.
+    let millis = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_millis() as i64;
+    anyhow::ensure!(
+        args.users < 1_000_000,
+        "--users must be below 1000000 in external mode"
+    );
+    let user_base = millis * 1_000_000;
+    println!(
+        "payments at {} ({payments_url}), points at {} ({points_url}); users {}..={}; SQL checks {}",
+        payments.addr,
+        points.addr,
+        user_base + 1,
+        user_base + args.users,
+        if pool.is_some() {
+            "on (DATABASE_URL)"
+        } else {
+            "off (no DATABASE_URL)"
+        }
+    );
+    let started = Instant::now();
+    let target = Target {
+        payments: &payments,
+        points: &points,
+        pool: pool.as_ref(),
+        queue_backlog,
+        kills: 0,
+        user_base,
+    };
+    let ok = report_outcome(drive_and_check(args, &target, started).await);
+    print_verdict(ok, started);
+    Ok(ok)
+}
+
+fn report_outcome(outcome: anyhow::Result<bool>) -> bool {
+    match outcome {
+        Ok(ok) => ok,
+        Err(e) => {
+            println!("  [FAILED] {e:#}");
+            false
+        }
+    }
+}
+
+fn print_verdict(ok: bool, started: Instant) {
     println!(
         "{} in {:.1?}",
         if ok {
@@ -284,7 +465,37 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<bool> {
         },
         started.elapsed()
     );
-    Ok(ok)
+}
+
+/// `http://host[:port][/]` → host and port (default 80).
+fn parse_http_url(url: &str) -> anyhow::Result<(String, u16)> {
+    let rest = url
+        .strip_prefix("http://")
+        .with_context(|| format!("{url:?}: only http://host:port URLs are supported"))?;
+    let authority = rest.trim_end_matches('/');
+    anyhow::ensure!(
+        !authority.is_empty() && !authority.contains('/'),
+        "{url:?}: expected http://host:port, without a path"
+    );
+    // [v6]:port, host:port, host
+    let (host, port) = if let Some(v6) = authority.strip_prefix('[') {
+        let (host, after) = v6
+            .split_once(']')
+            .with_context(|| format!("{url:?}: unclosed ["))?;
+        (host, after.strip_prefix(':'))
+    } else {
+        match authority.rsplit_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (authority, None),
+        }
+    };
+    let port = match port {
+        Some(p) => p
+            .parse()
+            .with_context(|| format!("{url:?}: bad port {p:?}"))?,
+        None => 80,
+    };
+    Ok((host.to_owned(), port))
 }
 
 fn free_port() -> anyhow::Result<SocketAddr> {
@@ -292,24 +503,35 @@ fn free_port() -> anyhow::Result<SocketAddr> {
     Ok(listener.local_addr()?)
 }
 
+/// What the driver drives and how it checks.
+struct Target<'a> {
+    payments: &'a Arc<Service>,
+    points: &'a Arc<Service>,
+    /// For the SQL checks; none in external mode without DATABASE_URL.
+    pool: Option<&'a sqlx::PgPool>,
+    /// Whether `broker.queue` counts in the backlog (the built-in queue transport).
+    queue_backlog: bool,
+    /// SIGKILLs during the run (children only).
+    kills: usize,
+    /// This run's users are `user_base + 1 ..= user_base + users`.
+    user_base: i64,
+}
+
+/// The faults the payments service reports as injected (`/stats`), since it first started
+/// on this database.
+async fn injected(payments: &Service) -> anyhow::Result<(i64, i64)> {
+    let stats = get(payments.addr, "/stats").await?.json()?;
+    let n = |k: &str| stats["injected"][k].as_i64().unwrap_or_default();
+    Ok((n("relay_duplicates"), n("producer_resends")))
+}
+
 async fn drive_and_check(
     args: &DemoArgs,
-    pool: &sqlx::PgPool,
-    payments: &Arc<Service>,
-    points: &Arc<Service>,
+    target: &Target<'_>,
     started: Instant,
 ) -> anyhow::Result<bool> {
-    points.start().await?;
-    points.wait_healthy(Duration::from_secs(30)).await?;
-    payments.start().await?;
-    payments.wait_healthy(Duration::from_secs(30)).await?;
-    println!(
-        "payments on {}, points on {} ({} transport)",
-        payments.addr,
-        points.addr,
-        args.transport.name()
-    );
-
+    let (payments, points) = (target.payments, target.points);
+    let injected_before = injected(payments).await?;
     let counters = Arc::new(Counters::default());
     let next = Arc::new(AtomicUsize::new(0));
     let run = uuid::Uuid::now_v7().simple().to_string();
@@ -318,7 +540,7 @@ async fn drive_and_check(
     // again. The clients meanwhile retry with the same keys.
     let killer = {
         let (payments, points, counters) = (payments.clone(), points.clone(), counters.clone());
-        let (kills, orders) = (args.kills, args.orders);
+        let (kills, orders) = (target.kills, args.orders);
         tokio::spawn(async move {
             let mut log = Vec::new();
             for k in 0..kills {
@@ -347,6 +569,7 @@ async fn drive_and_check(
             args.clone(),
             run.clone(),
         );
+        let user_base = target.user_base;
         clients.push(tokio::spawn(async move {
             let mut paid = Vec::new();
             loop {
@@ -354,7 +577,7 @@ async fn drive_and_check(
                 if i >= args.orders {
                     return anyhow::Ok(paid);
                 }
-                paid.push(one_order(&payments, &args, &run, i, &counters).await?);
+                paid.push(one_order(&payments, &args, &run, user_base, i, &counters).await?);
                 counters.done.fetch_add(1, Relaxed);
             }
         }));
@@ -375,16 +598,22 @@ async fn drive_and_check(
         }
     );
 
-    // Wait (bounded) until the points service has rewarded every paid order and nothing is
-    // in flight.
+    // Wait (bounded) until the points service has rewarded every paid order and (with SQL)
+    // nothing is in flight.
     payments.wait_healthy(Duration::from_secs(30)).await?;
     points.wait_healthy(Duration::from_secs(30)).await?;
+    let mut expected: BTreeMap<i64, BTreeSet<i64>> = BTreeMap::new();
+    for p in &paid {
+        expected.entry(p.user_id).or_default().insert(p.order_id);
+    }
     let deadline = started + Duration::from_secs(args.timeout_secs);
     let mut last_report = Instant::now();
     loop {
-        let stats = get(points.addr, "/stats").await?.json()?;
-        let rewarded = stats["rewarded_orders"].as_u64().unwrap_or_default() as usize;
-        let backlog = backlog(pool, args.transport).await?;
+        let rewarded = rewarded_orders(points, &expected).await?;
+        let backlog = match target.pool {
+            Some(pool) => backlog(pool, target.queue_backlog).await?,
+            None => 0,
+        };
         if rewarded >= paid.len() && backlog == 0 {
             break;
         }
@@ -402,19 +631,50 @@ async fn drive_and_check(
             );
             last_report = Instant::now();
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    let injected_after = injected(payments).await?;
+    let faults = Faults {
+        relay_duplicates: injected_after.0 - injected_before.0,
+        producer_resends: injected_after.1 - injected_before.1,
+    };
 
-    check(args, pool, payments, points, &paid, &counters).await
+    check(args, target, &run, &paid, &expected, &counters, &faults).await
+}
+
+/// How many of `expected` (order ids by user) the points API shows in the users' ledgers.
+async fn rewarded_orders(
+    points: &Service,
+    expected: &BTreeMap<i64, BTreeSet<i64>>,
+) -> anyhow::Result<usize> {
+    let mut rewarded = 0;
+    for (user_id, orders) in expected {
+        let r = get(points.addr, &format!("/users/{user_id}/points"))
+            .await?
+            .json()?;
+        rewarded += r["ledger"].as_array().map_or(0, |ledger| {
+            ledger
+                .iter()
+                .filter_map(|e| e["order_id"].as_i64())
+                .filter(|id| orders.contains(id))
+                .count()
+        });
+    }
+    Ok(rewarded)
+}
+
+/// The faults injected during this run, from the payments service's `/stats`.
+struct Faults {
+    relay_duplicates: i64,
+    producer_resends: i64,
 }
 
 /// Outbox rows plus (postgres transport) queue rows not yet consumed.
-async fn backlog(pool: &sqlx::PgPool, transport: TransportKind) -> anyhow::Result<i64> {
-    let sql = match transport {
-        TransportKind::Postgres => {
-            "SELECT (SELECT count(*) FROM payments_pgbox.outbox) + (SELECT count(*) FROM broker.queue)"
-        }
-        _ => "SELECT count(*) FROM payments_pgbox.outbox",
+async fn backlog(pool: &sqlx::PgPool, queue: bool) -> anyhow::Result<i64> {
+    let sql = if queue {
+        "SELECT (SELECT count(*) FROM payments_pgbox.outbox) + (SELECT count(*) FROM broker.queue)"
+    } else {
+        "SELECT count(*) FROM payments_pgbox.outbox"
     };
     Ok(sqlx::query_scalar(sql).fetch_one(pool).await?)
 }
@@ -426,10 +686,11 @@ async fn one_order(
     payments: &Service,
     args: &DemoArgs,
     run: &str,
+    user_base: i64,
     i: usize,
     counters: &Counters,
 ) -> anyhow::Result<Paid> {
-    let user_id = 1 + (i as i64 % args.users);
+    let user_id = user_base + 1 + (i as i64 % args.users);
     let body = json!({ "user_id": user_id, "amount": 100 + i as i64 });
     let create_key = format!("{run}-create-{i}");
     let created = send(
@@ -525,16 +786,93 @@ async fn one_order(
     Ok(Paid { order_id, user_id })
 }
 
+/// What SQL says about this run's users, independently of the services.
+struct SqlView {
+    orders: i64,
+    paid: i64,
+    ledger_rows: i64,
+    ledger_points: i64,
+    totals: i64,
+    unrewarded: i64,
+    rewarded_unpaid: i64,
+    pay_keys: i64,
+}
+
+async fn sql_view(pool: &sqlx::PgPool, users: (i64, i64), run: &str) -> anyhow::Result<SqlView> {
+    let (first, last) = users;
+    let (orders, paid): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE status = 'paid') FROM payments.orders \
+         WHERE user_id BETWEEN $1 AND $2",
+    )
+    .bind(first)
+    .bind(last)
+    .fetch_one(pool)
+    .await?;
+    let (ledger_rows, ledger_points): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), coalesce(sum(points), 0)::bigint FROM points.ledger \
+         WHERE user_id BETWEEN $1 AND $2",
+    )
+    .bind(first)
+    .bind(last)
+    .fetch_one(pool)
+    .await?;
+    let totals: i64 = sqlx::query_scalar(
+        "SELECT coalesce(sum(total), 0)::bigint FROM points.accounts \
+         WHERE user_id BETWEEN $1 AND $2",
+    )
+    .bind(first)
+    .bind(last)
+    .fetch_one(pool)
+    .await?;
+    let unrewarded: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM payments.orders o WHERE o.status = 'paid' \
+         AND o.user_id BETWEEN $1 AND $2 \
+         AND NOT EXISTS (SELECT 1 FROM points.ledger l WHERE l.order_id = o.id)",
+    )
+    .bind(first)
+    .bind(last)
+    .fetch_one(pool)
+    .await?;
+    let rewarded_unpaid: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM points.ledger l WHERE l.user_id BETWEEN $1 AND $2 \
+         AND NOT EXISTS (SELECT 1 FROM payments.orders o WHERE o.id = l.order_id \
+                         AND o.status = 'paid')",
+    )
+    .bind(first)
+    .bind(last)
+    .fetch_one(pool)
+    .await?;
+    let pay_keys: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM payments_pgbox.inbox \
+         WHERE consumer = 'pay-requests' AND key LIKE $1",
+    )
+    .bind(format!("{run}-pay-%"))
+    .fetch_one(pool)
+    .await
+    .unwrap_or(-1);
+    Ok(SqlView {
+        orders,
+        paid,
+        ledger_rows,
+        ledger_points,
+        totals,
+        unrewarded,
+        rewarded_unpaid,
+        pay_keys,
+    })
+}
+
 async fn check(
     args: &DemoArgs,
-    pool: &sqlx::PgPool,
-    payments: &Service,
-    points: &Service,
+    target: &Target<'_>,
+    run: &str,
     paid: &[Paid],
+    expected: &BTreeMap<i64, BTreeSet<i64>>,
     counters: &Counters,
+    faults: &Faults,
 ) -> anyhow::Result<bool> {
+    let (payments, points) = (target.payments, target.points);
     // From the HTTP APIs: every order paid; each user's points and ledger.
-    let mut expected: BTreeMap<i64, BTreeSet<i64>> = BTreeMap::new();
     let mut not_paid = 0;
     for p in paid {
         let order = get(payments.addr, &format!("/orders/{}", p.order_id))
@@ -543,11 +881,11 @@ async fn check(
         if order["status"] != "paid" {
             not_paid += 1;
         }
-        expected.entry(p.user_id).or_default().insert(p.order_id);
     }
+    let paid_api = (paid.len() - not_paid) as i64;
     let (mut wrong_totals, mut rewarded_twice, mut unrewarded, mut foreign) = (0, 0, 0, 0);
     let mut api_points = 0;
-    for (user_id, orders) in &expected {
+    for (user_id, orders) in expected {
         let r = get(points.addr, &format!("/users/{user_id}/points"))
             .await?
             .json()?;
@@ -566,44 +904,31 @@ async fn check(
         }
     }
 
-    // From SQL, independently of the services.
-    let (orders_sql, paid_sql): (i64, i64) = sqlx::query_as(
-        "SELECT count(*), count(*) FILTER (WHERE status = 'paid') FROM payments.orders",
-    )
-    .fetch_one(pool)
-    .await?;
-    let (ledger_rows, ledger_points): (i64, i64) =
-        sqlx::query_as("SELECT count(*), coalesce(sum(points), 0)::bigint FROM points.ledger")
-            .fetch_one(pool)
-            .await?;
-    let totals: i64 =
-        sqlx::query_scalar("SELECT coalesce(sum(total), 0)::bigint FROM points.accounts")
-            .fetch_one(pool)
-            .await?;
-    let unrewarded_sql: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM payments.orders o WHERE o.status = 'paid' \
-         AND NOT EXISTS (SELECT 1 FROM points.ledger l WHERE l.order_id = o.id)",
-    )
-    .fetch_one(pool)
-    .await?;
-    let rewarded_unpaid: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM points.ledger l WHERE NOT EXISTS \
-         (SELECT 1 FROM payments.orders o WHERE o.id = l.order_id AND o.status = 'paid')",
-    )
-    .fetch_one(pool)
-    .await?;
-    let pay_keys: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM payments_pgbox.inbox WHERE consumer = 'pay-requests'",
-    )
-    .fetch_one(pool)
-    .await
-    .unwrap_or(-1);
+    // From SQL, independently of the services (this run's users only).
+    let sql = match target.pool {
+        Some(pool) => Some(
+            sql_view(
+                pool,
+                (target.user_base + 1, target.user_base + args.users),
+                run,
+            )
+            .await?,
+        ),
+        None => None,
+    };
 
     let c = |a: &AtomicU64| a.load(Relaxed);
     println!();
-    println!("  orders created              {orders_sql:>8}");
-    println!("  orders paid                 {paid_sql:>8}");
-    println!("  payment keys recorded       {pay_keys:>8}");
+    match &sql {
+        Some(sql) => {
+            println!("  orders created              {:>8}", sql.orders);
+            println!("  orders paid                 {:>8}", sql.paid);
+            println!("  payment keys recorded       {:>8}", sql.pay_keys);
+        }
+        None => {
+            println!("  orders paid (API)           {paid_api:>8}");
+        }
+    }
     println!("  HTTP requests               {:>8}", c(&counters.requests));
     println!(
         "  retried after conn. failure {:>8}",
@@ -625,7 +950,18 @@ async fn check(
         "  answered as replays         {:>8}",
         c(&counters.replayed_header)
     );
-    println!("  points granted (ledger)     {ledger_points:>8}");
+    println!(
+        "  relay duplicates injected   {:>8}",
+        faults.relay_duplicates
+    );
+    println!(
+        "  producer re-sends injected  {:>8}",
+        faults.producer_resends
+    );
+    match &sql {
+        Some(sql) => println!("  points granted (ledger)     {:>8}", sql.ledger_points),
+        None => println!("  points granted (API)        {api_points:>8}"),
+    }
     println!();
 
     let mut ok = true;
@@ -633,31 +969,53 @@ async fn check(
         println!("  [{}] {what}", if good { "ok" } else { "FAILED" });
         ok &= good;
     };
-    check(
-        orders_sql == args.orders as i64 && paid_sql == args.orders as i64 && not_paid == 0,
-        format!(
-            "every order created once and paid ({orders_sql} created, {paid_sql} paid, {} driven)",
-            args.orders
+    let driven = args.orders as i64;
+    match &sql {
+        Some(sql) => check(
+            sql.orders == driven && sql.paid == driven && not_paid == 0,
+            format!(
+                "every order created once and paid ({} created, {} paid, {driven} driven)",
+                sql.orders, sql.paid
+            ),
         ),
-    );
+        None => check(
+            paid.len() as i64 == driven && not_paid == 0,
+            format!("every order paid (API: {paid_api} paid, {driven} driven)"),
+        ),
+    }
+    let paid_count = sql.as_ref().map_or(paid_api, |sql| sql.paid);
     check(
-        wrong_totals == 0 && api_points == POINTS_PER_ORDER * paid_sql,
+        wrong_totals == 0 && api_points == POINTS_PER_ORDER * paid_count,
         format!(
             "points = 30 × paid orders per user (API total {api_points}, {wrong_totals} users off)"
         ),
     );
+    if let Some(sql) = &sql {
+        check(
+            sql.ledger_points == POINTS_PER_ORDER * sql.paid && sql.totals == sql.ledger_points,
+            format!(
+                "SQL: ledger {} = account totals {} = 30 × {}",
+                sql.ledger_points, sql.totals, sql.paid
+            ),
+        );
+    }
+    let ledger_rows = sql.as_ref().map_or(paid_count, |sql| sql.ledger_rows);
     check(
-        ledger_points == POINTS_PER_ORDER * paid_sql && totals == ledger_points,
-        format!("SQL: ledger {ledger_points} = account totals {totals} = 30 × {paid_sql}"),
+        rewarded_twice == 0 && ledger_rows == paid_count,
+        format!(
+            "no order rewarded twice ({rewarded_twice} in the API, {ledger_rows} ledger rows; \
+             {} relay duplicates and {} producer re-sends injected)",
+            faults.relay_duplicates, faults.producer_resends
+        ),
     );
-    check(
-        rewarded_twice == 0 && ledger_rows == paid_sql,
-        format!("no order rewarded twice ({rewarded_twice} in the API, {ledger_rows} ledger rows)"),
-    );
+    let (unrewarded_sql, rewarded_unpaid) = sql
+        .as_ref()
+        .map_or((0, 0), |sql| (sql.unrewarded, sql.rewarded_unpaid));
     check(
         unrewarded == 0 && unrewarded_sql == 0 && foreign == 0 && rewarded_unpaid == 0,
         format!(
-            "none unrewarded ({unrewarded} API, {unrewarded_sql} SQL), none rewarded unpaid ({rewarded_unpaid})"
+            "none unrewarded ({unrewarded} API, {unrewarded_sql} SQL), none rewarded unpaid \
+             ({rewarded_unpaid} SQL, {foreign} API)"
         ),
     );
     check(

@@ -15,10 +15,10 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use pgbox::transport::{PgQueue, Publisher};
+use pgbox::transport::{PgQueue, PublishError, Publisher};
 use pgbox::{
-    CancellationToken, HandlerConnection, Inbox, Message, Migrator, Outbox, Outcome, Relay,
-    StateMachine, StateTable, Transition,
+    CancellationToken, Envelope, HandlerConnection, Inbox, Message, Migrator, Outbox, Outcome,
+    Relay, StateMachine, StateTable, Transition,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -48,6 +48,11 @@ CREATE TABLE IF NOT EXISTS payments.orders (
     created_at timestamptz NOT NULL DEFAULT now(),
     paid_at timestamptz
 );
+-- What the fault flags injected (--duplicate-rate, --producer-retries), across restarts.
+CREATE TABLE IF NOT EXISTS payments.injected_faults (
+    kind text PRIMARY KEY,
+    count bigint NOT NULL
+);
 COMMIT;
 ";
 
@@ -57,6 +62,14 @@ const MARK_PAID: &str = "UPDATE payments.orders SET payment_id = gen_random_uuid
      WHERE id = $1 RETURNING to_jsonb(orders.*)";
 const GET_ORDER: &str = "SELECT to_jsonb(o.*) FROM payments.orders o WHERE id = $1";
 const STATS: &str = "SELECT count(*), count(*) FILTER (WHERE status = 'paid') FROM payments.orders";
+const COUNT_FAULT: &str = "INSERT INTO payments.injected_faults AS f (kind, count) VALUES ($1, $2) \
+     ON CONFLICT (kind) DO UPDATE SET count = f.count + EXCLUDED.count";
+const FAULTS: &str = "SELECT \
+     coalesce((SELECT count FROM payments.injected_faults WHERE kind = 'relay_duplicates'), 0), \
+     coalesce((SELECT count FROM payments.injected_faults WHERE kind = 'producer_resends'), 0)";
+/// `injected_faults.kind` of each fault.
+const RELAY_DUPLICATES: &str = "relay_duplicates";
+const PRODUCER_RESENDS: &str = "producer_resends";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OrderState {
@@ -117,6 +130,8 @@ struct Payments {
     pay_requests: Inbox,
     order_requests: Inbox,
     topic: String,
+    /// `--producer-retries`: the share of payments whose event is enqueued a second time.
+    producer_retries: f64,
 }
 
 type Shared = Arc<Payments>;
@@ -125,6 +140,7 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
     let addr = args
         .listen
         .unwrap_or_else(|| "127.0.0.1:8081".parse().expect("address"));
+    args.check_fault_rates()?;
     let metrics = service::install_metrics()?;
     let pool = args.connect().await?;
     sqlx::raw_sql(SETUP).execute(&pool).await?;
@@ -141,6 +157,7 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
             .schema(PGBOX_SCHEMA)
             .build()?,
         topic: args.topic.clone(),
+        producer_retries: args.producer_retries,
     });
 
     let shutdown = CancellationToken::new();
@@ -152,6 +169,7 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
             spawn_relay(
                 &pool,
                 PgQueue::with_schema(pool.clone(), BROKER_SCHEMA)?,
+                &args,
                 &shutdown,
             )?
         }
@@ -159,12 +177,12 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
             let rabbit = args.rabbitmq()?;
             // Its queue exists before the first publish (unroutable messages are retried).
             rabbit.declare_topic(&args.topic).await?;
-            spawn_relay(&pool, rabbit, &shutdown)?
+            spawn_relay(&pool, rabbit, &args, &shutdown)?
         }
         TransportKind::Nats => {
             let nats = args.nats()?;
             nats.declare_topic(&args.topic).await?;
-            spawn_relay(&pool, nats, &shutdown)?
+            spawn_relay(&pool, nats, &args, &shutdown)?
         }
     };
     let gauges = service::spawn_gauges(pool.clone(), gauge_schemas, shutdown.clone());
@@ -176,7 +194,13 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
         .route("/stats", get(stats))
         .with_state(state)
         .merge(service::ops_routes(pool.clone(), metrics));
-    tracing::info!(transport = args.transport.name(), topic = %args.topic, "payments service starting");
+    tracing::info!(
+        transport = args.transport.name(),
+        topic = %args.topic,
+        duplicate_rate = args.duplicate_rate,
+        producer_retries = args.producer_retries,
+        "payments service starting"
+    );
     let served = service::serve(addr, app, shutdown.clone()).await;
     // The listener is closed and requests in flight are answered: stop the relay (it
     // finishes its round) and the gauges.
@@ -193,13 +217,58 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
 fn spawn_relay<P: Publisher + 'static>(
     pool: &PgPool,
     publisher: P,
+    args: &ServiceArgs,
     shutdown: &CancellationToken,
 ) -> anyhow::Result<tokio::task::JoinHandle<pgbox::Result<()>>> {
+    let publisher = DuplicatingPublisher {
+        inner: publisher,
+        rate: args.duplicate_rate,
+        pool: pool.clone(),
+    };
     let relay = Relay::builder(pool.clone(), publisher)
         .schema(PGBOX_SCHEMA)
         .build()?;
     let shutdown = shutdown.clone();
     Ok(tokio::spawn(async move { relay.run(shutdown).await }))
+}
+
+/// Fault injection (`--duplicate-rate`): publishes a share of the relayed messages a second
+/// time, same message id, as a broker redelivering would. The points inbox absorbs them.
+struct DuplicatingPublisher<P> {
+    inner: P,
+    rate: f64,
+    /// Where the duplicates are counted (`payments.injected_faults`).
+    pool: PgPool,
+}
+
+impl<P: Publisher> Publisher for DuplicatingPublisher<P> {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        let results = self.inner.publish(batch).await;
+        if self.rate <= 0.0 || !results.iter().all(Result::is_ok) {
+            return results;
+        }
+        let again: Vec<Envelope> = batch
+            .iter()
+            .filter(|_| fastrand::f64() < self.rate)
+            .cloned()
+            .collect();
+        if !again.is_empty() && self.inner.publish(&again).await.iter().all(Result::is_ok) {
+            if let Err(e) = sqlx::query(COUNT_FAULT)
+                .bind(RELAY_DUPLICATES)
+                .bind(again.len() as i64)
+                .execute(&self.pool)
+                .await
+            {
+                tracing::warn!(error = %e, "cannot count the injected duplicates");
+            }
+            tracing::debug!(messages = again.len(), "injected: published twice");
+        }
+        results
+    }
+
+    fn atomic_batches(&self) -> bool {
+        self.inner.atomic_batches()
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -363,6 +432,15 @@ impl Payments {
                     self.outbox.enqueue(&mut tx, message).await?;
                 }
                 tx.commit().await?;
+                if let Some(event) = &handled.event
+                    && self.producer_retries > 0.0
+                    && fastrand::f64() < self.producer_retries
+                {
+                    // An injected fault: the answer is not affected.
+                    if let Err(e) = self.resend(event).await {
+                        tracing::warn!(order_id = event.order_id, error = %format!("{e:#}"), "injected re-send failed");
+                    }
+                }
                 Ok(reply(&handled.response, false))
             }
             Outcome::Duplicate(duplicate) => {
@@ -396,6 +474,29 @@ impl Payments {
     }
 }
 
+impl Payments {
+    /// Fault injection (`--producer-retries`): enqueues `event` again under a new message id,
+    /// in its own transaction after the payment's commit, as a producer that did not see its
+    /// first attempt succeed would. The points inbox is keyed by the order id: it grants once.
+    async fn resend(&self, event: &PaymentSucceeded) -> anyhow::Result<()> {
+        let mut tx = self.pool.begin().await?;
+        let message =
+            Message::json(&self.topic, event)?.ordering_key(format!("user-{}", event.user_id));
+        self.outbox.enqueue(&mut tx, message).await?;
+        sqlx::query(COUNT_FAULT)
+            .bind(PRODUCER_RESENDS)
+            .bind(1_i64)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        tracing::debug!(
+            order_id = event.order_id,
+            "injected: PaymentSucceeded re-sent"
+        );
+        Ok(())
+    }
+}
+
 fn reply(stored: &StoredResponse, replayed: bool) -> Response {
     let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut response = (status, Json(stored.body.clone())).into_response();
@@ -422,8 +523,15 @@ async fn get_order(
     })
 }
 
-/// `GET /stats`: `{orders, paid}`.
+/// `GET /stats`: `{orders, paid, injected: {relay_duplicates, producer_resends}}` (the
+/// faults injected by `--duplicate-rate` and `--producer-retries` in this database, across
+/// restarts).
 async fn stats(State(app): State<Shared>) -> Result<Json<Value>, AppError> {
     let (orders, paid): (i64, i64) = sqlx::query_as(STATS).fetch_one(&app.pool).await?;
-    Ok(Json(json!({ "orders": orders, "paid": paid })))
+    let (duplicates, resends): (i64, i64) = sqlx::query_as(FAULTS).fetch_one(&app.pool).await?;
+    Ok(Json(json!({
+        "orders": orders,
+        "paid": paid,
+        "injected": { RELAY_DUPLICATES: duplicates, PRODUCER_RESENDS: resends },
+    })))
 }

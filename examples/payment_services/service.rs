@@ -42,6 +42,15 @@ pub struct ServiceArgs {
     /// killed with messages in hand gets them redelivered after this.
     #[arg(long, env = "VISIBILITY_TIMEOUT_MS", default_value_t = 5000)]
     pub visibility_timeout_ms: u64,
+    /// payments, fault injection: the share of relayed messages published a second time
+    /// (same message id), as a broker redelivering would.
+    #[arg(long, env = "DUPLICATE_RATE", default_value_t = 0.0)]
+    pub duplicate_rate: f64,
+    /// payments, fault injection: the share of payments whose PaymentSucceeded is enqueued
+    /// again, under a new message id, in a separate transaction after the first commit, as a
+    /// producer retrying after a lost acknowledgement would.
+    #[arg(long, env = "PRODUCER_RETRIES", default_value_t = 0.0)]
+    pub producer_retries: f64,
 }
 
 /// The transport between the two services.
@@ -102,6 +111,17 @@ impl ServiceArgs {
                 .max_age(Duration::from_secs(secs));
         }
         Ok(builder.build()?)
+    }
+
+    /// Refuses fault rates outside 0..=1.
+    pub fn check_fault_rates(&self) -> anyhow::Result<()> {
+        for (name, p) in [
+            ("--duplicate-rate", self.duplicate_rate),
+            ("--producer-retries", self.producer_retries),
+        ] {
+            anyhow::ensure!((0.0..=1.0).contains(&p), "{name} must be between 0 and 1");
+        }
+        Ok(())
     }
 
     pub async fn connect(&self) -> anyhow::Result<PgPool> {
