@@ -44,8 +44,8 @@ pub use crate::migrate::{
     AppliedMigration, DEFAULT_SCHEMA, HISTORY_TABLE, MigrationReport, Migrator, migrate,
 };
 pub use crate::outbox::{
-    DEFAULT_MAX_MESSAGE_BYTES, Envelope, MAX_HEADER_NAME_BYTES, MAX_MESSAGE_BYTES_LIMIT,
-    MAX_TOPIC_BYTES, Message, Outbox, TRACEPARENT,
+    DEFAULT_MAX_MESSAGE_BYTES, Envelope, InTransaction, MAX_HEADER_NAME_BYTES,
+    MAX_MESSAGE_BYTES_LIMIT, MAX_TOPIC_BYTES, Message, Outbox, TRACEPARENT,
 };
 pub use crate::relay::{DeadLetter, DeadLetters, Relay, RelayBuilder, RoundReport, WakeUp};
 pub use crate::retry::{RetryPolicy, Retryable};

@@ -553,13 +553,10 @@ async fn trace_context_travels_from_a_consumed_message_to_the_messages_it_causes
         consumer
             .run(
                 async |_m: &Envelope, conn: &mut pgbox::HandlerConnection<'_>| {
-                    let mut tx = sqlx::Connection::begin(&mut **conn)
-                        .await
-                        .map_err(Error::from)?; // savepoint
+                    // Through the handler's own connection, in the inbox's transaction.
                     Outbox::new()
-                        .enqueue(&mut tx, Message::bytes("invoices", "i1"))
+                        .enqueue(conn, Message::bytes("invoices", "i1"))
                         .await?;
-                    tx.commit().await.map_err(Error::from)?;
                     Ok::<(), Error>(())
                 },
                 s,
@@ -613,5 +610,58 @@ async fn trace_context_travels_from_a_consumed_message_to_the_messages_it_causes
             ("plain".into(), None),
             ("explicit".into(), Some(incoming.into()))
         ]
+    );
+}
+
+/// Consume → produce in one transaction: a handler enqueues through its own
+/// `HandlerConnection` (no savepoint). A handler that fails after enqueuing leaves no message;
+/// one that succeeds leaves exactly one, committed with its inbox row.
+#[tokio::test]
+async fn a_handler_enqueues_through_its_connection_in_the_inbox_transaction() {
+    let db = TestDb::migrated().await;
+    let inbox = Inbox::new("chain").unwrap();
+    let outbox = Outbox::new();
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let failed = inbox
+        .process(&mut tx, "order-1", async |conn| -> Result<(), Error> {
+            outbox
+                .enqueue(conn, Message::bytes("invoices", "first try"))
+                .await?;
+            Err(Error::InvalidConfig(
+                "the handler fails after enqueuing".into(),
+            ))
+        })
+        .await;
+    assert!(failed.is_err());
+    tx.rollback().await.unwrap();
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM pgbox.outbox").await,
+        0
+    );
+
+    let mut tx = db.pool.begin().await.unwrap();
+    let outcome = inbox
+        .process(&mut tx, "order-1", async |conn| -> Result<(), Error> {
+            outbox
+                .enqueue_batch(
+                    conn,
+                    ["a", "b"].map(|p| Message::bytes("invoices", p).ordering_key("order-1")),
+                )
+                .await?;
+            Ok(())
+        })
+        .await
+        .unwrap();
+    assert!(outcome.is_processed());
+    // Nothing visible before the commit, both after it.
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM pgbox.outbox").await,
+        0
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM pgbox.outbox").await,
+        2
     );
 }

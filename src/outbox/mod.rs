@@ -156,11 +156,11 @@ impl Outbox {
 
     /// Writes one message in the caller's transaction; returns its id. If the transaction
     /// rolls back, the message never existed.
-    pub async fn enqueue(
-        &self,
-        tx: &mut Transaction<'_, Postgres>,
-        message: Message,
-    ) -> Result<Uuid> {
+    ///
+    /// `tx` is a [`Transaction`], or, inside an inbox handler, the handler's
+    /// [`HandlerConnection`](crate::HandlerConnection): consume a message and produce the
+    /// next in one transaction, with no savepoint.
+    pub async fn enqueue(&self, tx: &mut impl InTransaction, message: Message) -> Result<Uuid> {
         message.validate(self.max_message_bytes)?;
         let id = message.id;
         let mut m = with_trace_context(message);
@@ -179,15 +179,20 @@ impl Outbox {
         if let Some(key) = key {
             query = query.bind(key);
         }
-        query.execute(&mut **tx).instrument(span).await?;
+        let done = query.execute(tx.connection()).instrument(span).await;
+        if done.is_err() {
+            tx.statement_failed();
+        }
+        done?;
         tracing::debug!(message_id = %id, "pgbox outbox enqueued");
         Ok(id)
     }
 
-    /// Writes many messages in one statement, in the given order; returns their ids.
+    /// Writes many messages in one statement, in the given order; returns their ids. `tx` as
+    /// for [`enqueue`](Self::enqueue).
     pub async fn enqueue_batch(
         &self,
-        tx: &mut Transaction<'_, Postgres>,
+        tx: &mut impl InTransaction,
         messages: impl IntoIterator<Item = Message>,
     ) -> Result<Vec<Uuid>> {
         let messages: Vec<Message> = messages.into_iter().collect();
@@ -223,18 +228,58 @@ impl Outbox {
             headers.push(Json(m.headers));
         }
         let span = tracing::debug_span!("pgbox.outbox.enqueue", messages = n);
-        sqlx::query(AssertSqlSafe(self.insert.clone()))
+        let done = sqlx::query(AssertSqlSafe(self.insert.clone()))
             .bind(&ids)
             .bind(&topics)
             .bind(&keys)
             .bind(&payloads)
             .bind(&types)
             .bind(&headers)
-            .execute(&mut **tx)
+            .execute(tx.connection())
             .instrument(span)
-            .await?;
+            .await;
+        if done.is_err() {
+            tx.statement_failed();
+        }
+        done?;
         tracing::debug!(messages = n, "pgbox outbox enqueued");
         Ok(ids)
+    }
+}
+
+/// Where [`Outbox::enqueue`] may write: a connection inside a transaction, so that the
+/// message commits or rolls back with the caller's business writes. Implemented for
+/// [`Transaction`] and for the [`HandlerConnection`](crate::HandlerConnection) that inbox
+/// handlers get (always inside `process`'s transaction); sealed.
+pub trait InTransaction: sealed::Sealed + Send {
+    /// The connection, for one statement.
+    #[doc(hidden)]
+    fn connection(&mut self) -> &mut sqlx::PgConnection;
+    /// That statement failed (the transaction is aborted).
+    #[doc(hidden)]
+    fn statement_failed(&mut self) {}
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for sqlx::Transaction<'_, sqlx::Postgres> {}
+    impl Sealed for crate::HandlerConnection<'_> {}
+}
+
+impl InTransaction for Transaction<'_, Postgres> {
+    fn connection(&mut self) -> &mut sqlx::PgConnection {
+        self
+    }
+}
+
+impl InTransaction for crate::HandlerConnection<'_> {
+    // Watched like a statement sent through the wrapper: a failed enqueue makes the inbox
+    // check that the transaction is still alive before it reports success.
+    fn connection(&mut self) -> &mut sqlx::PgConnection {
+        self.watched()
+    }
+    fn statement_failed(&mut self) {
+        self.mark_failed();
     }
 }
 
