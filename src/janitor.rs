@@ -488,16 +488,9 @@ impl Statements {
                    FROM c WHERE c.consumer IS NOT NULL) \
                  SELECT consumer FROM c WHERE consumer IS NOT NULL"
             ),
-            // The statement of `Inbox::purge_older_than` (src/inbox/retention.rs), one batch:
-            // walks inbox_consumer_processed_at_idx; a live lease is never deleted, an
-            // expired one only by the time it was leased or taken over.
-            inbox: format!(
-                "DELETE FROM {s}.inbox WHERE ctid = ANY(ARRAY(\
-                   SELECT ctid FROM {s}.inbox \
-                   WHERE processed_at < now() - make_interval(secs => $2) AND consumer = $1 \
-                     AND (lease_expires_at IS NULL OR lease_expires_at <= now()) \
-                   ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED))"
-            ),
+            // The statement of `Inbox::purge_older_than`, one batch: a live lease is never
+            // deleted, an expired one only by the time it was leased or taken over.
+            inbox: crate::inbox::purge_batch_sql(s),
             // Walks outbox_published_idx (V8); pending rows (published_at NULL) are not in
             // it and never match.
             published: format!(

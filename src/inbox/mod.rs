@@ -33,6 +33,7 @@ pub(crate) use self::lease::ttl_micros as lease_ttl_micros;
 pub use self::lease::{FencingToken, Lease, LeaseAttempt, LeasedRun, MAX_LEASE_TTL, MIN_LEASE_TTL};
 pub use self::outcome::{Duplicate, Outcome, Verdict};
 pub use self::retention::PURGE_BATCH_ROWS;
+pub(crate) use self::retention::purge_batch_sql;
 pub use self::sequence::{GapPolicy, Sequenced};
 
 use crate::error::{Error, Result};

@@ -6,6 +6,7 @@ use sqlx::{AssertSqlSafe, PgPool};
 
 use super::Inbox;
 use crate::error::{Error, Result};
+use crate::ident::Identifier;
 
 /// Rows deleted per statement by [`Inbox::purge_older_than`]: small enough to keep each
 /// transaction short and its locks few, large enough to purge millions of rows quickly.
@@ -31,17 +32,7 @@ impl Inbox {
                 "purge retention must be greater than zero".into(),
             ));
         }
-        let schema = self.inner.schema.quoted();
-        // The ctid subquery walks inbox_consumer_processed_at_idx (a live lease is filtered
-        // out, and rechecked under the row lock if it changes meanwhile); SKIP LOCKED leaves rows that a
-        // concurrent purge is deleting to that purge.
-        let sql = format!(
-            "DELETE FROM {schema}.inbox WHERE ctid = ANY(ARRAY(\
-               SELECT ctid FROM {schema}.inbox \
-               WHERE processed_at < now() - make_interval(secs => $2) AND consumer = $1 \
-                 AND (lease_expires_at IS NULL OR lease_expires_at <= now()) \
-               ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED))"
-        );
+        let sql = purge_batch_sql(&self.inner.schema);
         let mut total = 0;
         loop {
             let deleted = sqlx::query(AssertSqlSafe(sql.clone()))
@@ -59,4 +50,21 @@ impl Inbox {
         tracing::info!(consumer = %self.inner.consumer, deleted = total, ?older_than, "pgbox inbox purged");
         Ok(total)
     }
+}
+
+/// One purge batch of the inbox in `schema`: `$1` consumer, `$2` age in seconds, `$3` rows at
+/// most. Shared by [`Inbox::purge_older_than`] and the janitor.
+///
+/// The ctid subquery walks inbox_consumer_processed_at_idx (a live lease is filtered out, and
+/// rechecked under the row lock if it changes meanwhile); SKIP LOCKED leaves rows that a
+/// concurrent purge is deleting to that purge.
+pub(crate) fn purge_batch_sql(schema: &Identifier) -> String {
+    let schema = schema.quoted();
+    format!(
+        "DELETE FROM {schema}.inbox WHERE ctid = ANY(ARRAY(\
+           SELECT ctid FROM {schema}.inbox \
+           WHERE processed_at < now() - make_interval(secs => $2) AND consumer = $1 \
+             AND (lease_expires_at IS NULL OR lease_expires_at <= now()) \
+           ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED))"
+    )
 }
