@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --release --example bench                 # full run
 //! cargo run --release --example bench -- --quick      # under two minutes (CI)
+//! cargo run --release --example bench -- --only P     # the time-partitioned inbox (P1-P3)
 //! ```
 
 #[path = "../tests/support/local_pg.rs"]
@@ -20,7 +21,10 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use pgbox::transport::{DiscardPublisher, PgQueue, PublishError, Publisher};
-use pgbox::{CancellationToken, Envelope, Error, Inbox, Message, Outbox, Relay, WakeUp};
+use pgbox::{
+    CancellationToken, Envelope, Error, Inbox, InboxPartitioning, InboxPartitions, Message,
+    Migrator, Outbox, Relay, WakeUp,
+};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, Executor, PgPool};
 
@@ -56,7 +60,10 @@ struct Args {
     /// takes many minutes. Set it to `--backlog` for a like-for-like run.
     #[arg(long, default_value_t = 20_000)]
     peer_backlog: usize,
-    /// Short run for CI: clients 1,4, 1 s per workload, 10k backlog.
+    /// Rows expired per arm by P3 (plain inbox purge vs partition drop).
+    #[arg(long, default_value_t = 200_000)]
+    expiry_rows: usize,
+    /// Short run for CI: clients 1,4, 1 s per workload, 10k backlog, 20k rows for P3.
     #[arg(long)]
     quick: bool,
     /// Only workloads whose id starts with one of these (e.g. `I1,O2`).
@@ -148,15 +155,34 @@ async fn measure(
     })
 }
 
+/// `n_dead_tup` of the tables named `table` (in every schema, or in one: `schema.table`) and
+/// of their partitions (the partitioned inbox's live partitions; a dropped one has none).
 async fn dead_tuples(pool: &PgPool, table: &str) -> anyhow::Result<i64> {
+    let (schema, table) = match table.split_once('.') {
+        Some((s, t)) => (Some(s), t),
+        None => (None, table),
+    };
     // Backends flush their statistics at most once a second.
     tokio::time::sleep(Duration::from_millis(1100)).await;
+    dead_tuples_flushed(pool, schema, table).await
+}
+
+/// `dead_tuples` without the wait, for statistics already flushed.
+async fn dead_tuples_flushed(
+    pool: &PgPool,
+    schema: Option<&str>,
+    table: &str,
+) -> anyhow::Result<i64> {
     let mut conn = pool.acquire().await?;
     conn.execute("SELECT pg_stat_clear_snapshot()").await?;
     Ok(sqlx::query_scalar(
-        "SELECT coalesce(sum(n_dead_tup), 0)::bigint FROM pg_stat_user_tables WHERE relname = $1",
+        "SELECT coalesce(sum(s.n_dead_tup), 0)::bigint FROM pg_stat_user_tables AS s \
+         WHERE ($2::text IS NULL OR s.schemaname = $2) \
+           AND (s.relname = $1 OR s.relid IN (SELECT h.inhrelid FROM pg_inherits AS h \
+                 JOIN pg_class AS c ON c.oid = h.inhparent WHERE c.relname = $1))",
     )
     .bind(table)
+    .bind(schema)
     .fetch_one(&mut *conn)
     .await?)
 }
@@ -561,6 +587,52 @@ fn boxed<F: Future<Output = anyhow::Result<()>> + Send + 'static>(f: F) -> OpFut
     Box::pin(f)
 }
 
+/// I1's operation (and P1's): a new key `k{i}` through `inbox.process`, whose handler inserts
+/// the business row through the `HandlerConnection` wrapper.
+fn process_new(inbox: Inbox, payload: Arc<str>) -> Op {
+    Arc::new(move |pool, i| {
+        let (p, inbox) = (payload.clone(), inbox.clone());
+        boxed(async move {
+            let key = format!("k{i}");
+            let mut tx = pool.begin().await?;
+            let outcome = inbox
+                .process(&mut tx, key.as_str(), async |conn| {
+                    sqlx::query("INSERT INTO bench_effects VALUES ($1, $2)")
+                        .bind(&key)
+                        .bind(&*p)
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(Error::from)?;
+                    Ok::<(), Error>(())
+                })
+                .await?;
+            tx.commit().await?;
+            anyhow::ensure!(outcome.is_processed());
+            Ok(())
+        })
+    })
+}
+
+/// Keys recorded before I2 and P2, cycled through by their operation.
+const DUP_KEYS: u64 = 5_000;
+
+/// I2's operation (and P2's): a recorded key through `inbox.process`, a duplicate.
+fn process_duplicate(inbox: Inbox) -> Op {
+    Arc::new(move |pool, i| {
+        let inbox = inbox.clone();
+        boxed(async move {
+            let mut tx = pool.begin().await?;
+            let key = format!("k{}", i % DUP_KEYS);
+            let outcome = inbox
+                .process(&mut tx, key.as_str(), async |_c| Ok::<(), Error>(()))
+                .await?;
+            tx.commit().await?;
+            anyhow::ensure!(outcome.is_duplicate(), "expected a duplicate");
+            Ok(())
+        })
+    })
+}
+
 async fn fingerprint(pool: &PgPool) -> anyhow::Result<()> {
     let version: String = sqlx::query_scalar("SHOW server_version")
         .fetch_one(pool)
@@ -603,6 +675,7 @@ async fn main() -> anyhow::Result<()> {
         args.duration = 1.0;
         args.backlog = args.backlog.min(10_000);
         args.peer_backlog = args.peer_backlog.min(10_000);
+        args.expiry_rows = args.expiry_rows.min(20_000);
     }
     PING.set(!args.no_ping).expect("set once");
     statements::install()?;
@@ -712,7 +785,6 @@ async fn main() -> anyhow::Result<()> {
         ("I1 inbox.process", true, "4"),
         ("I1 inbox.process (no verify)", false, "4"),
     ] {
-        let p = payload.clone();
         let inbox = Inbox::builder("bench").verify_transaction(verify).build()?;
         bench
             .run(
@@ -722,27 +794,7 @@ async fn main() -> anyhow::Result<()> {
                 Some("inbox"),
                 Some("B0 BEGIN/INSERT/COMMIT"),
                 None,
-                Arc::new(move |pool, i| {
-                    let (p, inbox) = (p.clone(), inbox.clone());
-                    boxed(async move {
-                        let key = format!("k{i}");
-                        let mut tx = pool.begin().await?;
-                        let outcome = inbox
-                            .process(&mut tx, key.as_str(), async |conn| {
-                                sqlx::query("INSERT INTO bench_effects VALUES ($1, $2)")
-                                    .bind(&key)
-                                    .bind(&*p)
-                                    .execute(&mut *conn)
-                                    .await
-                                    .map_err(Error::from)?;
-                                Ok::<(), Error>(())
-                            })
-                            .await?;
-                        tx.commit().await?;
-                        anyhow::ensure!(outcome.is_processed());
-                        Ok(())
-                    })
-                }),
+                process_new(inbox, payload.clone()),
             )
             .await?;
     }
@@ -811,7 +863,6 @@ async fn main() -> anyhow::Result<()> {
         .await?;
 
     // I2: 100 % duplicates.
-    const DUP_KEYS: u64 = 5_000;
     let preload = |pool: PgPool| {
         boxed(async move {
             sqlx::query(
@@ -828,7 +879,6 @@ async fn main() -> anyhow::Result<()> {
         })
     };
     // BEGIN, claim (inserts nothing, returns no row), read of the stored record, COMMIT.
-    let inbox = Inbox::new("bench")?;
     bench
         .run(
             "I2 inbox.process, 100% duplicates",
@@ -837,19 +887,7 @@ async fn main() -> anyhow::Result<()> {
             Some("inbox"),
             Some("B0 BEGIN/INSERT/COMMIT"),
             Some(&preload),
-            Arc::new(move |pool, i| {
-                let inbox = inbox.clone();
-                boxed(async move {
-                    let mut tx = pool.begin().await?;
-                    let key = format!("k{}", i % DUP_KEYS);
-                    let outcome = inbox
-                        .process(&mut tx, key.as_str(), async |_c| Ok::<(), Error>(()))
-                        .await?;
-                    tx.commit().await?;
-                    anyhow::ensure!(outcome.is_duplicate(), "expected a duplicate");
-                    Ok(())
-                })
-            }),
+            process_duplicate(Inbox::new("bench")?),
         )
         .await?;
     // I2f: the redelivery fast path: one autocommit SELECT (`Inbox::lookup`), no transaction.
@@ -1260,10 +1298,139 @@ async fn main() -> anyhow::Result<()> {
             bench.rows.push(row);
         }
     }
+
+    // P1, P2: the time-partitioned inbox (migration V10) in a schema of its own (1-hour
+    // partitions, 2 created ahead, no minimum retention), through an Inbox built with
+    // `partitioned(true)`: I1's and I2's operations, unchanged. At each client count the plain
+    // inbox's arm (the same operation on `pgbox.inbox`, as in I1 and I2) runs first and the
+    // partitioned one right after it, and the partitioned row's ratio is to that arm. The
+    // partitioned claim is one statement, a function: advisory lock on (consumer, key),
+    // look-up in every partition (each one's unique index) and in the schema's plain inbox,
+    // insert into the partition of the transaction's start time; it returns a duplicate's
+    // record itself. New: BEGIN, claim, the handler's INSERT, COMMIT; duplicate: BEGIN, claim,
+    // COMMIT. The row label gives how many partitions were attached (and so probed).
+    let p1_plain = "P1 plain inbox.process (I1 arm)";
+    let p2_plain = "P2 plain inbox.process, 100% duplicates (I2 arm)";
+    if [p1_plain, p2_plain, "P1 partitioned", "P2 partitioned"]
+        .iter()
+        .any(|id| bench.wanted(id))
+    {
+        // The schema is also spelled out in the statements below (`run_each` takes literals).
+        const PART_SCHEMA: &str = "pgbox_part";
+        Migrator::new()
+            .schema(PART_SCHEMA)?
+            .partitioned_inbox(
+                InboxPartitioning::every(Duration::from_secs(3600))
+                    .minimum_retention(Duration::ZERO)
+                    .ahead(2),
+            )
+            .run(&pool)
+            .await?;
+        let partitions = InboxPartitions::new(pool.clone()).schema(PART_SCHEMA)?;
+        let part_inbox = Inbox::builder("bench")
+            .schema(PART_SCHEMA)
+            .partitioned(true)
+            .build()?;
+        let clear_part = |pool: PgPool| {
+            boxed(async move {
+                run_each(
+                    &pool,
+                    &[
+                        "TRUNCATE pgbox_part.partitioned_inbox",
+                        "VACUUM (ANALYZE) pgbox_part.partitioned_inbox",
+                        "SELECT pg_stat_reset()",
+                    ],
+                )
+                .await
+            })
+        };
+        let preload_part = |pool: PgPool| {
+            boxed(async move {
+                run_each(
+                    &pool,
+                    &[
+                        "TRUNCATE pgbox_part.partitioned_inbox",
+                        "INSERT INTO pgbox_part.partitioned_inbox (consumer, key) \
+                         SELECT 'bench', 'k' || g FROM generate_series(0, 4999) g",
+                        "VACUUM (ANALYZE) pgbox_part.partitioned_inbox",
+                        "SELECT pg_stat_reset()",
+                    ],
+                )
+                .await
+            })
+        };
+        let saved_clients = bench.args.clients.clone();
+        for workload in ["P1", "P2"] {
+            for &clients in &saved_clients {
+                bench.args.clients = vec![clients];
+                let live = partitions.list().await?.len();
+                if workload == "P1" {
+                    bench
+                        .run(
+                            p1_plain,
+                            1,
+                            "4",
+                            Some("pgbox.inbox"),
+                            None,
+                            None,
+                            process_new(Inbox::new("bench")?, payload.clone()),
+                        )
+                        .await?;
+                    bench
+                        .run(
+                            &format!("P1 partitioned inbox.process ({live} partitions)"),
+                            1,
+                            "4",
+                            Some("pgbox_part.partitioned_inbox"),
+                            Some(p1_plain),
+                            Some(&clear_part),
+                            process_new(part_inbox.clone(), payload.clone()),
+                        )
+                        .await?;
+                } else {
+                    bench
+                        .run(
+                            p2_plain,
+                            1,
+                            "4",
+                            Some("pgbox.inbox"),
+                            None,
+                            Some(&preload),
+                            process_duplicate(Inbox::new("bench")?),
+                        )
+                        .await?;
+                    bench
+                        .run(
+                            &format!(
+                                "P2 partitioned inbox.process, 100% duplicates ({live} partitions)"
+                            ),
+                            1,
+                            "3",
+                            Some("pgbox_part.partitioned_inbox"),
+                            Some(p2_plain),
+                            Some(&preload_part),
+                            process_duplicate(part_inbox.clone()),
+                        )
+                        .await?;
+                }
+            }
+        }
+        bench.args.clients = saved_clients;
+        bench.notes.push(format!(
+            "P1, P2: partitioned inbox in schema {PART_SCHEMA} (1-hour partitions, 2 ahead); \
+             \"N partitions\" is how many were attached when the row ran: each claim probes \
+             every one's (consumer, key) index, plus the schema's (empty) plain inbox. A \
+             production layout (e.g. daily partitions for two weeks) has several times as many."
+        ));
+    }
     println!();
     println!(
         "ratio: msgs/s divided by the named baseline's msgs/s at the same client count, same run."
     );
+
+    if bench.wanted("P3") {
+        expiry(&pool, &bench.options, args.expiry_rows).await?;
+    }
     if !bench.notes.is_empty() {
         println!();
         println!("notes:");
@@ -1306,6 +1473,363 @@ async fn fill_backlog(
         &["VACUUM (ANALYZE) pgbox.outbox", "SELECT pg_stat_reset()"],
     )
     .await?;
+    Ok(())
+}
+
+/// Runs per arm of P3.
+const EXPIRY_RUNS: usize = 3;
+
+/// One timed expiry of P3.
+struct Expiry {
+    seconds: f64,
+    rows: u64,
+    wal_bytes: f64,
+    statements: u64,
+    dead_tuples: i64,
+    /// Partitions dropped by the timed call (partitioned arm).
+    partitions: Option<usize>,
+}
+
+impl Expiry {
+    fn rate(&self) -> f64 {
+        self.rows as f64 / self.seconds
+    }
+
+    fn wal_per_row(&self) -> f64 {
+        self.wal_bytes / self.rows.max(1) as f64
+    }
+}
+
+/// After both arms of a P3 run: the dead tuples their expiry left in the inbox table (and
+/// its partitions), and a check that no row is left.
+async fn expiry_leftovers(
+    pool: &PgPool,
+    e: &mut Expiry,
+    schema: &str,
+    table: &str,
+) -> anyhow::Result<()> {
+    e.dead_tuples = dead_tuples_flushed(pool, Some(schema), table).await?;
+    let left: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {schema}.{table}"
+    )))
+    .fetch_one(pool)
+    .await?;
+    anyhow::ensure!(left == 0, "P3: {left} rows left in {schema}.{table}");
+    Ok(())
+}
+
+/// Times `expire` on `own`, a pool of one connection of its own, warmed up by the caller
+/// (the statements prepared, the backend's catalog caches loaded): wall time, WAL,
+/// statements. Then closes `own` and waits for its backend to exit: an exiting backend
+/// flushes its statistics before it leaves `pg_stat_activity`, so `dead_tuples_flushed`
+/// sees all of them without a wait.
+async fn timed_expiry<Fut, T>(
+    pool: &PgPool,
+    own: PgPool,
+    expire: Fut,
+) -> anyhow::Result<(T, f64, f64, u64)>
+where
+    Fut: Future<Output = pgbox::Result<T>>,
+{
+    let pid = backend_pid(&own).await?;
+    let counted = Arc::new(AtomicU64::new(0));
+    let start_lsn = wal_lsn(pool).await?;
+    let started = Instant::now();
+    let result = statements::scope(counted.clone(), expire).await?;
+    let seconds = started.elapsed().as_secs_f64();
+    let wal_bytes = wal_since(pool, &start_lsn).await?;
+    close_and_wait(pool, own, pid).await?;
+    Ok((result, seconds, wal_bytes, counted.load(Relaxed)))
+}
+
+/// The backend of `own`, a pool of one connection.
+async fn backend_pid(own: &PgPool) -> anyhow::Result<i32> {
+    Ok(sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(own)
+        .await?)
+}
+
+/// Closes `own` and waits for its backend `pid` to exit: an exiting backend flushes its
+/// statistics before it leaves `pg_stat_activity`.
+async fn close_and_wait(pool: &PgPool, own: PgPool, pid: i32) -> anyhow::Result<()> {
+    own.close().await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let gone: bool =
+            sqlx::query_scalar("SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
+                .bind(pid)
+                .fetch_one(pool)
+                .await?;
+        if gone {
+            return Ok(());
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "P3: backend {pid} still there after 10 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// P3's plain arm, in a schema of its own (`pgbox_expiry_plain`, plain inbox): `rows` inbox
+/// rows recorded an hour ago (one bulk INSERT … SELECT generate_series into the emptied
+/// table), vacuumed, a CHECKPOINT, then `Inbox::purge_older_than(60 s)` (DELETEs of 5,000
+/// rows each) timed. The table is emptied and filled on a connection that is gone before the
+/// purge: a backend flushes a TRUNCATE's statistics (which zero the table's dead tuples) up to
+/// 10 s late, which could wipe the purge's count. Nothing else touches the table.
+async fn expire_plain(
+    pool: &PgPool,
+    options: &PgConnectOptions,
+    rows: usize,
+) -> anyhow::Result<Expiry> {
+    let prep = pool_options(1).connect_with(options.clone()).await?;
+    let prep_pid = backend_pid(&prep).await?;
+    run_each(&prep, &["TRUNCATE pgbox_expiry_plain.inbox"]).await?;
+    let filled = sqlx::query(
+        "INSERT INTO pgbox_expiry_plain.inbox (consumer, key, processed_at) \
+         SELECT 'bench', 'k' || g, now() - interval '1 hour' FROM generate_series(1, $1) AS g",
+    )
+    .bind(rows as i64)
+    .execute(&prep)
+    .await?
+    .rows_affected();
+    anyhow::ensure!(filled == rows as u64, "P3: {filled} of {rows} rows filled");
+    run_each(
+        &prep,
+        &["VACUUM (ANALYZE) pgbox_expiry_plain.inbox", "CHECKPOINT"],
+    )
+    .await?;
+    close_and_wait(pool, prep, prep_pid).await?;
+    let own = pool_options(1).connect_with(options.clone()).await?;
+    // Warm-up: the same statement for a consumer that has no rows.
+    let warm_up = Inbox::builder("bench-warm-up")
+        .schema("pgbox_expiry_plain")
+        .build()?;
+    warm_up
+        .purge_older_than(&own, Duration::from_secs(60))
+        .await?;
+    let inbox = Inbox::builder("bench")
+        .schema("pgbox_expiry_plain")
+        .build()?;
+    let (deleted, seconds, wal_bytes, statements) = timed_expiry(
+        pool,
+        own.clone(),
+        inbox.purge_older_than(&own, Duration::from_secs(60)),
+    )
+    .await?;
+    anyhow::ensure!(
+        deleted == rows as u64,
+        "P3: purge deleted {deleted} of {rows} rows"
+    );
+    Ok(Expiry {
+        seconds,
+        rows: deleted,
+        wal_bytes,
+        statements,
+        dead_tuples: 0,
+        partitions: None,
+    })
+}
+
+/// The first half of P3's partitioned arm: `rows` rows inserted with the default
+/// `processed_at` (one bulk INSERT … SELECT generate_series, so one 1-second partition),
+/// vacuumed. The schema keeps one partition ahead, and the fill waits for the start of the
+/// one `create_ahead` made last, so its partition is the newest: the timed drop cannot take
+/// an empty one created ahead along with it. Returns the partition's lower bound.
+async fn fill_partitioned(
+    pool: &PgPool,
+    partitions: &InboxPartitions,
+    rows: usize,
+) -> anyhow::Result<time::OffsetDateTime> {
+    partitions.create_ahead().await?;
+    let newest = partitions.list().await?.pop();
+    let newest = newest.ok_or_else(|| anyhow::anyhow!("P3: no partition created"))?;
+    let until: f64 = sqlx::query_scalar(
+        "SELECT extract(epoch FROM $1::timestamptz - clock_timestamp())::float8",
+    )
+    .bind(newest.from)
+    .fetch_one(pool)
+    .await?;
+    tokio::time::sleep(Duration::from_secs_f64(until.max(0.0) + 0.01)).await;
+    let filled = sqlx::query(
+        "INSERT INTO pgbox_expiry_part.partitioned_inbox (consumer, key) \
+         SELECT 'bench', 'k' || g FROM generate_series(1, $1) AS g",
+    )
+    .bind(rows as i64)
+    .execute(pool)
+    .await?
+    .rows_affected();
+    anyhow::ensure!(filled == rows as u64, "P3: {filled} of {rows} rows filled");
+    run_each(
+        pool,
+        &["VACUUM (ANALYZE) pgbox_expiry_part.partitioned_inbox"],
+    )
+    .await?;
+    let holder: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT c.relname::text FROM pgbox_expiry_part.partitioned_inbox AS i \
+         JOIN pg_class AS c ON c.oid = i.tableoid",
+    )
+    .fetch_all(pool)
+    .await?;
+    let listed = partitions.list().await?;
+    let (Some(holder), 1) = (
+        listed.iter().find(|p| holder.contains(&p.name)),
+        holder.len(),
+    ) else {
+        anyhow::bail!("P3: rows filled into {holder:?}, not one partition of {listed:?}");
+    };
+    anyhow::ensure!(
+        listed.last() == Some(holder),
+        "P3: the filled partition is not the newest: {listed:?}"
+    );
+    Ok(holder.from)
+}
+
+/// The second half: once the partition is more than 2 s old (its rows more than 1 s past
+/// its upper bound), the older (empty) partitions are dropped untimed, and then
+/// `InboxPartitions::drop_expired(1 s)` timed, after a CHECKPOINT.
+async fn expire_partitioned(
+    pool: &PgPool,
+    options: &PgConnectOptions,
+    from: time::OffsetDateTime,
+    rows: usize,
+) -> anyhow::Result<Expiry> {
+    let age = |pool: PgPool| async move {
+        sqlx::query_scalar::<_, f64>(
+            "SELECT extract(epoch FROM clock_timestamp() - $1::timestamptz)::float8",
+        )
+        .bind(from)
+        .fetch_one(&pool)
+        .await
+    };
+    let mut partition_age = age(pool.clone()).await?;
+    if partition_age < 2.05 {
+        tokio::time::sleep(Duration::from_secs_f64(2.05 - partition_age)).await;
+        partition_age = age(pool.clone()).await?;
+    }
+    let own = pool_options(1).connect_with(options.clone()).await?;
+    let own_partitions = InboxPartitions::new(own.clone()).schema("pgbox_expiry_part")?;
+    // Untimed, and the warm-up: a retention of the partition's age drops the (empty)
+    // partitions ending at or before its start, at least the one `create_ahead` made before it.
+    let older = own_partitions
+        .drop_expired(Duration::from_micros((partition_age * 1e6) as u64))
+        .await?;
+    anyhow::ensure!(
+        older.iter().all(|p| p.to <= from),
+        "P3: the untimed drop took the filled partition: {older:?}"
+    );
+    run_each(pool, &["CHECKPOINT"]).await?;
+    let (dropped, seconds, wal_bytes, statements) = timed_expiry(
+        pool,
+        own.clone(),
+        own_partitions.drop_expired(Duration::from_secs(1)),
+    )
+    .await?;
+    Ok(Expiry {
+        seconds,
+        rows: rows as u64,
+        wal_bytes,
+        statements,
+        dead_tuples: 0,
+        partitions: Some(dropped.len()),
+    })
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// P3: expiry of `rows` rows, plain inbox (batched DELETE) vs partitioned inbox (detach and
+/// drop), `EXPIRY_RUNS` timed runs of each arm, interleaved; printed as a table of its own.
+/// The partitioned fill of each run precedes the plain arm's timed purge, so that its
+/// partition ages while the plain arm runs.
+async fn expiry(pool: &PgPool, options: &PgConnectOptions, rows: usize) -> anyhow::Result<()> {
+    Migrator::new()
+        .schema("pgbox_expiry_plain")?
+        .run(pool)
+        .await?;
+    Migrator::new()
+        .schema("pgbox_expiry_part")?
+        .partitioned_inbox(
+            InboxPartitioning::every(Duration::from_secs(1))
+                .minimum_retention(Duration::ZERO)
+                .ahead(1),
+        )
+        .run(pool)
+        .await?;
+    let partitions = InboxPartitions::new(pool.clone()).schema("pgbox_expiry_part")?;
+    let plain_id = "P3 plain Inbox::purge_older_than(60 s)";
+    let part_id = "P3 partitioned InboxPartitions::drop_expired(1 s)";
+    println!();
+    println!(
+        "P3 expiry of {rows} rows per inbox: {EXPIRY_RUNS} timed runs per arm, interleaved \
+         (plain, partitioned, plain, …); each after a CHECKPOINT"
+    );
+    println!();
+    println!(
+        "| workload | run | rows | seconds | rows/s | ratio | WAL B/row | stmts | dead tuples |"
+    );
+    println!("|---|---|---:|---:|---:|---|---:|---:|---:|");
+    let print = |id: &str, run: &str, e: &Expiry, ratio: &str| {
+        println!(
+            "| {id} | {run} | {} | {:.3} | {:.0} | {ratio} | {:.2} | {} | {} |",
+            e.rows,
+            e.seconds,
+            e.rate(),
+            e.wal_per_row(),
+            e.statements,
+            e.dead_tuples
+        );
+    };
+    let (mut plain, mut part) = (Vec::new(), Vec::new());
+    for run in 1..=EXPIRY_RUNS {
+        let from = fill_partitioned(pool, &partitions, rows).await?;
+        let mut p = expire_plain(pool, options, rows).await?;
+        let mut e = expire_partitioned(pool, options, from, rows).await?;
+        expiry_leftovers(pool, &mut p, "pgbox_expiry_plain", "inbox").await?;
+        expiry_leftovers(pool, &mut e, "pgbox_expiry_part", "partitioned_inbox").await?;
+        print(plain_id, &run.to_string(), &p, "-");
+        plain.push(p);
+        let dropped = e.partitions.unwrap_or(0);
+        print(
+            &format!(
+                "{part_id}: {dropped} partition{} dropped",
+                if dropped == 1 { "" } else { "s" }
+            ),
+            &run.to_string(),
+            &e,
+            "-",
+        );
+        part.push(e);
+    }
+    let summary = |runs: &[Expiry]| Expiry {
+        seconds: median(runs.iter().map(|e| e.seconds).collect()),
+        rows: runs[0].rows,
+        wal_bytes: median(runs.iter().map(|e| e.wal_bytes).collect()),
+        statements: median(runs.iter().map(|e| e.statements as f64).collect()) as u64,
+        dead_tuples: median(runs.iter().map(|e| e.dead_tuples as f64).collect()) as i64,
+        partitions: None,
+    };
+    let (plain, part) = (summary(&plain), summary(&part));
+    let runs = format!("median of {EXPIRY_RUNS}");
+    print(plain_id, &runs, &plain, "baseline");
+    print(
+        part_id,
+        &runs,
+        &part,
+        &format!("{:.1}× P3 plain", part.rate() / plain.rate()),
+    );
+    println!();
+    println!(
+        "P3: plain inbox in schema pgbox_expiry_plain, partitioned inbox in schema \
+         pgbox_expiry_part (1-second partitions, 1 ahead, no minimum retention; the untimed \
+         drop of the empty partition before the filled one precedes the timed call). seconds: \
+         wall time of the one call that expires all the rows; rows/s: rows ÷ seconds; WAL B/row: \
+         pg_wal_lsn_diff over the call ÷ rows (cluster-wide: includes whatever else the server \
+         writes meanwhile); dead tuples: n_dead_tup of the table (and its attached partitions) \
+         afterwards; ratio: median partitioned rows/s ÷ median plain rows/s."
+    );
     Ok(())
 }
 

@@ -118,6 +118,9 @@ pub enum Check {
     NotificationQueue,
     /// Dead letters waiting (`dead_letters`).
     DeadLetters,
+    /// Partitions of the time-partitioned inbox created ahead (`inbox_partitions`; only in
+    /// schemas that use it).
+    InboxPartitions,
 }
 
 impl Check {
@@ -130,6 +133,7 @@ impl Check {
             Check::XminHorizon => "xmin_horizon",
             Check::NotificationQueue => "notification_queue",
             Check::DeadLetters => "dead_letters",
+            Check::InboxPartitions => "inbox_partitions",
         }
     }
 }
@@ -197,6 +201,12 @@ pub enum Code {
     OutboxDeadLetters,
     /// Dead letters of the built-in queue are waiting (`queue_dead_letters`; warning).
     QueueDeadLetters,
+    /// The partitioned inbox has partitions ahead (`inbox_partitions_ok`; ok).
+    InboxPartitionsOk,
+    /// The partitioned inbox is running out of partitions (`inbox_partitions_running_out`;
+    /// warning with less than one partition ahead, critical when none covers now: every
+    /// claim fails).
+    InboxPartitionsRunningOut,
 }
 
 impl Code {
@@ -226,6 +236,8 @@ impl Code {
             Code::NoDeadLetters => "no_dead_letters",
             Code::OutboxDeadLetters => "outbox_dead_letters",
             Code::QueueDeadLetters => "queue_dead_letters",
+            Code::InboxPartitionsOk => "inbox_partitions_ok",
+            Code::InboxPartitionsRunningOut => "inbox_partitions_running_out",
         }
     }
 
@@ -250,6 +262,7 @@ impl Code {
             Code::NoDeadLetters | Code::OutboxDeadLetters | Code::QueueDeadLetters => {
                 Check::DeadLetters
             }
+            Code::InboxPartitionsOk | Code::InboxPartitionsRunningOut => Check::InboxPartitions,
         }
     }
 }
@@ -599,6 +612,9 @@ impl Doctor {
         findings.extend(xmin_findings);
         findings.push(self.check_notification_queue(&mut tx).await?);
         findings.extend(self.check_dead_letters(&mut tx, &tables).await?);
+        if versions.contains(&10) {
+            findings.extend(self.check_inbox_partitions(&mut tx).await?);
+        }
         tx.commit().await?;
         Ok(Report {
             schema,
@@ -1505,6 +1521,60 @@ impl Doctor {
             )
         };
         Ok(finding.details(json!({ "usage": usage })))
+    }
+
+    /// Partitions ahead of now, in a schema that uses the partitioned inbox (no finding
+    /// otherwise).
+    async fn check_inbox_partitions(&self, conn: &mut PgConnection) -> Result<Option<Finding>> {
+        let s = &self.schema;
+        let row = sqlx::query(AssertSqlSafe(format!(
+            "SELECT (SELECT ahead FROM {s}.inbox_partitioning), \
+                    count(*) FILTER (WHERE r_from > now()), \
+                    coalesce(bool_or(now() >= r_from AND now() < r_to), false), \
+                    max(r_to) \
+             FROM {s}.inbox_partitions()"
+        )))
+        .fetch_one(&mut *conn)
+        .await?;
+        let Some(wanted): Option<i32> = row.try_get(0)? else {
+            return Ok(None);
+        };
+        let ahead: i64 = row.try_get(1)?;
+        let covers_now: bool = row.try_get(2)?;
+        let until: Option<OffsetDateTime> = row.try_get(3)?;
+        let until_text = until
+            .and_then(|t| t.format(&Rfc3339).ok())
+            .unwrap_or_else(|| "never".to_owned());
+        let details = json!({ "ahead": ahead, "configured_ahead": wanted, "covers_now": covers_now, "until": until_text });
+        let finding = if !covers_now {
+            Finding::new(
+                Severity::Critical,
+                Code::InboxPartitionsRunningOut,
+                format!("no partition of the partitioned inbox covers now (the last ends {until_text}): every claim fails"),
+                "Create partitions now: `pgbox partitions create` (or InboxPartitions::create_ahead), \
+                 then keep a Janitor running on some instance: it creates them ahead on every pass."
+                    .to_owned(),
+            )
+        } else if ahead < 1 {
+            Finding::new(
+                Severity::Warning,
+                Code::InboxPartitionsRunningOut,
+                format!(
+                    "the partitioned inbox has no partition after the current one (it ends {until_text})"
+                ),
+                "Run `pgbox partitions create`, and make sure a Janitor runs on some instance: \
+                 when the current partition ends, every claim fails until the next exists."
+                    .to_owned(),
+            )
+        } else {
+            Finding::new(
+                Severity::Ok,
+                Code::InboxPartitionsOk,
+                format!("{ahead} partition(s) ahead, until {until_text}"),
+                "Nothing to do.".to_owned(),
+            )
+        };
+        Ok(Some(finding.details(details)))
     }
 
     async fn check_dead_letters(

@@ -122,6 +122,16 @@ pub enum Error {
         key: String,
     },
 
+    /// The inbox's table layout and the call do not fit: an [`Inbox`](crate::Inbox) built
+    /// for the plain table in a schema switched to the time-partitioned inbox (or the
+    /// reverse), no partition for the claiming transaction's start time (run the
+    /// [`Janitor`](crate::janitor::Janitor), or
+    /// [`InboxPartitions::create_ahead`](crate::InboxPartitions::create_ahead)), a claim on
+    /// the partitioned inbox under REPEATABLE READ, or lease mode on a partitioned inbox.
+    /// Nothing was recorded: fix the configuration and redeliver.
+    #[error("pgbox inbox layout: {0}")]
+    InboxLayout(String),
+
     /// The handler returned `Ok`, but a statement inside it failed and aborted the
     /// transaction (the handler swallowed that error). Nothing of the transaction can commit,
     /// and COMMIT would silently roll back; pgbox reports it instead of `Processed`. Roll back;

@@ -24,6 +24,9 @@
 //!   [`outbox_dead_letter_retention`](JanitorBuilder::outbox_dead_letter_retention) or
 //!   [`queue_dead_letter_retention`](JanitorBuilder::queue_dead_letter_retention) is set:
 //!   deleting a dead letter releases its ordering key, exactly as discarding it does;
+//! - the **time-partitioned inbox**, if the schema uses it: partitions created ahead, and
+//!   partitions older than the longest inbox retention of any consumer detached and dropped
+//!   ([`InboxPartitions`](crate::InboxPartitions));
 //! - the metrics gauges ([`telemetry::refresh_gauges`](crate::telemetry::refresh_gauges)),
 //!   on every instance, holder or not, so that no instance exports stale values.
 //!
@@ -392,6 +395,11 @@ pub struct PassReport {
     pub more: bool,
     /// The gauges were refreshed.
     pub gauges_refreshed: bool,
+    /// Partitions of the time-partitioned inbox created ahead (schemas switched with
+    /// [`Migrator::partitioned_inbox`](crate::Migrator::partitioned_inbox) only).
+    pub partitions_created: Vec<String>,
+    /// Partitions of the time-partitioned inbox detached and dropped.
+    pub partitions_dropped: Vec<String>,
 }
 
 impl PassReport {
@@ -752,7 +760,48 @@ impl Janitor {
                 }
             }
         }
+        self.maintain_partitions(report).await
+    }
+
+    /// The partitioned inbox, if the schema uses it: partitions created ahead, and expired
+    /// ones detached and dropped. Retention is the longest configured for any consumer
+    /// (partitions hold every consumer's keys); none is dropped if any consumer keeps its
+    /// keys forever. Runs on the pool: a concurrent detach cannot run in a transaction, and
+    /// the database functions are safe to call from several sessions at once.
+    async fn maintain_partitions(&self, report: &mut PassReport) -> Result<()> {
+        let partitions =
+            crate::inbox::InboxPartitions::new(self.pool.clone()).schema(self.schema.as_str())?;
+        match partitions.settings().await {
+            Ok(Some(_)) => {}
+            Ok(None) => return Ok(()),
+            Err(e) if e.db_kind() == Some(DbErrorKind::MissingSchema) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        report.partitions_created = partitions.create_ahead().await?;
+        if let Some(retention) = self.partition_retention() {
+            report.partitions_dropped = partitions
+                .drop_expired(retention)
+                .await?
+                .into_iter()
+                .map(|p| p.name)
+                .collect();
+        }
         Ok(())
+    }
+
+    /// The retention of the partitioned inbox: the longest of every consumer's.
+    fn partition_retention(&self) -> Option<Duration> {
+        let mut longest = match self.inbox_retention {
+            Retention::Forever => return None,
+            Retention::After(age) => age,
+        };
+        for retention in self.consumer_retention.values() {
+            match retention {
+                Retention::Forever => return None,
+                Retention::After(age) => longest = longest.max(*age),
+            }
+        }
+        Some(longest)
     }
 
     /// Makes sure this instance holds the lock, if it can: checks a held lock's connection,

@@ -37,8 +37,8 @@ pub use crate::error::{DbErrorKind, Error, Result};
 pub use crate::ident::{Identifier, MAX_IDENTIFIER_BYTES, MAX_PGBOX_SCHEMA_BYTES};
 pub use crate::inbox::{
     Claim, Claimed, Duplicate, FencingToken, GapPolicy, HandlerConnection, Inbox, InboxBuilder,
-    Key, Lease, LeaseAttempt, LeasedRun, MAX_KEY_BYTES, MAX_LEASE_TTL, MIN_LEASE_TTL, Outcome,
-    Sequenced, Verdict, Wait,
+    InboxPartition, InboxPartitioning, InboxPartitions, Key, Lease, LeaseAttempt, LeasedRun,
+    MAX_KEY_BYTES, MAX_LEASE_TTL, MIN_LEASE_TTL, Outcome, Sequenced, Verdict, Wait,
 };
 pub use crate::migrate::{
     AppliedMigration, DEFAULT_SCHEMA, HISTORY_TABLE, MigrationReport, Migrator, migrate,

@@ -47,6 +47,7 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrationReport> {
 #[derive(Debug, Clone)]
 pub struct Migrator {
     schema: Identifier,
+    partitioning: Option<crate::inbox::InboxPartitioning>,
 }
 
 impl Default for Migrator {
@@ -70,6 +71,8 @@ pub struct AppliedMigration {
 pub struct MigrationReport {
     /// The migrations this call applied, oldest first; empty when already up to date.
     pub applied: Vec<AppliedMigration>,
+    /// Inbox partitions this call created ([`Migrator::partitioned_inbox`] only).
+    pub partitions_created: Vec<String>,
 }
 
 impl Migrator {
@@ -77,6 +80,7 @@ impl Migrator {
     pub fn new() -> Self {
         Migrator {
             schema: Identifier::pgbox_schema(DEFAULT_SCHEMA).expect("default schema is valid"),
+            partitioning: None,
         }
     }
 
@@ -84,6 +88,23 @@ impl Migrator {
     pub fn schema(mut self, schema: &str) -> Result<Self> {
         self.schema = Identifier::pgbox_schema(schema)?;
         Ok(self)
+    }
+
+    /// Switches the schema to the time-partitioned inbox (see [`InboxPartitioning`]): after
+    /// the migrations, records the settings and creates the first partitions. Idempotent:
+    /// every instance may pass the same settings at start-up; new settings replace the old
+    /// ones for partitions created from then on.
+    ///
+    /// From then on the plain `inbox` table refuses new claims, so every consumer of the
+    /// schema must build its inbox with
+    /// [`InboxBuilder::partitioned(true)`](crate::InboxBuilder::partitioned) (a mismatch
+    /// fails with [`Error::InboxLayout`]); records already in the plain table keep
+    /// deduplicating until they are purged. There is no switching back.
+    ///
+    /// [`InboxPartitioning`]: crate::InboxPartitioning
+    pub fn partitioned_inbox(mut self, partitioning: crate::inbox::InboxPartitioning) -> Self {
+        self.partitioning = Some(partitioning);
+        self
     }
 
     /// The schema this migrator targets.
@@ -114,6 +135,9 @@ impl Migrator {
     }
 
     async fn run_locked(&self, conn: &mut PoolConnection<Postgres>) -> Result<MigrationReport> {
+        if let Some(partitioning) = &self.partitioning {
+            partitioning.validate()?;
+        }
         let lock_key = advisory_lock_key(self.schema.as_str());
         sqlx::query("SELECT pg_advisory_lock($1)")
             .bind(lock_key)
@@ -133,6 +157,10 @@ impl Migrator {
             })
             .await
             .map_err(|e| Error::Migration(Box::new(e)))?;
+        let partitions_created = match &self.partitioning {
+            Some(partitioning) => partitioning.apply(conn, &self.schema).await?,
+            None => Vec::new(),
+        };
 
         sqlx::query("SELECT pg_advisory_unlock($1)")
             .bind(lock_key)
@@ -147,6 +175,7 @@ impl Migrator {
                     name: m.name().to_owned(),
                 })
                 .collect(),
+            partitions_created,
         })
     }
 

@@ -47,6 +47,22 @@ enum Command {
         /// Print the migrations as one SQL script instead of applying them.
         #[arg(long)]
         print_sql: bool,
+        /// Switch the schema to the time-partitioned inbox, one partition per this much
+        /// claim time (`1h`, `1d`); or change its width. There is no switching back.
+        #[arg(long, value_parser = parse_age, conflicts_with = "print_sql")]
+        partitioned_inbox: Option<Duration>,
+        /// With `--partitioned-inbox`: the redelivery window; no partition younger than this
+        /// is ever dropped.
+        #[arg(long, value_parser = parse_age, default_value = "1d", requires = "partitioned_inbox")]
+        partition_min_retention: Duration,
+        /// With `--partitioned-inbox`: partitions kept created ahead of the current one.
+        #[arg(long, default_value_t = 3, requires = "partitioned_inbox")]
+        partitions_ahead: u32,
+    },
+    /// The time-partitioned inbox's partitions: list them, create them ahead, drop old ones.
+    Partitions {
+        #[command(subcommand)]
+        action: PartitionAction,
     },
     /// Backlog, oldest pending message and dead letters per topic; rows, live and expired
     /// leases per consumer.
@@ -92,6 +108,21 @@ enum Command {
         /// Purge even below `--min-retention`.
         #[arg(long)]
         force: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum PartitionAction {
+    /// The partitions, oldest first, with their bounds and estimated rows.
+    List,
+    /// Create the partitions missing ahead of the current one.
+    Create,
+    /// Detach (concurrently) and drop every partition whose rows are all older than this.
+    /// The database refuses an age below the configured minimum retention.
+    Drop {
+        /// `12h`, `7d`, ...
+        #[arg(long, value_parser = parse_age)]
+        older_than: Duration,
     },
 }
 
@@ -143,6 +174,8 @@ impl From<Error> for Failure {
             {
                 2
             }
+            // Refused: below a retention floor, or the wrong inbox layout.
+            _ if matches!(e, Error::InvalidConfig(_) | Error::InboxLayout(_)) => 6,
             _ => 1,
         };
         let hint = if code == 4 {
@@ -418,13 +451,28 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     let json_mode = cli.json;
     let schema = cli.schema.as_str();
     match cli.command {
-        Command::Migrate { print_sql: true } => {
+        Command::Migrate {
+            print_sql: true, ..
+        } => {
             let sql = Migrator::new().schema(schema)?.to_sql();
             print(json_mode, json!({ "sql": sql }), || sql.clone());
         }
-        Command::Migrate { print_sql: false } => {
+        Command::Migrate {
+            print_sql: false,
+            partitioned_inbox,
+            partition_min_retention,
+            partitions_ahead,
+        } => {
             let pool = connect(cli.database_url.as_deref()).await?;
-            let report = Migrator::new().schema(schema)?.run(&pool).await?;
+            let mut migrator = Migrator::new().schema(schema)?;
+            if let Some(width) = partitioned_inbox {
+                migrator = migrator.partitioned_inbox(
+                    pgbox::InboxPartitioning::every(width)
+                        .minimum_retention(partition_min_retention)
+                        .ahead(partitions_ahead),
+                );
+            }
+            let report = migrator.run(&pool).await?;
             let applied: Vec<Value> = report
                 .applied
                 .iter()
@@ -432,9 +480,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 .collect();
             print(
                 json_mode,
-                json!({ "schema": schema, "applied": applied }),
+                json!({
+                    "schema": schema,
+                    "applied": applied,
+                    "partitions_created": report.partitions_created,
+                }),
                 || {
-                    if report.applied.is_empty() {
+                    let mut out: String = if report.applied.is_empty() {
                         format!("schema {schema:?} is up to date\n")
                     } else {
                         report
@@ -442,7 +494,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                             .iter()
                             .map(|m| format!("applied V{}__{}\n", m.version, m.name))
                             .collect()
+                    };
+                    for p in &report.partitions_created {
+                        out.push_str(&format!("created inbox partition {p}\n"));
                     }
+                    out
                 },
             );
         }
@@ -612,6 +668,70 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     check_all_found("discarded", n, &ids, what)?;
                     print(json_mode, json!({ "discarded": n }), || {
                         format!("discarded {n}\n")
+                    });
+                }
+            }
+        }
+        Command::Partitions { action } => {
+            let pool = connect(cli.database_url.as_deref()).await?;
+            ensure_schema(&pool, schema).await?;
+            let partitions = pgbox::InboxPartitions::new(pool).schema(schema)?;
+            if partitions.settings().await?.is_none() {
+                return Err(fail(
+                    6,
+                    format!(
+                        "schema {schema:?} does not use the partitioned inbox \
+                         (pgbox migrate --partitioned-inbox <width>)"
+                    ),
+                ));
+            }
+            let describe = |list: &[pgbox::InboxPartition]| -> (Vec<Value>, String) {
+                let json = list
+                    .iter()
+                    .map(|p| {
+                        json!({
+                            "name": p.name,
+                            "from": time_json(Some(p.from)),
+                            "to": time_json(Some(p.to)),
+                            "rows_estimate": p.rows_estimate,
+                        })
+                    })
+                    .collect();
+                let text = list
+                    .iter()
+                    .map(|p| {
+                        format!(
+                            "{}  {} .. {}  rows ~{}\n",
+                            p.name,
+                            time_text(Some(p.from)),
+                            time_text(Some(p.to)),
+                            p.rows_estimate
+                                .map_or_else(|| "?".to_owned(), |n| n.to_string())
+                        )
+                    })
+                    .collect();
+                (json, text)
+            };
+            match action {
+                PartitionAction::List => {
+                    let (json, text) = describe(&partitions.list().await?);
+                    print(json_mode, json!({ "partitions": json }), || text.clone());
+                }
+                PartitionAction::Create => {
+                    let created = partitions.create_ahead().await?;
+                    print(json_mode, json!({ "created": created }), || {
+                        created.iter().map(|p| format!("created {p}\n")).collect()
+                    });
+                }
+                PartitionAction::Drop { older_than } => {
+                    let dropped = partitions.drop_expired(older_than).await?;
+                    let (json, text) = describe(&dropped);
+                    print(json_mode, json!({ "dropped": json }), || {
+                        if dropped.is_empty() {
+                            "no partition is old enough\n".to_owned()
+                        } else {
+                            format!("dropped:\n{text}")
+                        }
                     });
                 }
             }

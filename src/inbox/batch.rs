@@ -39,6 +39,19 @@ impl Inbox {
         }
         let key_strs = keys.iter().map(Key::as_str).collect::<Vec<_>>();
         let message_ids = keys.iter().map(Key::message_id).collect::<Vec<_>>();
+        if self.inner.partitioned {
+            // One function call: the keys' locks in a fixed order, then one INSERT of the
+            // keys no partition (and no record of the plain inbox) holds.
+            let claimed: Vec<String> =
+                sqlx::query_scalar(AssertSqlSafe(self.inner.sql.claim_batch.clone()))
+                    .bind(&self.inner.consumer)
+                    .bind(&key_strs)
+                    .bind(&message_ids)
+                    .fetch_all(&mut **tx)
+                    .await
+                    .map_err(|e| super::partitions::layout_error(e.into()))?;
+            return Ok(self.report_batch(&keys, claimed));
+        }
         // The common batch has no duplicate: a plain INSERT is a third cheaper than
         // `ON CONFLICT DO NOTHING` (no speculative insertion). It runs in a savepoint, so
         // that a duplicate (a unique violation) rolls back only the attempt; then the
@@ -59,7 +72,7 @@ impl Inbox {
                 Err(e) => {
                     let e = crate::Error::from(e);
                     if e.db_kind() != Some(crate::DbErrorKind::UniqueViolation) {
-                        return Err(e);
+                        return Err(super::partitions::layout_error(e));
                     }
                     savepoint.rollback().await?;
                     false
@@ -96,6 +109,11 @@ impl Inbox {
             }
             claimed
         };
+        Ok(self.report_batch(&keys, claimed))
+    }
+
+    /// Per input key, whether it is among `claimed` (a repeated key counts once).
+    fn report_batch(&self, keys: &[Key<'_>], claimed: Vec<String>) -> Vec<bool> {
         let mut fresh: HashSet<String> = claimed.into_iter().collect();
         let result: Vec<bool> = keys.iter().map(|k| fresh.remove(k.as_str())).collect();
         let new = result.iter().filter(|c| **c).count();
@@ -106,6 +124,6 @@ impl Inbox {
             duplicates = keys.len() - new,
             "pgbox batch claimed"
         );
-        Ok(result)
+        result
     }
 }

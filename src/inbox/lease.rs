@@ -241,13 +241,19 @@ impl Inbox {
             message_id = key.message_id(),
         );
         async {
+            if self.inner.partitioned {
+                return Err(Error::InboxLayout(
+                    "lease mode is not available on the partitioned inbox; use a plain-inbox schema for consumers with external effects".into(),
+                ));
+            }
             let row = sqlx::query(AssertSqlSafe(self.inner.lease_sql.lease.clone()))
                 .bind(&self.inner.consumer)
                 .bind(key.as_str())
                 .bind(key.message_id())
                 .bind(ttl_us)
                 .fetch_optional(pool)
-                .await?;
+                .await
+                .map_err(|e| super::partitions::layout_error(e.into()))?;
             let row =
                 row.ok_or_else(|| self.unreadable(key.as_str(), "the lease call returned no row"))?;
             self.decode_lease(&row, key.as_str())

@@ -14,6 +14,7 @@ mod connection;
 mod key;
 mod lease;
 mod outcome;
+mod partitions;
 mod retention;
 mod sequence;
 
@@ -32,6 +33,7 @@ pub use self::key::{Key, MAX_CONSUMER_BYTES, MAX_KEY_BYTES, MAX_MESSAGE_ID_BYTES
 pub(crate) use self::lease::ttl_micros as lease_ttl_micros;
 pub use self::lease::{FencingToken, Lease, LeaseAttempt, LeasedRun, MAX_LEASE_TTL, MIN_LEASE_TTL};
 pub use self::outcome::{Duplicate, Outcome, Verdict};
+pub use self::partitions::{InboxPartition, InboxPartitioning, InboxPartitions};
 pub use self::retention::PURGE_BATCH_ROWS;
 pub(crate) use self::retention::purge_batch_sql;
 pub use self::sequence::{GapPolicy, Sequenced};
@@ -88,6 +90,7 @@ struct Inner {
     store_outcomes: bool,
     gap_policy: GapPolicy,
     verify_transaction: bool,
+    partitioned: bool,
     sql: Statements,
     lease_sql: lease::LeaseStatements,
 }
@@ -104,15 +107,20 @@ struct Statements {
     claim_batch: Arc<str>,
     claim_batch_plain: Arc<str>,
     batch_unsettled: Arc<str>,
-    take_expired_lease: Arc<str>,
+    /// `None` on the partitioned inbox, which has no leases.
+    take_expired_lease: Option<Arc<str>>,
     lock_watermark: Arc<str>,
     create_watermark: Arc<str>,
     advance_watermark: Arc<str>,
 }
 
 impl Statements {
-    fn new(schema: &Identifier) -> Self {
+    fn new(schema: &Identifier, partitioned: bool) -> Self {
         let s = schema.quoted();
+        if partitioned {
+            return Self::partitioned(schema);
+        }
+        let (lock_watermark, create_watermark, advance_watermark) = watermark_sql(schema);
         Statements {
             // The common path: a bare INSERT, the cheapest claim there is. No row back means a
             // committed row holds the key (a concurrent claim was waited for); `read` then
@@ -138,7 +146,7 @@ impl Statements {
             // transaction's like a fresh claim (lease cleared, so the stale holder's
             // complete, extend and release are refused). SKIP LOCKED: never waits, so the
             // bounded `Wait` modes stay bounded; a row someone holds stays in progress.
-            take_expired_lease: format!(
+            take_expired_lease: Some(format!(
                 "UPDATE {s}.inbox AS i SET lease_token = NULL, lease_expires_at = NULL, \
                    processed_at = now(), message_id = $3 \
                  WHERE i.ctid = (SELECT l.ctid FROM {s}.inbox AS l \
@@ -148,7 +156,7 @@ impl Statements {
                  RETURNING true, false, i.processed_at, i.message_id, NULL::jsonb, NULL::text, \
                            pg_current_xact_id()::text"
             )
-            .into(),
+            .into()),
             // Only the row this transaction claimed, and only from that transaction: $4 is
             // the 64-bit transaction id the claim returned (never reused, unlike a start
             // timestamp, which two transactions may share). `_if_assigned` keeps a stale
@@ -188,23 +196,69 @@ impl Statements {
                  LIMIT 1"
             )
             .into(),
-            lock_watermark: format!(
-                "SELECT last_seq FROM {s}.sequence_watermarks \
-                 WHERE consumer = $1 AND entity = $2 FOR UPDATE"
-            )
-            .into(),
-            create_watermark: format!(
-                "INSERT INTO {s}.sequence_watermarks (consumer, entity, last_seq) \
-                 VALUES ($1, $2, 0) ON CONFLICT (consumer, entity) DO NOTHING"
-            )
-            .into(),
-            advance_watermark: format!(
-                "UPDATE {s}.sequence_watermarks SET last_seq = $3, updated_at = now() \
-                 WHERE consumer = $1 AND entity = $2"
-            )
-            .into(),
+            lock_watermark,
+            create_watermark,
+            advance_watermark,
         }
     }
+
+    /// The time-partitioned inbox's statements (migration V10): the claims are functions
+    /// (advisory lock, look-up in every partition, insert); updates of a claimed row name
+    /// `processed_at = now()`, which prunes them to the claiming transaction's partition.
+    fn partitioned(schema: &Identifier) -> Self {
+        let s = schema.quoted();
+        let plain = Self::new(schema, false);
+        let update = |column: &str| {
+            format!(
+                "UPDATE {s}.partitioned_inbox SET {column} = $3 WHERE consumer = $1 AND key = $2 \
+                 AND pg_current_xact_id_if_assigned() = $4::xid8 \
+                 AND processed_at = now() AND outcome IS NULL AND rejection IS NULL"
+            )
+        };
+        Statements {
+            claim: format!("SELECT * FROM {s}.partitioned_inbox_claim($1, $2, $3, NULL)").into(),
+            claim_bounded: format!("SELECT * FROM {s}.partitioned_inbox_claim($1, $2, $3, $4)")
+                .into(),
+            // The newest record first; then one of the plain inbox from before the switch.
+            read: format!(
+                "(SELECT false, false, processed_at, message_id, outcome, rejection, NULL::text \
+                  FROM {s}.partitioned_inbox WHERE consumer = $1 AND key = $2 \
+                  UNION ALL \
+                  SELECT false, lease_expires_at IS NOT NULL, processed_at, message_id, outcome, \
+                         rejection, NULL::text \
+                  FROM {s}.inbox WHERE consumer = $1 AND key = $2) LIMIT 1"
+            )
+            .into(),
+            take_expired_lease: None,
+            store_outcome: update("outcome").into(),
+            reject: update("rejection").into(),
+            claim_batch: format!("SELECT * FROM {s}.partitioned_inbox_claim_batch($1, $2, $3)")
+                .into(),
+            ..plain
+        }
+    }
+}
+
+/// The sequence watermark statements (shared by both layouts).
+fn watermark_sql(schema: &Identifier) -> (Arc<str>, Arc<str>, Arc<str>) {
+    let s = schema.quoted();
+    (
+        format!(
+            "SELECT last_seq FROM {s}.sequence_watermarks \
+                 WHERE consumer = $1 AND entity = $2 FOR UPDATE"
+        )
+        .into(),
+        format!(
+            "INSERT INTO {s}.sequence_watermarks (consumer, entity, last_seq) \
+                 VALUES ($1, $2, 0) ON CONFLICT (consumer, entity) DO NOTHING"
+        )
+        .into(),
+        format!(
+            "UPDATE {s}.sequence_watermarks SET last_seq = $3, updated_at = now() \
+                 WHERE consumer = $1 AND entity = $2"
+        )
+        .into(),
+    )
 }
 
 /// Builder for an [`Inbox`] with non-default settings.
@@ -216,9 +270,20 @@ pub struct InboxBuilder {
     store_outcomes: bool,
     gap_policy: GapPolicy,
     verify_transaction: bool,
+    partitioned: bool,
 }
 
 impl InboxBuilder {
+    /// Whether this inbox uses the time-partitioned table (default `false`): set it in a
+    /// schema switched with [`Migrator::partitioned_inbox`](crate::Migrator::partitioned_inbox).
+    /// A mismatch either way fails every claim with [`Error::InboxLayout`], never
+    /// deduplicating against the wrong table. The partitioned inbox refuses claims under
+    /// REPEATABLE READ and has no lease mode; see [`InboxPartitioning`].
+    pub fn partitioned(mut self, partitioned: bool) -> Self {
+        self.partitioned = partitioned;
+        self
+    }
+
     /// The schema holding pgbox's tables (default `pgbox`); must match the migrator's.
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
         self.schema = schema.into();
@@ -271,7 +336,7 @@ impl InboxBuilder {
         }
         Ok(Inbox {
             inner: Arc::new(Inner {
-                sql: Statements::new(&schema),
+                sql: Statements::new(&schema, self.partitioned),
                 lease_sql: lease::LeaseStatements::new(&schema),
                 consumer: self.consumer,
                 schema,
@@ -279,6 +344,7 @@ impl InboxBuilder {
                 store_outcomes: self.store_outcomes,
                 gap_policy: self.gap_policy,
                 verify_transaction: self.verify_transaction,
+                partitioned: self.partitioned,
             }),
         })
     }
@@ -347,6 +413,7 @@ impl Inbox {
             store_outcomes: true,
             gap_policy: GapPolicy::Wait,
             verify_transaction: true,
+            partitioned: false,
         }
     }
 
@@ -525,7 +592,10 @@ impl Inbox {
 
     async fn claim_validated(&self, conn: &mut PgConnection, key: &Key<'_>) -> Result<Claim> {
         let started = std::time::Instant::now();
-        let claim = self.claim_statement(conn, key).await;
+        let claim = self
+            .claim_statement(conn, key)
+            .await
+            .map_err(partitions::layout_error);
         metrics::histogram!(
             crate::telemetry::INBOX_CLAIM_DURATION,
             "consumer" => self.inner.consumer.clone()
@@ -574,7 +644,8 @@ impl Inbox {
         // never gets here.
         let in_progress: Option<bool> = row.try_get(1)?;
         if in_progress == Some(true)
-            && let Some(taken) = sqlx::query(AssertSqlSafe(sql.take_expired_lease.clone()))
+            && let Some(take_expired_lease) = &sql.take_expired_lease
+            && let Some(taken) = sqlx::query(AssertSqlSafe(take_expired_lease.clone()))
                 .bind(&self.inner.consumer)
                 .bind(key.as_str())
                 .bind(key.message_id())
