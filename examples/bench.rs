@@ -613,6 +613,30 @@ fn process_new(inbox: Inbox, payload: Arc<str>) -> Op {
     })
 }
 
+/// I1c's operation: `inbox.process_and_commit`, pgbox opening and committing the transaction
+/// (BEGIN with the claim, the handler's INSERT, COMMIT: 3 round trips).
+fn process_and_commit_new(inbox: Inbox, payload: Arc<str>) -> Op {
+    Arc::new(move |pool, i| {
+        let (p, inbox) = (payload.clone(), inbox.clone());
+        boxed(async move {
+            let key = format!("k{i}");
+            let outcome = inbox
+                .process_and_commit(&pool, key.as_str(), async |conn| {
+                    sqlx::query("INSERT INTO bench_effects VALUES ($1, $2)")
+                        .bind(&key)
+                        .bind(&*p)
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(Error::from)?;
+                    Ok::<(), Error>(())
+                })
+                .await?;
+            anyhow::ensure!(outcome.is_processed());
+            Ok(())
+        })
+    })
+}
+
 /// Keys recorded before I2 and P2, cycled through by their operation.
 const DUP_KEYS: u64 = 5_000;
 
@@ -798,6 +822,19 @@ async fn main() -> anyhow::Result<()> {
             )
             .await?;
     }
+    // I1c: the same through `process_and_commit`: BEGIN travels with the claim (one simple
+    // query), then the handler's INSERT, then COMMIT: 3 round trips.
+    bench
+        .run(
+            "I1c inbox.process_and_commit",
+            1,
+            "3",
+            Some("inbox"),
+            Some("B0 BEGIN/INSERT/COMMIT"),
+            None,
+            process_and_commit_new(Inbox::new("bench")?, payload.clone()),
+        )
+        .await?;
     // The same handler taking the raw connection (`&mut **conn`, as code that wants a
     // `&mut PgConnection` does): pgbox cannot watch it, so it checks the transaction with
     // `SELECT 1` after the handler: 5 statements.
@@ -888,6 +925,30 @@ async fn main() -> anyhow::Result<()> {
             Some("B0 BEGIN/INSERT/COMMIT"),
             Some(&preload),
             process_duplicate(Inbox::new("bench")?),
+        )
+        .await?;
+    // I2c: duplicates through `process_and_commit`: BEGIN with the claim, which reads the
+    // stored record in the same call; ROLLBACK. 2 round trips.
+    let inbox = Inbox::new("bench")?;
+    bench
+        .run(
+            "I2c inbox.process_and_commit, 100% duplicates",
+            1,
+            "2",
+            Some("inbox"),
+            Some("B0 BEGIN/INSERT/COMMIT"),
+            Some(&preload),
+            Arc::new(move |pool, i| {
+                let inbox = inbox.clone();
+                boxed(async move {
+                    let key = format!("k{}", i % DUP_KEYS);
+                    let outcome = inbox
+                        .process_and_commit(&pool, key.as_str(), async |_c| Ok::<(), Error>(()))
+                        .await?;
+                    anyhow::ensure!(outcome.is_duplicate(), "expected a duplicate");
+                    Ok(())
+                })
+            }),
         )
         .await?;
     // I2f: the redelivery fast path: one autocommit SELECT (`Inbox::lookup`), no transaction.

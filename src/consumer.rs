@@ -576,21 +576,22 @@ impl<S: Subscriber> Consumer<S> {
         F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<Verdict<()>, E>,
         E: From<Error>,
     {
-        let mut tx = self.pool.begin().await.map_err(Error::from)?;
         let key = Key::new(key).with_message_id(envelope.id.to_string());
         // Messages the handler enqueues continue this message's trace.
         let incoming = envelope.headers.get(TRACEPARENT).cloned();
-        let outcome = with_incoming(
+        // BEGIN travels with the claim, and COMMIT with the liveness check.
+        with_incoming(
             incoming,
-            self.inbox
-                .process_or_reject(&mut tx, key, async |conn: &mut HandlerConnection<'_>| {
+            self.inbox.process_or_reject_and_commit(
+                &self.pool,
+                key,
+                async |conn: &mut HandlerConnection<'_>| {
                     let _timer = metrics.time_handler();
                     handler(envelope, conn).await
-                }),
+                },
+            ),
         )
-        .await?;
-        tx.commit().await.map_err(Error::from)?;
-        Ok(outcome)
+        .await
     }
 
     async fn retry(&self, delivery: &S::Delivery, error: &str) -> Settled {

@@ -10,6 +10,7 @@
 //!   no transaction id, and the transaction is never aborted by a unique violation.
 
 mod batch;
+mod committing;
 mod connection;
 mod key;
 mod lease;
@@ -100,6 +101,11 @@ struct Inner {
 struct Statements {
     claim: Arc<str>,
     claim_bounded: Arc<str>,
+    /// `BEGIN` and the claim function in one simple query, up to the arguments
+    /// (`process_and_commit`): the unbounded form, with what follows the three arguments.
+    begin_claim: (Arc<str>, &'static str),
+    /// The same with a lock timeout, the fourth argument.
+    begin_claim_bounded: Arc<str>,
     read: Arc<str>,
     store_outcome: Arc<str>,
     reject: Arc<str>,
@@ -134,6 +140,11 @@ impl Statements {
             )
             .into(),
             claim_bounded: format!("SELECT * FROM {s}.inbox_claim_bounded($1, $2, $3, $4)").into(),
+            begin_claim: (
+                format!("BEGIN; SELECT * FROM {s}.inbox_claim(").into(),
+                ")",
+            ),
+            begin_claim_bounded: format!("BEGIN; SELECT * FROM {s}.inbox_claim_bounded(").into(),
             // The second column is true for a key under a lease (lease mode's CONSUMING):
             // not processed yet, and not this transaction's to claim.
             read: format!(
@@ -218,6 +229,12 @@ impl Statements {
         Statements {
             claim: format!("SELECT * FROM {s}.partitioned_inbox_claim($1, $2, $3, NULL)").into(),
             claim_bounded: format!("SELECT * FROM {s}.partitioned_inbox_claim($1, $2, $3, $4)")
+                .into(),
+            begin_claim: (
+                format!("BEGIN; SELECT * FROM {s}.partitioned_inbox_claim(").into(),
+                ", NULL)",
+            ),
+            begin_claim_bounded: format!("BEGIN; SELECT * FROM {s}.partitioned_inbox_claim(")
                 .into(),
             // The newest record first; then one of the plain inbox from before the switch.
             read: format!(
@@ -494,40 +511,16 @@ impl Inbox {
                 Claim::InProgress => return Ok(Outcome::InProgress),
             };
             let (verdict, needs_check) = run_handler(tx, handler).await?;
-            match verdict {
-                Verdict::Accept(value) => {
-                    let json = if self.inner.store_outcomes {
-                        match outcome_json(&value) {
-                            Ok(json) => Some(json).filter(|j| !j.is_null()),
-                            Err(e) => {
-                                abort_transaction(tx).await;
-                                return Err(e.into());
-                            }
-                        }
-                    } else {
-                        None
-                    };
-                    // The UPDATE doubles as the liveness check; without one, ask explicitly,
-                    // unless every statement of the handler went through the watched
-                    // connection and succeeded.
-                    match json {
-                        Some(json) => self.store_json(tx, &claimed, json).await,
-                        None if self.inner.verify_transaction && needs_check => {
-                            self.verify_alive(tx).await
-                        }
-                        None => Ok(()),
-                    }
-                    .map_err(handler_aborted)?;
-                    tracing::debug!("pgbox message processed");
-                    Ok(Outcome::Processed(value))
-                }
-                Verdict::Reject(reason) => {
-                    self.store_rejection(tx, &claimed, &reason)
-                        .await
-                        .map_err(handler_aborted)?;
-                    Ok(Outcome::Rejected(reason))
-                }
+            let (outcome, check_owed) = self
+                .record_verdict(tx, &claimed, verdict, needs_check)
+                .await?;
+            if check_owed {
+                self.verify_alive(tx).await.map_err(handler_aborted)?;
             }
+            if outcome.is_processed() {
+                tracing::debug!("pgbox message processed");
+            }
+            Ok(outcome)
         }
         .instrument(span)
         .await
@@ -606,11 +599,7 @@ impl Inbox {
 
     async fn claim_statement(&self, conn: &mut PgConnection, key: &Key<'_>) -> Result<Claim> {
         let sql = &self.inner.sql;
-        let lock_timeout = match self.inner.wait {
-            Wait::Block => None,
-            Wait::Timeout(d) => Some(format!("{}ms", d.as_millis())),
-            Wait::NoWait => Some("1ms".to_owned()),
-        };
+        let lock_timeout = self.lock_timeout();
         let statement = match lock_timeout {
             None => sql.claim.clone(),
             Some(_) => sql.claim_bounded.clone(),
@@ -623,7 +612,29 @@ impl Inbox {
             query = query.bind(lock_timeout);
         }
         let row = query.fetch_optional(&mut *conn).await?;
-        let row = match row {
+        self.settle_claim(conn, row, key).await
+    }
+
+    /// The lock timeout of the bounded claims, `None` for [`Wait::Block`].
+    fn lock_timeout(&self) -> Option<String> {
+        match self.inner.wait {
+            Wait::Block => None,
+            Wait::Timeout(d) => Some(format!("{}ms", d.as_millis())),
+            Wait::NoWait => Some("1ms".to_owned()),
+        }
+    }
+
+    /// Decides a claim from the claim statement's row: `None` when the statement returned
+    /// none (the bare INSERT on a conflict) or a row of NULLs (the claim function when the
+    /// holder's row was gone by the time it read it).
+    async fn settle_claim(
+        &self,
+        conn: &mut PgConnection,
+        row: Option<PgRow>,
+        key: &Key<'_>,
+    ) -> Result<Claim> {
+        let sql = &self.inner.sql;
+        let row = match row.filter(|row| !matches!(row.try_get::<Option<bool>, _>(0), Ok(None))) {
             Some(row) => row,
             // A duplicate: the key is held by a committed row (perhaps committed while we
             // waited, after our statement's snapshot). A new statement sees it under READ
@@ -690,6 +701,51 @@ impl Inbox {
             "pgbox duplicate skipped"
         );
         Ok(Claim::Duplicate(duplicate))
+    }
+
+    /// Records what the handler decided, on the claim's transaction: the outcome (when one is
+    /// stored) or the rejection. Returns the outcome and whether the transaction's liveness
+    /// is still to be checked: a handler statement bypassed the watched connection or failed,
+    /// and no UPDATE here proved the transaction alive.
+    async fn record_verdict<T: Serialize>(
+        &self,
+        conn: &mut PgConnection,
+        claimed: &Claimed,
+        verdict: Verdict<T>,
+        needs_check: bool,
+    ) -> Result<(Outcome<T>, bool)> {
+        match verdict {
+            Verdict::Accept(value) => {
+                let json = if self.inner.store_outcomes {
+                    match outcome_json(&value) {
+                        Ok(json) => Some(json).filter(|j| !j.is_null()),
+                        Err(e) => {
+                            abort_transaction(conn).await;
+                            return Err(e);
+                        }
+                    }
+                } else {
+                    None
+                };
+                // The UPDATE doubles as the liveness check.
+                let check_owed = match json {
+                    Some(json) => {
+                        self.store_json(conn, claimed, json)
+                            .await
+                            .map_err(handler_aborted)?;
+                        false
+                    }
+                    None => self.inner.verify_transaction && needs_check,
+                };
+                Ok((Outcome::Processed(value), check_owed))
+            }
+            Verdict::Reject(reason) => {
+                self.store_rejection(conn, claimed, &reason)
+                    .await
+                    .map_err(handler_aborted)?;
+                Ok((Outcome::Rejected(reason), false))
+            }
+        }
     }
 
     async fn store_json(
