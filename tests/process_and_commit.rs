@@ -535,3 +535,43 @@ async fn the_partitioned_inbox_works_through_it_too() {
     assert!(matches!(result, Err(Error::InboxLayout(_))), "{result:?}");
     assert_idle_connection(&pool).await;
 }
+
+#[tokio::test]
+async fn the_claim_is_prepared_once_per_connection_and_again_after_a_deallocate() {
+    let db = setup().await;
+    let pool = single_connection_pool(&db).await;
+    let inbox = Inbox::new("points").unwrap();
+    let prepared = |pool: PgPool| async move {
+        sqlx::query_scalar::<_, String>(
+            "SELECT name FROM pg_prepared_statements WHERE name LIKE 'pgbox_claim_%'",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    assert!(prepared(pool.clone()).await.is_empty());
+    for i in 0..3 {
+        assert!(
+            deliver(&inbox, &pool, &format!("k{i}"))
+                .await
+                .is_processed()
+        );
+    }
+    let names = prepared(pool.clone()).await;
+    assert_eq!(names.len(), 1, "{names:?}");
+    // Something (a pooler's reset, a user) deallocates it: the next call prepares it again.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DEALLOCATE {}", names[0])))
+        .execute(&pool)
+        .await
+        .unwrap();
+    assert!(prepared(pool.clone()).await.is_empty());
+    assert!(deliver(&inbox, &pool, "k-after").await.is_processed());
+    assert!(deliver(&inbox, &pool, "k-after").await.is_duplicate());
+    assert_eq!(prepared(pool.clone()).await, names);
+    // A bounded inbox has a claim of its own, prepared next to the first.
+    let bounded = Inbox::builder("points").wait(Wait::NoWait).build().unwrap();
+    assert!(deliver(&bounded, &pool, "k-bounded").await.is_processed());
+    assert_eq!(prepared(pool.clone()).await.len(), 2);
+    assert_idle_connection(&pool).await;
+    assert_eq!(effects(&db.pool, "k-after").await, 1);
+}

@@ -3,10 +3,14 @@
 //!
 //! A message through [`Inbox::process`] costs BEGIN, the claim, the handler's statements and
 //! COMMIT, each a round trip. When pgbox opens the transaction itself, BEGIN and the claim go
-//! to the server as one simple query (which carries no parameters: the consumer, key and
-//! message id travel as escaped constants, see [`push_literal`]), and so do the liveness
-//! check and COMMIT. A new message then costs one round trip fewer, and a duplicate costs two
-//! (BEGIN with the claim, which reads the stored record in the same call; ROLLBACK).
+//! to the server as one simple query, and so do the liveness check and COMMIT: a new message
+//! costs one round trip fewer.
+//!
+//! A simple query carries no parameters, and parsing and planning the claim on every message
+//! would cost the server more than the round trip saves. So the claim is a prepared
+//! statement of the session (`PREPARE`, once per connection, on first use or after something
+//! deallocated it), and the simple query is `BEGIN; EXECUTE <claim>(<consumer>, <key>,
+//! <message id>)`, the values as escaped constants (see [`push_literal`]).
 //!
 //! The transaction is invisible to sqlx's own bookkeeping, so a guard stands in for sqlx's
 //! rollback-on-drop: a connection whose transaction was not ended (the future was dropped, a
@@ -28,7 +32,7 @@ use crate::ident::push_literal;
 impl Inbox {
     /// Opens a transaction on a connection from `pool`, claims `key`, runs `handler` and
     /// commits: [`process`](Self::process) with the transaction's ends handled by pgbox, one
-    /// round trip cheaper for a new message and two for a duplicate.
+    /// round trip cheaper (BEGIN travels with the claim).
     ///
     /// When it returns `Ok`, the transaction is over: committed for
     /// [`Outcome::Processed`] and [`Outcome::Rejected`], rolled back (nothing was written)
@@ -160,16 +164,20 @@ impl Inbox {
         .await
     }
 
-    /// `BEGIN; SELECT * FROM <claim function>(<consumer>, <key>, <message id>[, <timeout>])`.
-    fn begin_and_claim_sql(&self, key: &Key<'_>) -> Result<String> {
+    /// `BEGIN; EXECUTE <claim>(<consumer>, <key>, <message id>[, <lock timeout>])`, and the
+    /// claim's `PREPARE`, for when the session does not have it yet.
+    fn begin_and_claim_sql(&self, key: &Key<'_>) -> Result<(String, String)> {
         let sql = &self.inner.sql;
         let lock_timeout = self.lock_timeout();
-        let prefix = match lock_timeout {
-            None => &sql.begin_claim.0,
-            Some(_) => &sql.begin_claim_bounded,
+        let (claim, types) = match lock_timeout {
+            None => (&sql.claim, "text, text, text"),
+            Some(_) => (&sql.claim_bounded, "text, text, text, text"),
         };
-        let mut text = String::with_capacity(prefix.len() + key.as_str().len() + 96);
-        text.push_str(prefix);
+        let name = prepared_name(claim);
+        let mut text = String::with_capacity(48 + key.as_str().len());
+        text.push_str("BEGIN; EXECUTE ");
+        text.push_str(&name);
+        text.push('(');
         push_literal(&mut text, &self.inner.consumer)?;
         text.push_str(", ");
         push_literal(&mut text, key.as_str())?;
@@ -178,16 +186,26 @@ impl Inbox {
             Some(id) => push_literal(&mut text, id)?,
             None => text.push_str("NULL"),
         }
-        match lock_timeout {
-            None => text.push_str(sql.begin_claim.1),
-            Some(timeout) => {
-                text.push_str(", ");
-                push_literal(&mut text, &timeout)?;
-                text.push(')');
-            }
+        if let Some(timeout) = lock_timeout {
+            text.push_str(", ");
+            push_literal(&mut text, &timeout)?;
         }
-        Ok(text)
+        text.push(')');
+        let prepare = format!("PREPARE {name} ({types}) AS {claim}");
+        Ok((text, prepare))
     }
+}
+
+/// The session-level name of a prepared claim: derived from its text (which names the
+/// schema), so two inboxes on one connection share a statement exactly when they share the
+/// SQL. FNV-1a: stable across processes and builds, unlike the standard library's hasher.
+fn prepared_name(sql: &str) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in sql.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("pgbox_claim_{hash:016x}")
 }
 
 /// A transaction pgbox opened with a simple query, on a pooled connection that is closed
@@ -200,7 +218,11 @@ struct OwnedTransaction {
 }
 
 impl OwnedTransaction {
-    async fn begin(pool: &PgPool, begin_and_claim: String, inbox: &Inbox) -> Result<Self> {
+    async fn begin(
+        pool: &PgPool,
+        (begin_and_claim, prepare): (String, String),
+        inbox: &Inbox,
+    ) -> Result<Self> {
         let conn = pool.acquire().await?;
         let mut tx = OwnedTransaction {
             conn,
@@ -208,25 +230,38 @@ impl OwnedTransaction {
             claim_row: None,
         };
         let started = std::time::Instant::now();
-        let row = sqlx::raw_sql(AssertSqlSafe(begin_and_claim))
-            .fetch_optional(&mut *tx.conn)
-            .await;
+        let mut prepared_now = false;
+        let row = loop {
+            tx.open = true;
+            let row = sqlx::raw_sql(AssertSqlSafe(begin_and_claim.clone()))
+                .fetch_optional(&mut *tx.conn)
+                .await
+                .map_err(Error::from);
+            match row {
+                Ok(row) => break row,
+                // BEGIN ran and EXECUTE failed: roll back, whatever the reason.
+                Err(e) => {
+                    tx.rollback().await;
+                    if tx.open || prepared_now || !is_missing_statement(&e) {
+                        return Err(partitions::layout_error(e));
+                    }
+                }
+            }
+            // This session has not prepared the claim yet (a new connection, or something
+            // deallocated it): prepare it and try again, once.
+            tracing::debug!("pgbox preparing the claim on this connection");
+            sqlx::raw_sql(AssertSqlSafe(prepare.clone()))
+                .execute(&mut *tx.conn)
+                .await?;
+            prepared_now = true;
+        };
         metrics::histogram!(
             crate::telemetry::INBOX_CLAIM_DURATION,
             "consumer" => inbox.inner.consumer.clone()
         )
         .record(started.elapsed());
-        match row {
-            Ok(row) => {
-                tx.claim_row = row;
-                Ok(tx)
-            }
-            Err(e) => {
-                // BEGIN ran and the claim failed: the transaction is open and aborted.
-                tx.rollback().await;
-                Err(partitions::layout_error(e.into()))
-            }
-        }
+        tx.claim_row = row;
+        Ok(tx)
     }
 
     fn conn(&mut self) -> &mut PgConnection {
@@ -251,6 +286,18 @@ impl OwnedTransaction {
             Ok(_) => self.open = false,
             Err(e) => tracing::warn!(error = %e, "pgbox rollback failed; closing the connection"),
         }
+    }
+}
+
+/// SQLSTATE 26000, `invalid_sql_statement_name`: EXECUTE of a statement the session does not
+/// have.
+fn is_missing_statement(e: &Error) -> bool {
+    match e {
+        Error::Database {
+            source: sqlx::Error::Database(db),
+            ..
+        } => db.code().as_deref() == Some("26000"),
+        _ => false,
     }
 }
 

@@ -101,11 +101,6 @@ struct Inner {
 struct Statements {
     claim: Arc<str>,
     claim_bounded: Arc<str>,
-    /// `BEGIN` and the claim function in one simple query, up to the arguments
-    /// (`process_and_commit`): the unbounded form, with what follows the three arguments.
-    begin_claim: (Arc<str>, &'static str),
-    /// The same with a lock timeout, the fourth argument.
-    begin_claim_bounded: Arc<str>,
     read: Arc<str>,
     store_outcome: Arc<str>,
     reject: Arc<str>,
@@ -140,11 +135,6 @@ impl Statements {
             )
             .into(),
             claim_bounded: format!("SELECT * FROM {s}.inbox_claim_bounded($1, $2, $3, $4)").into(),
-            begin_claim: (
-                format!("BEGIN; SELECT * FROM {s}.inbox_claim(").into(),
-                ")",
-            ),
-            begin_claim_bounded: format!("BEGIN; SELECT * FROM {s}.inbox_claim_bounded(").into(),
             // The second column is true for a key under a lease (lease mode's CONSUMING):
             // not processed yet, and not this transaction's to claim.
             read: format!(
@@ -229,12 +219,6 @@ impl Statements {
         Statements {
             claim: format!("SELECT * FROM {s}.partitioned_inbox_claim($1, $2, $3, NULL)").into(),
             claim_bounded: format!("SELECT * FROM {s}.partitioned_inbox_claim($1, $2, $3, $4)")
-                .into(),
-            begin_claim: (
-                format!("BEGIN; SELECT * FROM {s}.partitioned_inbox_claim(").into(),
-                ", NULL)",
-            ),
-            begin_claim_bounded: format!("BEGIN; SELECT * FROM {s}.partitioned_inbox_claim(")
                 .into(),
             // The newest record first; then one of the plain inbox from before the switch.
             read: format!(
