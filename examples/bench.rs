@@ -962,14 +962,14 @@ async fn main() -> anyhow::Result<()> {
             process_duplicate(Inbox::new("bench")?),
         )
         .await?;
-    // I2c: duplicates through `process_and_commit`: BEGIN with the claim (inserts nothing),
-    // the read of the stored record, ROLLBACK. 3 round trips.
+    // I2c: duplicates through `process_and_commit`: BEGIN, the claim (inserts nothing) and
+    // the read of the stored record in one message; ROLLBACK. 2 round trips.
     let inbox = Inbox::new("bench")?;
     bench
         .run(
             "I2c inbox.process_and_commit, 100% duplicates",
             1,
-            "3",
+            "2",
             Some("inbox"),
             Some("B0 BEGIN/INSERT/COMMIT"),
             Some(&preload),

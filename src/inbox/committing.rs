@@ -1,16 +1,19 @@
-//! [`Inbox::process_and_commit`]: pgbox owns the transaction, so BEGIN and the claim travel in
-//! one message and the liveness check rides with COMMIT.
+//! [`Inbox::process_and_commit`]: pgbox owns the transaction, so BEGIN, the claim and the
+//! read of a duplicate's record travel in one message, and the liveness check rides with
+//! COMMIT.
 //!
 //! A message through [`Inbox::process`] costs BEGIN, the claim, the handler's statements and
-//! COMMIT, each a round trip. When pgbox opens the transaction itself, BEGIN and the claim go
-//! to the server as one simple query, and so do the liveness check and COMMIT: a new message
-//! costs one round trip fewer.
+//! COMMIT, each a round trip (and a duplicate BEGIN, claim, read, COMMIT). When pgbox opens the
+//! transaction itself, `BEGIN; EXECUTE <claim>(…); EXECUTE <read>(…)` goes to the server as
+//! one simple query, and the liveness check (when one is owed) with COMMIT: a new message
+//! costs one round trip fewer, a duplicate two (BEGIN with the claim and the read; ROLLBACK).
+//! The read costs a new message one index probe of a page the claim just touched.
 //!
 //! A simple query carries no parameters, and parsing and planning the claim on every message
-//! would cost the server more than the round trip saves. So the claim is a prepared
-//! statement of the session (`PREPARE`, once per connection, on first use or after something
-//! deallocated it), and the simple query is `BEGIN; EXECUTE <claim>(<consumer>, <key>,
-//! <message id>)`, the values as escaped constants (see [`push_literal`]).
+//! would cost the server more than the round trip saves. So the claim and the read are
+//! prepared statements of the session (`PREPARE`, once per connection, on first use or after
+//! something deallocated them), and the values travel as escaped constants (see
+//! [`push_literal`]).
 //!
 //! The transaction is invisible to sqlx's own bookkeeping, so a guard stands in for sqlx's
 //! rollback-on-drop: a connection whose transaction was not ended (the future was dropped, a
@@ -19,7 +22,7 @@
 
 use serde::Serialize;
 use sqlx::pool::PoolConnection;
-use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row};
 use tracing::Instrument;
 
 use super::{
@@ -32,7 +35,8 @@ use crate::ident::push_literal;
 impl Inbox {
     /// Opens a transaction on a connection from `pool`, claims `key`, runs `handler` and
     /// commits: [`process`](Self::process) with the transaction's ends handled by pgbox, one
-    /// round trip cheaper (BEGIN travels with the claim).
+    /// round trip cheaper for a new message (BEGIN travels with the claim) and two for a
+    /// duplicate (the read of its record travels too).
     ///
     /// When it returns `Ok`, the transaction is over: committed for
     /// [`Outcome::Processed`] and [`Outcome::Rejected`], rolled back (nothing was written)
@@ -164,19 +168,20 @@ impl Inbox {
         .await
     }
 
-    /// `BEGIN; EXECUTE <claim>(<consumer>, <key>, <message id>[, <lock timeout>])`, and the
-    /// claim's `PREPARE`, for when the session does not have it yet.
-    fn begin_and_claim_sql(&self, key: &Key<'_>) -> Result<(String, String)> {
+    /// `BEGIN; EXECUTE <claim>(<consumer>, <key>, <message id>[, <lock timeout>]); EXECUTE
+    /// <read>(<consumer>, <key>)`, and the statements' `PREPARE`s, for when the session does
+    /// not have them yet.
+    fn begin_and_claim_sql(&self, key: &Key<'_>) -> Result<(String, [String; 2])> {
         let sql = &self.inner.sql;
         let lock_timeout = self.lock_timeout();
         let (claim, types) = match lock_timeout {
             None => (&sql.claim, "text, text, text"),
             Some(_) => (&sql.claim_bounded, "text, text, text, text"),
         };
-        let name = prepared_name(claim);
-        let mut text = String::with_capacity(48 + key.as_str().len());
+        let (claim_name, read_name) = (prepared_name(claim), prepared_name(&sql.read));
+        let mut text = String::with_capacity(96 + 2 * key.as_str().len());
         text.push_str("BEGIN; EXECUTE ");
-        text.push_str(&name);
+        text.push_str(&claim_name);
         text.push('(');
         push_literal(&mut text, &self.inner.consumer)?;
         text.push_str(", ");
@@ -190,13 +195,24 @@ impl Inbox {
             text.push_str(", ");
             push_literal(&mut text, &timeout)?;
         }
+        // The record, read by a statement of its own: under READ COMMITTED its snapshot is
+        // taken after the claim, so it sees a row committed while the claim waited on it.
+        text.push_str("); EXECUTE ");
+        text.push_str(&read_name);
+        text.push('(');
+        push_literal(&mut text, &self.inner.consumer)?;
+        text.push_str(", ");
+        push_literal(&mut text, key.as_str())?;
         text.push(')');
-        let prepare = format!("PREPARE {name} ({types}) AS {claim}");
-        Ok((text, prepare))
+        let prepares = [
+            format!("PREPARE {claim_name} ({types}) AS {claim}"),
+            format!("PREPARE {read_name} (text, text) AS {}", sql.read),
+        ];
+        Ok((text, prepares))
     }
 }
 
-/// The session-level name of a prepared claim: derived from its text (which names the
+/// The session-level name of a prepared statement: derived from its text (which names the
 /// schema), so two inboxes on one connection share a statement exactly when they share the
 /// SQL. FNV-1a: stable across processes and builds, unlike the standard library's hasher.
 fn prepared_name(sql: &str) -> String {
@@ -205,7 +221,7 @@ fn prepared_name(sql: &str) -> String {
         hash ^= u64::from(byte);
         hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
     }
-    format!("pgbox_claim_{hash:016x}")
+    format!("pgbox_{hash:016x}")
 }
 
 /// A transaction pgbox opened with a simple query, on a pooled connection that is closed
@@ -220,7 +236,7 @@ struct OwnedTransaction {
 impl OwnedTransaction {
     async fn begin(
         pool: &PgPool,
-        (begin_and_claim, prepare): (String, String),
+        (begin_and_claim, prepares): (String, [String; 2]),
         inbox: &Inbox,
     ) -> Result<Self> {
         let conn = pool.acquire().await?;
@@ -231,28 +247,37 @@ impl OwnedTransaction {
         };
         let started = std::time::Instant::now();
         let mut prepared_now = false;
-        let row = loop {
+        let rows = loop {
             tx.open = true;
-            let row = sqlx::raw_sql(AssertSqlSafe(begin_and_claim.clone()))
-                .fetch_optional(&mut *tx.conn)
+            let rows = sqlx::raw_sql(AssertSqlSafe(begin_and_claim.clone()))
+                .fetch_all(&mut *tx.conn)
                 .await
                 .map_err(Error::from);
-            match row {
-                Ok(row) => break row,
-                // BEGIN ran and EXECUTE failed: roll back, whatever the reason.
+            match rows {
+                Ok(rows) => break rows,
+                // BEGIN ran and an EXECUTE failed: roll back, whatever the reason.
                 Err(e) => {
                     tx.rollback().await;
-                    if tx.open || prepared_now || !is_missing_statement(&e) {
+                    if tx.open || prepared_now || !has_code(&e, "26000") {
                         return Err(partitions::layout_error(e));
                     }
                 }
             }
-            // This session has not prepared the claim yet (a new connection, or something
-            // deallocated it): prepare it and try again, once.
+            // This session lacks a statement (a new connection, or something deallocated
+            // it): prepare what is missing and try again, once.
             tracing::debug!("pgbox preparing the claim on this connection");
-            sqlx::raw_sql(AssertSqlSafe(prepare.clone()))
-                .execute(&mut *tx.conn)
-                .await?;
+            for prepare in &prepares {
+                match sqlx::raw_sql(AssertSqlSafe(prepare.clone()))
+                    .execute(&mut *tx.conn)
+                    .await
+                    .map_err(Error::from)
+                {
+                    Ok(_) => {}
+                    // duplicate_prepared_statement: this one was still there.
+                    Err(e) if has_code(&e, "42P05") => {}
+                    Err(e) => return Err(e),
+                }
+            }
             prepared_now = true;
         };
         metrics::histogram!(
@@ -260,7 +285,16 @@ impl OwnedTransaction {
             "consumer" => inbox.inner.consumer.clone()
         )
         .record(started.elapsed());
-        tx.claim_row = row;
+        // The claim's row first (none from the bare INSERT on a conflict), then the read's.
+        // A claimed key is the row whose first column is true; otherwise the first row is the
+        // record (the bounded claim's own answer, which may be "in progress", or the read's).
+        let claimed = rows
+            .iter()
+            .position(|r| matches!(r.try_get::<Option<bool>, _>(0), Ok(Some(true))));
+        tx.claim_row = match claimed {
+            Some(i) => rows.into_iter().nth(i),
+            None => rows.into_iter().next(),
+        };
         Ok(tx)
     }
 
@@ -289,14 +323,14 @@ impl OwnedTransaction {
     }
 }
 
-/// SQLSTATE 26000, `invalid_sql_statement_name`: EXECUTE of a statement the session does not
-/// have.
-fn is_missing_statement(e: &Error) -> bool {
+/// Whether `e` is a server error with this SQLSTATE (26000, `invalid_sql_statement_name`:
+/// EXECUTE of a statement the session does not have; 42P05, `duplicate_prepared_statement`).
+fn has_code(e: &Error, code: &str) -> bool {
     match e {
         Error::Database {
             source: sqlx::Error::Database(db),
             ..
-        } => db.code().as_deref() == Some("26000"),
+        } => db.code().as_deref() == Some(code),
         _ => false,
     }
 }
