@@ -551,7 +551,11 @@ async fn the_claim_is_prepared_once_per_connection_and_again_after_a_deallocate(
     };
     assert!(prepared(pool.clone()).await.is_empty());
     for i in 0..3 {
-        assert!(deliver(&inbox, &pool, &format!("k{i}")).await.is_processed());
+        assert!(
+            deliver(&inbox, &pool, &format!("k{i}"))
+                .await
+                .is_processed()
+        );
     }
     // The claim and the read of the record.
     let names = prepared(pool.clone()).await;
