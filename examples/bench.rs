@@ -614,13 +614,7 @@ fn process_new(inbox: Inbox, payload: Arc<str>) -> Op {
             let mut tx = pool.begin().await?;
             let outcome = inbox
                 .process(&mut tx, key.as_str(), async |conn| {
-                    sqlx::query("INSERT INTO bench_effects VALUES ($1, $2)")
-                        .bind(&key)
-                        .bind(&*p)
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(Error::from)?;
-                    Ok::<(), Error>(())
+                    insert_effect(conn, &key, &p).await
                 })
                 .await?;
             tx.commit().await?;
@@ -628,6 +622,20 @@ fn process_new(inbox: Inbox, payload: Arc<str>) -> Op {
             Ok(())
         })
     })
+}
+
+/// The I1 handlers' business write.
+async fn insert_effect(
+    conn: &mut pgbox::HandlerConnection<'_>,
+    key: &str,
+    payload: &str,
+) -> Result<(), Error> {
+    sqlx::query("INSERT INTO bench_effects VALUES ($1, $2)")
+        .bind(key)
+        .bind(payload)
+        .execute(&mut *conn)
+        .await?;
+    Ok(())
 }
 
 /// I1c's operation: `inbox.process_and_commit`, pgbox opening and committing the transaction
@@ -639,13 +647,7 @@ fn process_and_commit_new(inbox: Inbox, payload: Arc<str>) -> Op {
             let key = format!("k{i}");
             let outcome = inbox
                 .process_and_commit(&pool, key.as_str(), async |conn| {
-                    sqlx::query("INSERT INTO bench_effects VALUES ($1, $2)")
-                        .bind(&key)
-                        .bind(&*p)
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(Error::from)?;
-                    Ok::<(), Error>(())
+                    insert_effect(conn, &key, &p).await
                 })
                 .await?;
             anyhow::ensure!(outcome.is_processed());

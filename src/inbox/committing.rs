@@ -26,8 +26,8 @@ use sqlx::{AssertSqlSafe, PgConnection, PgPool, Postgres, Row};
 use tracing::Instrument;
 
 use super::{
-    Claim, HandlerConnection, Inbox, Key, Outcome, Verdict, handler_aborted, partitions,
-    run_handler,
+    Claim, HandlerConnection, Inbox, Key, Outcome, Statements, Verdict, handler_aborted,
+    partitions, run_handler,
 };
 use crate::error::{Error, Result};
 use crate::ident::push_literal;
@@ -101,12 +101,7 @@ impl Inbox {
         let key = key.into();
         key.validate()?;
         let begin_and_claim = self.begin_and_claim_sql(&key)?;
-        let span = tracing::info_span!(
-            "pgbox.inbox.process",
-            consumer = %self.inner.consumer,
-            key = %key.as_str(),
-            message_id = key.message_id(),
-        );
+        let span = self.process_span(&key);
         async move {
             let mut tx = OwnedTransaction::begin(pool, begin_and_claim, self).await?;
             let row = tx.claim_row.take();
@@ -171,17 +166,17 @@ impl Inbox {
     /// `BEGIN; EXECUTE <claim>(<consumer>, <key>, <message id>[, <lock timeout>]); EXECUTE
     /// <read>(<consumer>, <key>)`, and the statements' `PREPARE`s, for when the session does
     /// not have them yet.
-    fn begin_and_claim_sql(&self, key: &Key<'_>) -> Result<(String, [String; 2])> {
-        let sql = &self.inner.sql;
+    fn begin_and_claim_sql(&self, key: &Key<'_>) -> Result<(String, [&str; 2])> {
+        let prepared = &self.inner.prepared;
         let lock_timeout = self.lock_timeout();
-        let (claim, types) = match lock_timeout {
-            None => (&sql.claim, "text, text, text"),
-            Some(_) => (&sql.claim_bounded, "text, text, text, text"),
+        let claim = match lock_timeout {
+            None => &prepared.claim,
+            Some(_) => &prepared.claim_bounded,
         };
-        let (claim_name, read_name) = (prepared_name(claim), prepared_name(&sql.read));
+        let read = &prepared.read;
         let mut text = String::with_capacity(96 + 2 * key.as_str().len());
         text.push_str("BEGIN; EXECUTE ");
-        text.push_str(&claim_name);
+        text.push_str(&claim.name);
         text.push('(');
         push_literal(&mut text, &self.inner.consumer)?;
         text.push_str(", ");
@@ -198,30 +193,55 @@ impl Inbox {
         // The record, read by a statement of its own: under READ COMMITTED its snapshot is
         // taken after the claim, so it sees a row committed while the claim waited on it.
         text.push_str("); EXECUTE ");
-        text.push_str(&read_name);
+        text.push_str(&read.name);
         text.push('(');
         push_literal(&mut text, &self.inner.consumer)?;
         text.push_str(", ");
         push_literal(&mut text, key.as_str())?;
         text.push(')');
-        let prepares = [
-            format!("PREPARE {claim_name} ({types}) AS {claim}"),
-            format!("PREPARE {read_name} (text, text) AS {}", sql.read),
-        ];
-        Ok((text, prepares))
+        Ok((text, [&claim.prepare, &read.prepare]))
     }
 }
 
-/// The session-level name of a prepared statement: derived from its text (which names the
-/// schema), so two inboxes on one connection share a statement exactly when they share the
-/// SQL. FNV-1a: stable across processes and builds, unlike the standard library's hasher.
-fn prepared_name(sql: &str) -> String {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in sql.bytes() {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+/// A statement as the session prepares it: its name and its `PREPARE`.
+#[derive(Debug)]
+struct Prepared {
+    name: String,
+    prepare: String,
+}
+
+impl Prepared {
+    /// The name derives from the text (which names the schema), so two inboxes on one
+    /// connection share a statement exactly when they share the SQL. FNV-1a: stable across
+    /// processes and builds, unlike the standard library's hasher.
+    fn new(sql: &str, types: &str) -> Self {
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in sql.bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        let name = format!("pgbox_{hash:016x}");
+        let prepare = format!("PREPARE {name} ({types}) AS {sql}");
+        Prepared { name, prepare }
     }
-    format!("pgbox_{hash:016x}")
+}
+
+/// The claims and the read, as `process_and_commit` prepares them; built once per inbox.
+#[derive(Debug)]
+pub(super) struct PreparedStatements {
+    claim: Prepared,
+    claim_bounded: Prepared,
+    read: Prepared,
+}
+
+impl PreparedStatements {
+    pub(super) fn new(sql: &Statements) -> Self {
+        PreparedStatements {
+            claim: Prepared::new(&sql.claim, "text, text, text"),
+            claim_bounded: Prepared::new(&sql.claim_bounded, "text, text, text, text"),
+            read: Prepared::new(&sql.read, "text, text"),
+        }
+    }
 }
 
 /// A transaction pgbox opened with a simple query, on a pooled connection that is closed
@@ -236,7 +256,7 @@ struct OwnedTransaction {
 impl OwnedTransaction {
     async fn begin(
         pool: &PgPool,
-        (begin_and_claim, prepares): (String, [String; 2]),
+        (begin_and_claim, prepares): (String, [&str; 2]),
         inbox: &Inbox,
     ) -> Result<Self> {
         let conn = pool.acquire().await?;
@@ -266,8 +286,8 @@ impl OwnedTransaction {
             // This session lacks a statement (a new connection, or something deallocated
             // it): prepare what is missing and try again, once.
             tracing::debug!("pgbox preparing the claim on this connection");
-            for prepare in &prepares {
-                match sqlx::raw_sql(AssertSqlSafe(prepare.clone()))
+            for prepare in prepares {
+                match sqlx::raw_sql(AssertSqlSafe(prepare.to_owned()))
                     .execute(&mut *tx.conn)
                     .await
                     .map_err(Error::from)

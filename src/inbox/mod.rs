@@ -94,6 +94,8 @@ struct Inner {
     partitioned: bool,
     sql: Statements,
     lease_sql: lease::LeaseStatements,
+    /// The session-prepared forms of the claims and the read, for `process_and_commit`.
+    prepared: committing::PreparedStatements,
 }
 
 /// SQL built once per inbox, with the schema validated and quoted.
@@ -335,9 +337,11 @@ impl InboxBuilder {
                 i32::MAX
             )));
         }
+        let sql = Statements::new(&schema, self.partitioned);
         Ok(Inbox {
             inner: Arc::new(Inner {
-                sql: Statements::new(&schema, self.partitioned),
+                prepared: committing::PreparedStatements::new(&sql),
+                sql,
                 lease_sql: lease::LeaseStatements::new(&schema),
                 consumer: self.consumer,
                 schema,
@@ -482,12 +486,7 @@ impl Inbox {
     {
         let key = key.into();
         key.validate()?;
-        let span = tracing::info_span!(
-            "pgbox.inbox.process",
-            consumer = %self.inner.consumer,
-            key = %key.as_str(),
-            message_id = key.message_id(),
-        );
+        let span = self.process_span(&key);
         async move {
             let claimed = match self.claim_validated(tx, &key).await? {
                 Claim::Claimed(claimed) => claimed,
@@ -508,6 +507,16 @@ impl Inbox {
         }
         .instrument(span)
         .await
+    }
+
+    /// The span of one message through `process` or `process_and_commit`.
+    fn process_span(&self, key: &Key<'_>) -> tracing::Span {
+        tracing::info_span!(
+            "pgbox.inbox.process",
+            consumer = %self.inner.consumer,
+            key = %key.as_str(),
+            message_id = key.message_id(),
+        )
     }
 
     /// Claims `key` on the caller's transaction without running anything: the lower-level
