@@ -104,8 +104,13 @@ impl Inbox {
         let span = self.process_span(&key);
         async move {
             let mut tx = OwnedTransaction::begin(pool, begin_and_claim, self).await?;
-            let row = tx.claim_row.take();
-            let claim = match self.settle_claim(tx.conn(), row, &key).await {
+            let claim = if tx.claimed {
+                let row = tx.claim_row.take();
+                self.settle_claim(tx.conn(), row, &key).await
+            } else {
+                self.claim_validated(tx.conn(), &key).await
+            };
+            let claim = match claim {
                 Ok(claim) => claim,
                 Err(e) => {
                     tx.rollback().await;
@@ -249,9 +254,15 @@ impl PreparedStatements {
 struct OwnedTransaction {
     conn: PoolConnection<Postgres>,
     open: bool,
+    /// Whether the message that began the transaction claimed too (false after the
+    /// fallback to a bare BEGIN).
+    claimed: bool,
     /// The claim's row, from the message that began the transaction.
     claim_row: Option<sqlx::postgres::PgRow>,
 }
+
+/// Whether the fallback was already reported (once per process is enough).
+static FALLBACK_REPORTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 impl OwnedTransaction {
     async fn begin(
@@ -263,6 +274,7 @@ impl OwnedTransaction {
         let mut tx = OwnedTransaction {
             conn,
             open: true,
+            claimed: true,
             claim_row: None,
         };
         let started = std::time::Instant::now();
@@ -278,8 +290,25 @@ impl OwnedTransaction {
                 // BEGIN ran and an EXECUTE failed: roll back, whatever the reason.
                 Err(e) => {
                     tx.rollback().await;
-                    if tx.open || prepared_now || !has_code(&e, "26000") {
+                    if tx.open || !has_code(&e, "26000") {
                         return Err(partitions::layout_error(e));
+                    }
+                    if prepared_now {
+                        // Prepared, and gone again at once: the session does not keep what
+                        // it prepares (a pooler in transaction mode hands each statement to
+                        // another server connection). Fall back to BEGIN alone; the claim
+                        // then goes through the extended protocol like `process`'s.
+                        if !FALLBACK_REPORTED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                            tracing::warn!(
+                                "pgbox: this connection does not keep session-prepared statements \
+                                 (a pooler in transaction mode?); process_and_commit sends BEGIN \
+                                 and the claim separately, one round trip more"
+                            );
+                        }
+                        tx.open = true;
+                        sqlx::raw_sql("BEGIN").execute(&mut *tx.conn).await?;
+                        tx.claimed = false;
+                        return Ok(tx);
                     }
                 }
             }
