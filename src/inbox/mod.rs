@@ -618,8 +618,7 @@ impl Inbox {
     }
 
     /// Decides a claim from the claim statement's row: `None` when the statement returned
-    /// none (the bare INSERT on a conflict) or a row of NULLs (the claim function when the
-    /// holder's row was gone by the time it read it).
+    /// none (the bare INSERT on a conflict).
     async fn settle_claim(
         &self,
         conn: &mut PgConnection,
@@ -627,7 +626,7 @@ impl Inbox {
         key: &Key<'_>,
     ) -> Result<Claim> {
         let sql = &self.inner.sql;
-        let row = match row.filter(|row| !matches!(row.try_get::<Option<bool>, _>(0), Ok(None))) {
+        let row = match row {
             Some(row) => row,
             // A duplicate: the key is held by a committed row (perhaps committed while we
             // waited, after our statement's snapshot). A new statement sees it under READ
