@@ -579,3 +579,61 @@ async fn the_claim_is_prepared_once_per_connection_and_again_after_a_deallocate(
     assert_eq!(effects(&db.pool, "k-after").await, 1);
     assert_eq!(effects(&db.pool, "k-bounded").await, 1);
 }
+
+/// `idx_tup_fetch` of the inbox: rows fetched through its indexes, flushed and read fresh.
+async fn inbox_index_fetches(db: &TestDb, writer: &PgPool) -> i64 {
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(writer)
+        .await
+        .unwrap();
+    let mut c = db.pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(&mut *c)
+        .await
+        .unwrap();
+    sqlx::query("SELECT pg_stat_clear_snapshot()")
+        .execute(&mut *c)
+        .await
+        .unwrap();
+    sqlx::query_scalar::<_, i64>(
+        "SELECT coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables \
+         WHERE schemaname = 'pgbox' AND relname = 'inbox'",
+    )
+    .fetch_one(&mut *c)
+    .await
+    .unwrap()
+}
+
+#[tokio::test]
+async fn a_new_message_never_reads_its_record_and_a_duplicate_reads_it_once() {
+    let db = setup().await;
+    // One connection: every statement of the deliveries runs on it, and its statistics are
+    // flushed before they are read.
+    let pool = single_connection_pool(&db).await;
+    let inbox = Inbox::new("points").unwrap();
+    // Warm up: the first call on a connection prepares the statements.
+    assert!(deliver(&inbox, &pool, "warm").await.is_processed());
+    let before = inbox_index_fetches(&db, &pool).await;
+    for i in 0..20 {
+        assert!(
+            deliver(&inbox, &pool, &format!("new-{i}"))
+                .await
+                .is_processed()
+        );
+    }
+    let after_new = inbox_index_fetches(&db, &pool).await;
+    // The read travels with the claim but is gated on the transaction having no id: a
+    // claim that inserted has one, so the read never fetched the row just written.
+    assert_eq!(after_new - before, 0, "new messages fetched their own rows");
+    for i in 0..20 {
+        assert!(
+            deliver(&inbox, &pool, &format!("new-{i}"))
+                .await
+                .is_duplicate()
+        );
+    }
+    let after_duplicates = inbox_index_fetches(&db, &pool).await;
+    // Two fetches per duplicate: the claim's conflict check visits the recorded row, and the
+    // read that travelled with it fetches the record. A second read after it would be a third.
+    assert_eq!(after_duplicates - after_new, 40);
+}

@@ -7,7 +7,8 @@
 //! transaction itself, `BEGIN; EXECUTE <claim>(…); EXECUTE <read>(…)` goes to the server as
 //! one simple query, and the liveness check (when one is owed) with COMMIT: a new message
 //! costs one round trip fewer, a duplicate two (BEGIN with the claim and the read; ROLLBACK).
-//! The read costs a new message one index probe of a page the claim just touched.
+//! The read is gated on the transaction having no id yet, so for a new message (whose claim
+//! assigned one) it never scans: only a duplicate pays for it.
 //!
 //! A simple query carries no parameters, and parsing and planning the claim on every message
 //! would cost the server more than the round trip saves. So the claim and the read are
@@ -244,7 +245,19 @@ impl PreparedStatements {
         PreparedStatements {
             claim: Prepared::new(&sql.claim, "text, text, text"),
             claim_bounded: Prepared::new(&sql.claim_bounded, "text, text, text, text"),
-            read: Prepared::new(&sql.read, "text, text"),
+            // Gated on the transaction having no id: the claim is the first statement of
+            // the transaction, so an id means it inserted, and a new message then skips the
+            // read altogether (a one-time filter; the scan is never started). A duplicate
+            // assigns no id and reads its record. Should a claim that lost a race to a
+            // concurrent insert have been given an id anyway (speculative insertion), the
+            // read returns nothing and `settle_claim` reads the record itself.
+            read: Prepared::new(
+                &format!(
+                    "SELECT * FROM ({}) AS record WHERE pg_current_xact_id_if_assigned() IS NULL",
+                    sql.read
+                ),
+                "text, text",
+            ),
         }
     }
 }
