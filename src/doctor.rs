@@ -121,6 +121,9 @@ pub enum Check {
     /// Partitions of the time-partitioned inbox created ahead (`inbox_partitions`; only in
     /// schemas that use it).
     InboxPartitions,
+    /// Rows under a lease keep lease mode's invariants (`inbox_leases`): a lease has a
+    /// fencing token, and a key under a lease has no outcome and no rejection yet.
+    InboxLeases,
 }
 
 impl Check {
@@ -134,6 +137,7 @@ impl Check {
             Check::NotificationQueue => "notification_queue",
             Check::DeadLetters => "dead_letters",
             Check::InboxPartitions => "inbox_partitions",
+            Check::InboxLeases => "inbox_leases",
         }
     }
 }
@@ -207,6 +211,12 @@ pub enum Code {
     /// warning with less than one partition ahead, critical when none covers now: every
     /// claim fails).
     InboxPartitionsRunningOut,
+    /// Every row under a lease has its token and no outcome (`inbox_leases_consistent`; ok).
+    InboxLeasesConsistent,
+    /// A row under a lease lacks its token or already has an outcome or a rejection
+    /// (`inbox_lease_inconsistent`; critical): something other than pgbox's lease statements
+    /// wrote it.
+    InboxLeaseInconsistent,
 }
 
 impl Code {
@@ -238,6 +248,8 @@ impl Code {
             Code::QueueDeadLetters => "queue_dead_letters",
             Code::InboxPartitionsOk => "inbox_partitions_ok",
             Code::InboxPartitionsRunningOut => "inbox_partitions_running_out",
+            Code::InboxLeasesConsistent => "inbox_leases_consistent",
+            Code::InboxLeaseInconsistent => "inbox_lease_inconsistent",
         }
     }
 
@@ -263,6 +275,7 @@ impl Code {
                 Check::DeadLetters
             }
             Code::InboxPartitionsOk | Code::InboxPartitionsRunningOut => Check::InboxPartitions,
+            Code::InboxLeasesConsistent | Code::InboxLeaseInconsistent => Check::InboxLeases,
         }
     }
 }
@@ -614,6 +627,9 @@ impl Doctor {
         findings.extend(self.check_dead_letters(&mut tx, &tables).await?);
         if versions.contains(&10) {
             findings.extend(self.check_inbox_partitions(&mut tx).await?);
+        }
+        if versions.contains(&7) {
+            findings.push(self.check_inbox_leases(&mut tx).await?);
         }
         tx.commit().await?;
         Ok(Report {
@@ -1575,6 +1591,46 @@ impl Doctor {
             )
         };
         Ok(Some(finding.details(details)))
+    }
+
+    /// Lease mode's invariants, which V7 enforced with CHECK constraints and V11 moved here
+    /// (the constraints cost every claim): only rows under a lease can break them, and the
+    /// partial index `inbox_leases_idx` holds exactly those, so this reads only them.
+    async fn check_inbox_leases(&self, conn: &mut PgConnection) -> Result<Finding> {
+        let s = &self.schema;
+        let row = sqlx::query(AssertSqlSafe(format!(
+            "SELECT count(*), min(consumer || ' / ' || key) FROM {s}.inbox \
+             WHERE lease_expires_at IS NOT NULL \
+               AND (lease_token IS NULL OR outcome IS NOT NULL OR rejection IS NOT NULL)"
+        )))
+        .fetch_one(&mut *conn)
+        .await?;
+        let broken: i64 = row.try_get(0)?;
+        let example: Option<String> = row.try_get(1)?;
+        let finding = if broken == 0 {
+            Finding::new(
+                Severity::Ok,
+                Code::InboxLeasesConsistent,
+                "every key under a lease has its token and no outcome".to_owned(),
+                "Nothing to do.".to_owned(),
+            )
+        } else {
+            Finding::new(
+                Severity::Critical,
+                Code::InboxLeaseInconsistent,
+                format!(
+                    "{broken} key(s) under a lease lack a token or already have an outcome or a \
+                     rejection (e.g. {})",
+                    example.as_deref().unwrap_or("?")
+                ),
+                "Only pgbox's lease statements should write lease_token, lease_expires_at, \
+                 outcome and rejection. Find what else wrote these rows; a key stays in progress \
+                 until its lease expires and is taken over."
+                    .to_owned(),
+            )
+            .subject("inbox")
+        };
+        Ok(finding.details(json!({ "inconsistent": broken })))
     }
 
     async fn check_dead_letters(

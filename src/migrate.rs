@@ -219,7 +219,9 @@ impl Migrator {
     /// Run it once, on a schema without pgbox tables: it creates them unconditionally, so a
     /// second run fails (and, being one transaction, changes nothing).
     pub fn to_sql(&self) -> String {
-        let migrations = embedded::migrations::runner().get_migrations().clone();
+        let mut migrations = embedded::migrations::runner().get_migrations().clone();
+        // In version order: the embedded list follows file names, where V10 sorts before V2.
+        migrations.sort_by_key(|m| m.version());
         let history = self.history_table();
         let mut out = format!(
             "-- pgbox schema {schema}: {n} migration(s). Run once, in one transaction.\n\
@@ -391,5 +393,12 @@ mod tests {
         assert!(sql.trim_end().ends_with("COMMIT;"));
         assert!(sql.contains("CREATE TABLE IF NOT EXISTS \"billing\".\"pgbox_migrations\""));
         assert!(sql.contains("INSERT INTO \"billing\".\"pgbox_migrations\""));
+        // In version order, not file-name order (where V10 sorts before V2).
+        let versions: Vec<i32> = sql
+            .lines()
+            .filter_map(|l| l.strip_prefix("-- V")?.split("__").next()?.parse().ok())
+            .collect();
+        assert!(versions.len() >= 11, "{versions:?}");
+        assert!(versions.windows(2).all(|w| w[0] < w[1]), "{versions:?}");
     }
 }

@@ -84,13 +84,14 @@ async fn run_advice(db: &TestDb, advice: &str) {
     conn.close().await.unwrap();
 }
 
-const OK_CODES: [Code; 6] = [
+const OK_CODES: [Code; 7] = [
     Code::MigrationsCurrent,
     Code::IndexesValid,
     Code::BloatLow,
     Code::XminHorizonOk,
     Code::NotificationQueueOk,
     Code::NoDeadLetters,
+    Code::InboxLeasesConsistent,
 ];
 
 #[tokio::test]
@@ -105,7 +106,7 @@ async fn a_freshly_migrated_schema_is_all_ok_and_exits_0() {
     }
 
     let text = expect_exit(&pgbox_cli(&db.url(), &["doctor"]), EXIT_OK);
-    assert!(text.contains("0 critical, 0 warning(s), 6 ok"), "{text}");
+    assert!(text.contains("0 critical, 0 warning(s), 7 ok"), "{text}");
     assert!(text.contains("migrations_current"), "{text}");
 
     let out = pgbox_cli(&db.url(), &["doctor", "--json"]);
@@ -425,6 +426,51 @@ async fn dead_letters_are_warnings_with_the_commands_that_handle_them() {
         codes.contains(&"queue_dead_letters".to_owned()),
         "{codes:?}"
     );
+}
+
+#[tokio::test]
+async fn a_lease_row_that_breaks_the_lease_invariants_is_critical() {
+    let db = TestDb::migrated().await;
+    // Rows written by pgbox's own statements: a processed key and a key under a live lease.
+    let inbox = pgbox::Inbox::new("points").unwrap();
+    let mut tx = db.pool.begin().await.unwrap();
+    let outcome = inbox
+        .process(&mut tx, "done", async |_c| Ok::<_, pgbox::Error>(7))
+        .await
+        .unwrap();
+    assert!(outcome.is_processed());
+    tx.commit().await.unwrap();
+    let lease = inbox
+        .lease(&db.pool, "held", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(matches!(lease, pgbox::LeaseAttempt::Leased(_)), "{lease:?}");
+    let report = doctor::check(&db.pool, "pgbox").await.unwrap();
+    assert!(report.is_ok(), "{report:#?}");
+    assert_eq!(report.with_code(Code::InboxLeasesConsistent).count(), 1);
+
+    // Written behind pgbox's back: an outcome on a key still under its lease, and a lease
+    // without a fencing token.
+    sqlx::query("UPDATE pgbox.inbox SET outcome = '1' WHERE key = 'held'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    sqlx::query(
+        "INSERT INTO pgbox.inbox (consumer, key, lease_expires_at) \
+         VALUES ('points', 'tokenless', now() + interval '1 minute')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let report = doctor::check(&db.pool, "pgbox").await.unwrap();
+    assert_eq!(report.severity(), Severity::Critical);
+    let finding = report.with_code(Code::InboxLeaseInconsistent).next().unwrap();
+    assert_eq!(finding.details["inconsistent"], 2, "{finding:?}");
+    assert!(finding.message.contains("points / held"), "{finding:?}");
+    assert_eq!(report.with_code(Code::InboxLeasesConsistent).count(), 0);
+    let out = pgbox_cli(&db.url(), &["doctor", "--json"]);
+    expect_exit(&out, EXIT_CRITICAL);
+    assert!(json_codes(&json(&out)).contains(&"inbox_lease_inconsistent".to_owned()));
 }
 
 #[tokio::test]
