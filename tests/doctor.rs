@@ -464,7 +464,10 @@ async fn a_lease_row_that_breaks_the_lease_invariants_is_critical() {
     .unwrap();
     let report = doctor::check(&db.pool, "pgbox").await.unwrap();
     assert_eq!(report.severity(), Severity::Critical);
-    let finding = report.with_code(Code::InboxLeaseInconsistent).next().unwrap();
+    let finding = report
+        .with_code(Code::InboxLeaseInconsistent)
+        .next()
+        .unwrap();
     assert_eq!(finding.details["inconsistent"], 2, "{finding:?}");
     assert!(finding.message.contains("points / held"), "{finding:?}");
     assert_eq!(report.with_code(Code::InboxLeasesConsistent).count(), 0);
