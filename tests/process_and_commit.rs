@@ -637,3 +637,71 @@ async fn a_new_message_never_reads_its_record_and_a_duplicate_reads_it_once() {
     // read that travelled with it fetches the record. A second read after it would be a third.
     assert_eq!(after_duplicates - after_new, 40);
 }
+
+#[tokio::test]
+async fn keys_under_a_lease_are_in_progress_until_it_expires_and_then_taken_over() {
+    let db = setup().await;
+    let pool = single_connection_pool(&db).await;
+    let inbox = Inbox::new("points").unwrap();
+    let live = inbox
+        .lease(&db.pool, "live", Duration::from_secs(60))
+        .await
+        .unwrap();
+    assert!(matches!(live, pgbox::LeaseAttempt::Leased(_)), "{live:?}");
+    let expired = inbox
+        .lease(&db.pool, "expired", Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert!(
+        matches!(expired, pgbox::LeaseAttempt::Leased(_)),
+        "{expired:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+
+    // The bare claim finds a row; its read says "under a lease": settled the long way.
+    let outcome = deliver(&inbox, &pool, "live").await;
+    assert!(matches!(outcome, Outcome::InProgress), "{outcome:?}");
+    assert_eq!(effects(&db.pool, "live").await, 0);
+    assert_idle_connection(&pool).await;
+
+    // An expired lease is taken over by this transaction, like `process` does.
+    assert!(deliver(&inbox, &pool, "expired").await.is_processed());
+    assert_eq!(effects(&db.pool, "expired").await, 1);
+    assert!(deliver(&inbox, &pool, "expired").await.is_duplicate());
+    assert_eq!(effects(&db.pool, "expired").await, 1);
+    assert_idle_connection(&pool).await;
+}
+
+#[tokio::test]
+async fn a_duplicate_whose_read_was_deallocated_is_still_a_duplicate() {
+    let db = setup().await;
+    let pool = single_connection_pool(&db).await;
+    let inbox = Inbox::new("points").unwrap();
+    assert!(deliver(&inbox, &pool, "k").await.is_processed());
+    // The read is the prepared SELECT; the claim is the INSERT.
+    let read: String = sqlx::query_scalar(
+        "SELECT name FROM pg_prepared_statements \
+         WHERE name LIKE 'pgbox\\_%' AND statement LIKE '%AS SELECT%'",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DEALLOCATE {read}")))
+        .execute(&pool)
+        .await
+        .unwrap();
+    // The claim runs (and inserts nothing), the read fails: rolled back, prepared again, and
+    // settled in a new transaction.
+    let outcome = deliver(&inbox, &pool, "k").await;
+    assert!(outcome.is_duplicate(), "{outcome:?}");
+    assert_eq!(effects(&db.pool, "k").await, 1);
+    assert_idle_connection(&pool).await;
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT name FROM pg_prepared_statements WHERE name LIKE 'pgbox\\_%' ORDER BY name",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    assert!(names.contains(&read), "{names:?}");
+    assert!(deliver(&inbox, &pool, "k").await.is_duplicate());
+}
