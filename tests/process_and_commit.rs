@@ -484,34 +484,10 @@ async fn duplicates_write_nothing() {
     }
     // A control write after the duplicates: once it shows, everything before it has too.
     assert!(deliver(&inbox, &pool, "control").await.is_processed());
-    let mut conn = pool.acquire().await.unwrap();
-    sqlx::query("SELECT pg_stat_force_next_flush()")
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-    drop(conn);
-    let mut stats = (0, 0, 0);
-    for _ in 0..200 {
-        let mut c = db.pool.acquire().await.unwrap();
-        sqlx::query("SELECT pg_stat_clear_snapshot()")
-            .execute(&mut *c)
-            .await
-            .unwrap();
-        stats = sqlx::query_as::<_, (i64, i64, i64)>(
-            "SELECT n_tup_ins, n_tup_upd, n_dead_tup FROM pg_stat_user_tables \
-             WHERE schemaname = 'pgbox' AND relname = 'inbox'",
-        )
-        .fetch_one(&mut *c)
-        .await
-        .unwrap();
-        if stats.0 >= 2 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let stats = inbox_stats(&db, &pool, |s| s.inserts >= 2).await;
     // Two inserts (the first delivery and the control), no update, no dead tuple: the 20
     // duplicates wrote nothing (an aborted insert would count as an insert and a dead tuple).
-    assert_eq!(stats, (2, 0, 0));
+    assert_eq!((stats.inserts, stats.updates, stats.dead), (2, 0, 0));
 }
 
 #[tokio::test]
@@ -580,34 +556,58 @@ async fn the_claim_is_prepared_once_per_connection_and_again_after_a_deallocate(
     assert_eq!(effects(&db.pool, "k-bounded").await, 1);
 }
 
-/// `idx_tup_fetch` of the inbox (rows fetched through its indexes), once it has reached
-/// `at_least`: `writer`'s statistics are flushed, then read fresh until they show (one
-/// connection's statistics arrive in the order it wrote them), for up to 10 s.
-async fn inbox_index_fetches(db: &TestDb, writer: &PgPool, at_least: i64) -> i64 {
+/// The inbox table's statistics.
+struct InboxStats {
+    inserts: i64,
+    updates: i64,
+    dead: i64,
+    /// Rows fetched through the table's indexes.
+    fetches: i64,
+}
+
+/// The inbox table's statistics once `ready` holds: `writer`'s are flushed, then read fresh
+/// until they show (one connection's statistics arrive in the order it wrote them), for up
+/// to 10 s.
+async fn inbox_stats(
+    db: &TestDb,
+    writer: &PgPool,
+    ready: impl Fn(&InboxStats) -> bool,
+) -> InboxStats {
     sqlx::query("SELECT pg_stat_force_next_flush()")
         .execute(writer)
         .await
         .unwrap();
-    let mut fetches = 0;
+    let mut stats = InboxStats {
+        inserts: 0,
+        updates: 0,
+        dead: 0,
+        fetches: 0,
+    };
     for _ in 0..200 {
         let mut c = db.pool.acquire().await.unwrap();
         sqlx::query("SELECT pg_stat_clear_snapshot()")
             .execute(&mut *c)
             .await
             .unwrap();
-        fetches = sqlx::query_scalar::<_, i64>(
-            "SELECT coalesce(idx_tup_fetch, 0) FROM pg_stat_user_tables \
-             WHERE schemaname = 'pgbox' AND relname = 'inbox'",
+        let (inserts, updates, dead, fetches) = sqlx::query_as::<_, (i64, i64, i64, i64)>(
+            "SELECT n_tup_ins, n_tup_upd, n_dead_tup, coalesce(idx_tup_fetch, 0) \
+             FROM pg_stat_user_tables WHERE schemaname = 'pgbox' AND relname = 'inbox'",
         )
         .fetch_one(&mut *c)
         .await
         .unwrap();
-        if fetches >= at_least {
+        stats = InboxStats {
+            inserts,
+            updates,
+            dead,
+            fetches,
+        };
+        if ready(&stats) {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    fetches
+    stats
 }
 
 #[tokio::test]
@@ -618,7 +618,7 @@ async fn a_new_message_never_reads_its_record_and_a_duplicate_reads_it_once() {
     let inbox = Inbox::new("points").unwrap();
     // Warm up: the first call on a connection prepares the statements.
     assert!(deliver(&inbox, &pool, "warm").await.is_processed());
-    let before = inbox_index_fetches(&db, &pool, 0).await;
+    let before = inbox_stats(&db, &pool, |_| true).await.fetches;
     for i in 0..20 {
         assert!(
             deliver(&inbox, &pool, &format!("new-{i}"))
@@ -629,7 +629,9 @@ async fn a_new_message_never_reads_its_record_and_a_duplicate_reads_it_once() {
     // A control: one duplicate, two fetches (the claim's conflict check visits the recorded
     // row; the read fetches the record). Once they show, the new messages' fetches have too.
     assert!(deliver(&inbox, &pool, "warm").await.is_duplicate());
-    let after_new = inbox_index_fetches(&db, &pool, before + 2).await;
+    let after_new = inbox_stats(&db, &pool, |s| s.fetches >= before + 2)
+        .await
+        .fetches;
     // The read goes only with a duplicate's ROLLBACK: no new message fetched its own row.
     assert_eq!(after_new - before, 2, "new messages fetched their own rows");
     for i in 0..20 {
@@ -639,7 +641,9 @@ async fn a_new_message_never_reads_its_record_and_a_duplicate_reads_it_once() {
                 .is_duplicate()
         );
     }
-    let after_duplicates = inbox_index_fetches(&db, &pool, after_new + 40).await;
+    let after_duplicates = inbox_stats(&db, &pool, |s| s.fetches >= after_new + 40)
+        .await
+        .fetches;
     // Two fetches per duplicate; a second read after the first would be a third.
     assert_eq!(after_duplicates - after_new, 40);
 }
