@@ -110,16 +110,7 @@ impl Inbox {
                 // Claimed, or the bounded claim's own answer (in progress, or the record).
                 (true, Some(row)) => self.settle_claim(tx.conn(), Some(row), &key).await,
                 // The bare claim inserted nothing: a committed row holds the key.
-                (true, None) => match self.read_and_roll_back(&mut tx, &key).await {
-                    Ok(Some(duplicate)) => return Ok(Outcome::Duplicate(duplicate)),
-                    // Under a lease, or gone since the claim: settle it the long way, in a
-                    // new transaction, as `process` would.
-                    Ok(None) => match tx.restart().await {
-                        Ok(()) => self.claim_validated(tx.conn(), &key).await,
-                        Err(e) => Err(e),
-                    },
-                    Err(e) => Err(e),
-                },
+                (true, None) => self.settle_duplicate(&mut tx, &key).await,
                 (false, _) => self.claim_validated(tx.conn(), &key).await,
             };
             let claim = match claim {
@@ -180,9 +171,8 @@ impl Inbox {
         .await
     }
 
-    /// `BEGIN; EXECUTE <claim>(<consumer>, <key>, <message id>[, <lock timeout>]); EXECUTE
-    /// <read>(<consumer>, <key>)`, and the statements' `PREPARE`s, for when the session does
-    /// not have them yet.
+    /// `BEGIN; EXECUTE <claim>(<consumer>, <key>, <message id>[, <lock timeout>])`, and the
+    /// claim's and the read's `PREPARE`s, for when the session does not have them yet.
     fn begin_and_claim_sql(&self, key: &Key<'_>) -> Result<(String, [&str; 2])> {
         let prepared = &self.inner.prepared;
         let lock_timeout = self.lock_timeout();
@@ -192,12 +182,8 @@ impl Inbox {
         };
         let read = &prepared.read;
         let mut text = String::with_capacity(96 + 2 * key.as_str().len());
-        text.push_str("BEGIN; EXECUTE ");
-        text.push_str(&claim.name);
-        text.push('(');
-        push_literal(&mut text, &self.inner.consumer)?;
-        text.push_str(", ");
-        push_literal(&mut text, key.as_str())?;
+        text.push_str("BEGIN; ");
+        self.push_execute(&mut text, claim, key)?;
         text.push_str(", ");
         match key.message_id() {
             Some(id) => push_literal(&mut text, id)?,
@@ -211,9 +197,30 @@ impl Inbox {
         Ok((text, [&claim.prepare, &read.prepare]))
     }
 
-    /// After a bare claim that inserted nothing: `EXECUTE <read>(…); ROLLBACK` in one message.
-    /// The duplicate, or `None` when the record is under a lease or gone (the transaction is
-    /// over either way; the caller starts another to settle those the long way).
+    /// `EXECUTE <statement>(<consumer>, <key>` (the caller adds any further arguments and the
+    /// closing parenthesis).
+    fn push_execute(&self, text: &mut String, statement: &Prepared, key: &Key<'_>) -> Result<()> {
+        text.push_str("EXECUTE ");
+        text.push_str(&statement.name);
+        text.push('(');
+        push_literal(text, &self.inner.consumer)?;
+        text.push_str(", ");
+        push_literal(text, key.as_str())
+    }
+
+    /// After a bare claim that inserted nothing: the duplicate, read by `EXECUTE <read>(…);
+    /// ROLLBACK` in one message. A record under a lease, or gone since the claim, is settled
+    /// the long way in a new transaction, as `process` settles it.
+    async fn settle_duplicate(&self, tx: &mut OwnedTransaction, key: &Key<'_>) -> Result<Claim> {
+        if let Some(duplicate) = self.read_and_roll_back(tx, key).await? {
+            return Ok(Claim::Duplicate(duplicate));
+        }
+        tx.restart().await?;
+        self.claim_validated(tx.conn(), key).await
+    }
+
+    /// `EXECUTE <read>(…); ROLLBACK`: the duplicate, or `None` when the record is under a
+    /// lease or gone (the transaction is over either way).
     async fn read_and_roll_back(
         &self,
         tx: &mut OwnedTransaction,
@@ -221,12 +228,7 @@ impl Inbox {
     ) -> Result<Option<super::Duplicate>> {
         let read = &self.inner.prepared.read;
         let mut text = String::with_capacity(64 + key.as_str().len());
-        text.push_str("EXECUTE ");
-        text.push_str(&read.name);
-        text.push('(');
-        push_literal(&mut text, &self.inner.consumer)?;
-        text.push_str(", ");
-        push_literal(&mut text, key.as_str())?;
+        self.push_execute(&mut text, read, key)?;
         text.push_str("); ROLLBACK");
         let rows = match sqlx::raw_sql(AssertSqlSafe(text))
             .fetch_all(tx.conn())
@@ -250,6 +252,8 @@ impl Inbox {
         let Some(row) = rows.into_iter().next() else {
             return Ok(None);
         };
+        // Under a lease: not for `decode_claim`, which would report it in progress; the
+        // caller settles it (perhaps taking an expired lease over).
         if row.try_get::<Option<bool>, _>(1)? == Some(true) {
             return Ok(None);
         }
