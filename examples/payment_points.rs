@@ -659,12 +659,12 @@ async fn consume<S: Subscriber + 'static>(
                 .execute(&mut *conn)
                 .await
                 .map_err(pgbox::Error::from)?;
-                if roll < crash_rate * 2.0 / 3.0 {
-                    counters.crashes.fetch_add(1, Relaxed);
-                    panic!("injected crash: inside the handler");
-                }
+                // The account update as a nested unit of work (a savepoint: sqlx knows the
+                // handler's connection is inside the inbox's transaction). Its commit only
+                // releases the savepoint: a crash after it still rolls everything back.
+                let mut unit = sqlx::Connection::begin(&mut **conn).await?;
                 let version = accounts
-                    .current_version(conn, event.user_id)
+                    .current_version(&mut unit, event.user_id)
                     .await?
                     .ok_or_else(|| {
                         pgbox::Error::InvalidConfig(format!("no account {}", event.user_id))
@@ -672,12 +672,17 @@ async fn consume<S: Subscriber + 'static>(
                 let updated = accounts
                     .update(event.user_id, version)
                     .add("total", 30_i64)
-                    .execute(conn)
+                    .execute(&mut unit)
                     .await;
                 if let Err(pgbox::Error::VersionConflict { .. }) = updated {
                     counters.version_conflicts.fetch_add(1, Relaxed);
                 }
                 updated?;
+                unit.commit().await?;
+                if roll < crash_rate * 2.0 / 3.0 {
+                    counters.crashes.fetch_add(1, Relaxed);
+                    panic!("injected crash: inside the handler, after its nested unit committed");
+                }
                 Ok::<(), pgbox::Error>(())
             },
             shutdown,

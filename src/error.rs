@@ -141,6 +141,18 @@ pub enum Error {
     )]
     TransactionAbortedInHandler,
 
+    /// The transaction that claimed the key is no longer the one the handler's connection is
+    /// in: something ended it from inside the handler (a `COMMIT` or `ROLLBACK` sent on the
+    /// raw connection, which pgbox's watched connection refuses, or transaction control
+    /// outside sqlx's knowledge). The message is not reported processed. What the handler did
+    /// before the end may have committed (with the inbox row, making the redelivery a
+    /// duplicate) or rolled back; what it did after ran outside the inbox's transaction.
+    /// Nest units of work with `conn.begin()` (a savepoint) instead.
+    #[error(
+        "the inbox's transaction was ended inside the handler (COMMIT or ROLLBACK on its connection); the message is not recorded as processed"
+    )]
+    TransactionEndedInHandler,
+
     /// `store_outcome` or `reject` was called for a key this transaction did not claim, or
     /// that already has an outcome.
     #[error("key {key:?} of consumer {consumer:?} is not claimed by this transaction")]

@@ -130,35 +130,6 @@ impl fmt::Display for TableRef {
     }
 }
 
-/// Appends `value` to `sql` as a string constant, for the rare statement that must travel as
-/// a simple query (which carries no parameters), e.g. BEGIN and a claim in one message.
-///
-/// The escape-string form `E'…'` reads backslashes as escapes whatever
-/// `standard_conforming_strings` says, so doubling every backslash and every quote leaves
-/// nothing that can end the constant or escape from it. The connection's encoding is UTF-8
-/// (sqlx sets it), where no multi-byte character contains a quote or backslash byte. NUL
-/// cannot be written to a text column at all: callers validate it away first, and it is
-/// refused here too.
-pub(crate) fn push_literal(sql: &mut String, value: &str) -> Result<()> {
-    if value.contains('\0') {
-        return Err(crate::Error::InvalidField {
-            field: "SQL constant",
-            reason: "contains a NUL byte",
-        });
-    }
-    sql.reserve(value.len() + 3);
-    sql.push_str("E'");
-    for c in value.chars() {
-        match c {
-            '\'' => sql.push_str("''"),
-            '\\' => sql.push_str("\\\\"),
-            c => sql.push(c),
-        }
-    }
-    sql.push('\'');
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,19 +171,5 @@ mod tests {
                 "{bad:?} was accepted"
             );
         }
-    }
-
-    #[test]
-    fn literals_double_quotes_and_backslashes_and_refuse_nul() {
-        let lit = |v: &str| {
-            let mut s = String::new();
-            push_literal(&mut s, v).map(|()| s)
-        };
-        assert_eq!(lit("k1").unwrap(), "E'k1'");
-        assert_eq!(lit("it's").unwrap(), "E'it''s'");
-        assert_eq!(lit(r"a\'b").unwrap(), r"E'a\\''b'");
-        assert_eq!(lit("").unwrap(), "E''");
-        assert_eq!(lit("日本'\\").unwrap(), "E'日本''\\\\'");
-        assert!(lit("a\0b").is_err());
     }
 }

@@ -132,7 +132,8 @@ impl Inbox {
 }
 
 impl Inbox {
-    /// One attempt of [`Inbox::process_with_retry`]: begin, process, commit.
+    /// One attempt of [`Inbox::process_with_retry`]: begin, process, commit (or roll back
+    /// what wrote nothing), as [`Inbox::process_and_commit`] does.
     async fn attempt<T, E, F>(
         &self,
         pool: &PgPool,
@@ -144,10 +145,7 @@ impl Inbox {
         T: Serialize,
         E: From<Error>,
     {
-        let mut tx = pool.begin().await.map_err(Error::from)?;
-        let outcome = self.process(&mut tx, key.clone(), handler).await?;
-        tx.commit().await.map_err(Error::from)?;
-        Ok(outcome)
+        self.process_and_commit(pool, key.clone(), handler).await
     }
 }
 

@@ -1,6 +1,5 @@
-//! `Inbox::process_and_commit`: pgbox opens the transaction (BEGIN and the claim in one
-//! message) and commits it. The same contract as `process`, plus the connection hygiene of a
-//! transaction sqlx does not know about: nothing may go back to the pool mid-transaction.
+//! `Inbox::process_and_commit`: pgbox opens the transaction and commits it. The same contract
+//! as `process`, plus connection hygiene: nothing may go back to the pool mid-transaction.
 
 mod support;
 
@@ -512,50 +511,6 @@ async fn the_partitioned_inbox_works_through_it_too() {
     assert_idle_connection(&pool).await;
 }
 
-#[tokio::test]
-async fn the_claim_is_prepared_once_per_connection_and_again_after_a_deallocate() {
-    let db = setup().await;
-    let pool = single_connection_pool(&db).await;
-    let inbox = Inbox::new("points").unwrap();
-    let prepared = |pool: PgPool| async move {
-        sqlx::query_scalar::<_, String>(
-            "SELECT name FROM pg_prepared_statements WHERE name LIKE 'pgbox\\_%' ORDER BY name",
-        )
-        .fetch_all(&pool)
-        .await
-        .unwrap()
-    };
-    assert!(prepared(pool.clone()).await.is_empty());
-    for i in 0..3 {
-        assert!(
-            deliver(&inbox, &pool, &format!("k{i}"))
-                .await
-                .is_processed()
-        );
-    }
-    // The claim and the read of the record.
-    let names = prepared(pool.clone()).await;
-    assert_eq!(names.len(), 2, "{names:?}");
-    // Something (a pooler's reset, a user) deallocates one of them: the next call prepares
-    // it again, and finds the other still there.
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DEALLOCATE {}", names[0])))
-        .execute(&pool)
-        .await
-        .unwrap();
-    assert_eq!(prepared(pool.clone()).await.len(), 1);
-    assert!(deliver(&inbox, &pool, "k-after").await.is_processed());
-    assert!(deliver(&inbox, &pool, "k-after").await.is_duplicate());
-    assert_eq!(prepared(pool.clone()).await, names);
-    // A bounded inbox has a claim of its own (and shares the read).
-    let bounded = Inbox::builder("points").wait(Wait::NoWait).build().unwrap();
-    assert!(deliver(&bounded, &pool, "k-bounded").await.is_processed());
-    assert!(deliver(&bounded, &pool, "k-bounded").await.is_duplicate());
-    assert_eq!(prepared(pool.clone()).await.len(), 3);
-    assert_idle_connection(&pool).await;
-    assert_eq!(effects(&db.pool, "k-after").await, 1);
-    assert_eq!(effects(&db.pool, "k-bounded").await, 1);
-}
-
 /// The inbox table's statistics.
 struct InboxStats {
     inserts: i64,
@@ -616,7 +571,7 @@ async fn a_new_message_never_reads_its_record_and_a_duplicate_reads_it_once() {
     // One connection: every statement of the deliveries runs on it.
     let pool = single_connection_pool(&db).await;
     let inbox = Inbox::new("points").unwrap();
-    // Warm up: the first call on a connection prepares the statements.
+    // Warm up: the first call on a connection prepares sqlx's statements.
     assert!(deliver(&inbox, &pool, "warm").await.is_processed());
     let before = inbox_stats(&db, &pool, |_| true).await.fetches;
     for i in 0..20 {
@@ -680,38 +635,4 @@ async fn keys_under_a_lease_are_in_progress_until_it_expires_and_then_taken_over
     assert!(deliver(&inbox, &pool, "expired").await.is_duplicate());
     assert_eq!(effects(&db.pool, "expired").await, 1);
     assert_idle_connection(&pool).await;
-}
-
-#[tokio::test]
-async fn a_duplicate_whose_read_was_deallocated_is_still_a_duplicate() {
-    let db = setup().await;
-    let pool = single_connection_pool(&db).await;
-    let inbox = Inbox::new("points").unwrap();
-    assert!(deliver(&inbox, &pool, "k").await.is_processed());
-    // The read is the prepared SELECT; the claim is the INSERT.
-    let read: String = sqlx::query_scalar(
-        "SELECT name FROM pg_prepared_statements \
-         WHERE name LIKE 'pgbox\\_%' AND statement LIKE '%AS SELECT%'",
-    )
-    .fetch_one(&pool)
-    .await
-    .unwrap();
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DEALLOCATE {read}")))
-        .execute(&pool)
-        .await
-        .unwrap();
-    // The claim runs (and inserts nothing), the read fails: rolled back, prepared again, and
-    // settled in a new transaction.
-    let outcome = deliver(&inbox, &pool, "k").await;
-    assert!(outcome.is_duplicate(), "{outcome:?}");
-    assert_eq!(effects(&db.pool, "k").await, 1);
-    assert_idle_connection(&pool).await;
-    let names: Vec<String> = sqlx::query_scalar(
-        "SELECT name FROM pg_prepared_statements WHERE name LIKE 'pgbox\\_%' ORDER BY name",
-    )
-    .fetch_all(&pool)
-    .await
-    .unwrap();
-    assert!(names.contains(&read), "{names:?}");
-    assert!(deliver(&inbox, &pool, "k").await.is_duplicate());
 }

@@ -125,19 +125,22 @@ fn spawn_consumer<S: Subscriber + 'static>(
             .run(
                 async |envelope: &Envelope, conn: &mut pgbox::HandlerConnection<'_>| {
                     let event: PaymentSucceeded = envelope.json()?;
+                    // The ledger row and the total as one nested unit of work: a savepoint
+                    // inside the inbox's transaction, so its commit cannot end that
+                    // transaction (the message and the points still commit together).
+                    let mut unit = sqlx::Connection::begin(&mut **conn).await?;
                     sqlx::query(INSERT_LEDGER)
                         .bind(event.order_id)
                         .bind(event.user_id)
                         .bind(POINTS_PER_ORDER)
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(pgbox::Error::from)?;
+                        .execute(&mut *unit)
+                        .await?;
                     sqlx::query(ADD_TO_TOTAL)
                         .bind(event.user_id)
                         .bind(POINTS_PER_ORDER)
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(pgbox::Error::from)?;
+                        .execute(&mut *unit)
+                        .await?;
+                    unit.commit().await?;
                     tracing::debug!(
                         order_id = event.order_id,
                         user_id = event.user_id,

@@ -94,8 +94,6 @@ struct Inner {
     partitioned: bool,
     sql: Statements,
     lease_sql: lease::LeaseStatements,
-    /// The session-prepared forms of the claims and the read, for `process_and_commit`.
-    prepared: committing::PreparedStatements,
 }
 
 /// SQL built once per inbox, with the schema validated and quoted.
@@ -176,7 +174,10 @@ impl Statements {
                  AND processed_at = now() AND outcome IS NULL AND rejection IS NULL"
             )
             .into(),
-            verify: "SELECT 1".into(),
+            // True only in the transaction that claimed: false or NULL once that transaction
+            // was ended under the handler (a later one has another id, or none yet), and
+            // the "transaction is aborted" error after a swallowed failure.
+            verify: "SELECT pg_current_xact_id_if_assigned() = $1::xid8".into(),
             claim_batch: format!(
                 "INSERT INTO {s}.inbox (consumer, key, message_id) \
                  SELECT $1, k.key, k.message_id FROM unnest($2::text[], $3::text[]) AS k(key, message_id) \
@@ -247,7 +248,9 @@ fn watermark_sql(schema: &Identifier) -> (Arc<str>, Arc<str>, Arc<str>) {
     let s = schema.quoted();
     (
         format!(
-            "SELECT last_seq FROM {s}.sequence_watermarks \
+            // The row lock assigns the transaction its id anyway; the advance names it, so a
+            // transaction ended under the handler cannot advance the watermark.
+            "SELECT last_seq, pg_current_xact_id()::text FROM {s}.sequence_watermarks \
                  WHERE consumer = $1 AND entity = $2 FOR UPDATE"
         )
         .into(),
@@ -258,7 +261,7 @@ fn watermark_sql(schema: &Identifier) -> (Arc<str>, Arc<str>, Arc<str>) {
         .into(),
         format!(
             "UPDATE {s}.sequence_watermarks SET last_seq = $3, updated_at = now() \
-                 WHERE consumer = $1 AND entity = $2"
+                 WHERE consumer = $1 AND entity = $2 AND pg_current_xact_id_if_assigned() = $4::xid8"
         )
         .into(),
     )
@@ -340,7 +343,6 @@ impl InboxBuilder {
         let sql = Statements::new(&schema, self.partitioned);
         Ok(Inbox {
             inner: Arc::new(Inner {
-                prepared: committing::PreparedStatements::new(&sql),
                 sql,
                 lease_sql: lease::LeaseStatements::new(&schema),
                 consumer: self.consumer,
@@ -498,7 +500,9 @@ impl Inbox {
                 .record_verdict(tx, &claimed, verdict, needs_check)
                 .await?;
             if check_owed {
-                self.verify_alive(tx).await.map_err(handler_aborted)?;
+                self.verify_alive(tx, &claimed)
+                    .await
+                    .map_err(handler_aborted)?;
             }
             if outcome.is_processed() {
                 tracing::debug!("pgbox message processed");
@@ -724,7 +728,7 @@ impl Inbox {
                     Some(json) => {
                         self.store_json(conn, claimed, json)
                             .await
-                            .map_err(handler_aborted)?;
+                            .map_err(handler_ended)?;
                         false
                     }
                     None => self.inner.verify_transaction && needs_check,
@@ -734,7 +738,7 @@ impl Inbox {
             Verdict::Reject(reason) => {
                 self.store_rejection(conn, claimed, &reason)
                     .await
-                    .map_err(handler_aborted)?;
+                    .map_err(handler_ended)?;
                 Ok((Outcome::Rejected(reason), false))
             }
         }
@@ -756,13 +760,25 @@ impl Inbox {
         self.expect_one_row(done.rows_affected(), &claimed.key)
     }
 
-    /// Fails with the server's "transaction is aborted" error if a statement inside the
-    /// handler failed.
-    pub(crate) async fn verify_alive(&self, conn: &mut PgConnection) -> Result<()> {
-        sqlx::query(AssertSqlSafe(self.inner.sql.verify.clone()))
-            .execute(conn)
+    /// Checks that the handler left the claim's transaction alive and in place: fails with
+    /// the server's "transaction is aborted" error if a statement inside the handler failed,
+    /// and with [`Error::TransactionEndedInHandler`] if the connection is no longer in the
+    /// transaction that claimed.
+    pub(crate) async fn verify_alive(
+        &self,
+        conn: &mut PgConnection,
+        claimed: &Claimed,
+    ) -> Result<()> {
+        let same: Option<bool> = sqlx::query_scalar(AssertSqlSafe(self.inner.sql.verify.clone()))
+            .bind(&claimed.xact)
+            .fetch_one(conn)
             .await?;
-        Ok(())
+        if same == Some(true) {
+            Ok(())
+        } else {
+            tracing::error!(key = %claimed.key, "pgbox: the claim's transaction was ended inside the handler");
+            Err(Error::TransactionEndedInHandler)
+        }
     }
 
     fn expect_one_row(&self, rows: u64, key: &str) -> Result<()> {
@@ -843,6 +859,19 @@ pub(crate) fn handler_aborted(e: Error) -> Error {
     match e.db_kind() {
         Some(crate::DbErrorKind::TransactionAborted) => Error::TransactionAbortedInHandler,
         _ => e,
+    }
+}
+
+/// After the handler, the outcome's or rejection's UPDATE, which names the claiming
+/// transaction: an aborted transaction means the handler swallowed an error; no row means the
+/// connection is no longer in the transaction that claimed.
+fn handler_ended(e: Error) -> Error {
+    match handler_aborted(e) {
+        Error::NotClaimed { key, .. } => {
+            tracing::error!(key = %key, "pgbox: the claim's transaction was ended inside the handler");
+            Error::TransactionEndedInHandler
+        }
+        e => e,
     }
 }
 

@@ -77,7 +77,7 @@ impl Inbox {
             seq,
         );
         async move {
-            let watermark = self.lock_watermark(tx, entity.as_str()).await?;
+            let (watermark, xact) = self.lock_watermark(tx, entity.as_str()).await?;
             let skipped = seq - watermark - 1;
             if skipped < 0 {
                 tracing::info!(watermark, "pgbox stale sequence number skipped");
@@ -92,15 +92,21 @@ impl Inbox {
                     expected: watermark + 1,
                 });
             }
-            // The watermark UPDATE right after doubles as the liveness check.
+            // The watermark UPDATE right after doubles as the liveness check, and names the
+            // transaction that locked the watermark: no row means the handler ended it.
             let (value, _) = run_handler(tx, handler).await?;
-            sqlx::query(AssertSqlSafe(self.inner.sql.advance_watermark.clone()))
+            let advanced = sqlx::query(AssertSqlSafe(self.inner.sql.advance_watermark.clone()))
                 .bind(&self.inner.consumer)
                 .bind(entity.as_str())
                 .bind(seq)
+                .bind(&xact)
                 .execute(&mut **tx)
                 .await
                 .map_err(|e| super::handler_aborted(Error::from(e)))?;
+            if advanced.rows_affected() != 1 {
+                tracing::error!("pgbox: the watermark's transaction was ended inside the handler");
+                return Err(Error::TransactionEndedInHandler.into());
+            }
             if skipped > 0 {
                 tracing::warn!(skipped, "pgbox sequence gap skipped by policy");
             }
@@ -111,11 +117,12 @@ impl Inbox {
         .await
     }
 
-    /// Locks the entity's watermark row (creating it at 0 on first sight) and returns it.
-    async fn lock_watermark(&self, conn: &mut PgConnection, entity: &str) -> Result<i64> {
-        let lock = async |conn: &mut PgConnection| -> Result<Option<i64>> {
+    /// Locks the entity's watermark row (creating it at 0 on first sight) and returns it,
+    /// with the locking transaction's id.
+    async fn lock_watermark(&self, conn: &mut PgConnection, entity: &str) -> Result<(i64, String)> {
+        let lock = async |conn: &mut PgConnection| -> Result<Option<(i64, String)>> {
             Ok(
-                sqlx::query_scalar(AssertSqlSafe(self.inner.sql.lock_watermark.clone()))
+                sqlx::query_as(AssertSqlSafe(self.inner.sql.lock_watermark.clone()))
                     .bind(&self.inner.consumer)
                     .bind(entity)
                     .fetch_optional(conn)
