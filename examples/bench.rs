@@ -743,18 +743,21 @@ async fn main() -> anyhow::Result<()> {
             trips[trips.len() / 2].as_secs_f64() * 1e3
         );
     }
+    // A database of this run's own, dropped at the end: nothing the bench did not create is
+    // ever dropped.
+    let database = format!("pgbox_bench_{}", uuid::Uuid::now_v7().simple());
     let mut admin = sqlx::PgConnection::connect(&server).await?;
     admin
-        .execute("DROP DATABASE IF EXISTS pgbox_bench WITH (FORCE)")
+        .execute(sqlx::AssertSqlSafe(format!(
+            "CREATE DATABASE \"{database}\""
+        )))
         .await?;
-    admin.execute("CREATE DATABASE pgbox_bench").await?;
-    admin.close().await?;
-    let options = PgConnectOptions::from_str(&server)?.database("pgbox_bench");
+    let options = PgConnectOptions::from_str(&server)?.database(&database);
     let pool = PgPoolOptions::new()
         .max_connections(8)
         .connect_with(options.clone())
         .await?;
-    let pool08 = peers::pool08(&server, "pgbox_bench").await?;
+    let pool08 = peers::pool08(&server, &database).await?;
     pgbox::migrate(&pool).await?;
     pool.execute("CREATE TABLE bench_effects (k text NOT NULL, payload text NOT NULL)")
         .await?;
@@ -1536,6 +1539,13 @@ async fn main() -> anyhow::Result<()> {
             println!("- {note}");
         }
     }
+    pool.close().await;
+    pool08.close().await;
+    admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE IF EXISTS \"{database}\" WITH (FORCE)"
+        )))
+        .await?;
     Ok(())
 }
 

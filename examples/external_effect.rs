@@ -7,6 +7,8 @@
 //! Exits non-zero if an order is charged twice, never, or recorded with another charge.
 //! Run with `cargo run --example external_effect`.
 
+#[path = "support/demo_db.rs"]
+mod demo_db;
 #[path = "../tests/support/local_pg.rs"]
 mod local_pg;
 
@@ -32,7 +34,7 @@ async fn provider_charge(pool: &PgPool, order: i64, lease: &Lease) -> anyhow::Re
 /// The remote side: a retry with the same idempotency key gets the same answer; a token below
 /// the highest seen for the order is refused; an order is charged once (a later, newer holder
 /// gets the existing charge back).
-const PROVIDER: &str = "DROP SCHEMA IF EXISTS ee_provider CASCADE; CREATE SCHEMA ee_provider;
+const PROVIDER: &str = "
 CREATE TABLE ee_provider.charges (id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, order_id bigint NOT NULL, token bigint NOT NULL);
 CREATE TABLE ee_provider.fences (order_id bigint PRIMARY KEY, highest bigint NOT NULL);
 CREATE TABLE ee_provider.requests (idempotency_key text PRIMARY KEY, charge_id bigint);
@@ -52,8 +54,7 @@ BEGIN
   END IF;
   INSERT INTO ee_provider.requests VALUES (p_key, v_id);
   RETURN v_id;
-END $$;
-DROP SCHEMA IF EXISTS ee_pgbox CASCADE;";
+END $$;";
 
 /// The provider refused a stale holder's call.
 #[derive(Debug, thiserror::Error)]
@@ -108,11 +109,10 @@ async fn worker(pool: PgPool, inbox: Inbox, n: usize) -> anyhow::Result<(u32, u3
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let url = local_pg::database_url()
-        .await
-        .map_err(|e| anyhow::anyhow!(e))?;
+    let url = demo_db::demo_url().await?;
     let pool = PgPool::connect(&url).await?;
     // The example's own schemas, so it never touches another program's.
+    demo_db::reset_schemas(&pool, &["ee_provider", "ee_pgbox"]).await?;
     sqlx::raw_sql(PROVIDER).execute(&pool).await?;
     pgbox::Migrator::new()
         .schema("ee_pgbox")?

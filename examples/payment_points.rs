@@ -29,6 +29,8 @@
 //! of the built-in queue (found or started like the tests do: `RABBITMQ_URL`, `NATS_URL`, or
 //! the standard local ports); each run uses its own topic there.
 
+#[path = "support/demo_db.rs"]
+mod demo_db;
 #[path = "../tests/support/local_pg.rs"]
 mod local_pg;
 
@@ -259,10 +261,7 @@ impl<S: Subscriber> Subscriber for CrashingSubscriber<S> {
 }
 
 const SETUP: &str = "
-DROP SCHEMA IF EXISTS payments, payments_pgbox, points, points_pgbox, broker CASCADE;
-CREATE SCHEMA payments;
 CREATE TABLE payments.orders (id bigint PRIMARY KEY, user_id bigint NOT NULL, status text NOT NULL);
-CREATE SCHEMA points;
 CREATE TABLE points.ledger (order_id bigint PRIMARY KEY, user_id bigint NOT NULL, points bigint NOT NULL);
 CREATE TABLE points.accounts (id bigint PRIMARY KEY, total bigint NOT NULL, version bigint NOT NULL);
 ";
@@ -321,14 +320,13 @@ async fn simulate() -> anyhow::Result<()> {
             args.topic = format!("payment-succeeded-{run}");
         }
     }
-    let url = local_pg::database_url()
-        .await
-        .map_err(|e| anyhow::anyhow!(e))?;
+    let url = demo_db::demo_url().await?;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(8)
         .connect(&url)
         .await?;
 
+    demo_db::reset_schemas(&pool, &demo::SCHEMAS).await?;
     sqlx::raw_sql(SETUP).execute(&pool).await?;
     for schema in ["payments_pgbox", "points_pgbox", "broker"] {
         Migrator::new().schema(schema)?.run(&pool).await?;

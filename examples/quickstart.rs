@@ -4,6 +4,9 @@
 //! Run with `cargo run --example quickstart`. Uses `DATABASE_URL` when set, else a local
 //! server, else starts a throwaway cluster (see `tests/support/local_pg.rs`).
 
+#[allow(dead_code)]
+#[path = "support/demo_db.rs"]
+mod demo_db;
 #[path = "../tests/support/local_pg.rs"]
 mod local_pg;
 
@@ -20,9 +23,8 @@ struct Grant {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let url = local_pg::database_url()
-        .await
-        .map_err(|e| anyhow::anyhow!(e))?;
+    // A database of the example's own (pgbox_demo), or DATABASE_URL's.
+    let url = demo_db::demo_url().await?;
     let pool = PgPool::connect(&url).await?;
 
     // 1. Once per service start: pgbox's tables, in their own schema.

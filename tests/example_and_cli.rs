@@ -295,3 +295,62 @@ async fn cli_errors_have_clear_messages_and_exit_codes() {
         assert!(err.contains(needle), "{args:?}: {err:?} lacks {needle:?}");
     }
 }
+
+/// The examples never drop what they did not create: a user's own `payments` schema in the
+/// database they point the example at stops it with an error, untouched; a second run in a
+/// database where the example made its schemas itself resets them and succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_never_drops_a_schema_it_did_not_create() {
+    let db = TestDb::empty().await;
+    sqlx::raw_sql(
+        "CREATE SCHEMA payments; CREATE TABLE payments.orders (id bigint PRIMARY KEY); \
+         INSERT INTO payments.orders VALUES (42); CREATE SCHEMA ee_pgbox; \
+         CREATE TABLE ee_pgbox.mine (id int); INSERT INTO ee_pgbox.mine VALUES (1);",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let run = |name: &'static str, args: &'static [&'static str], url: String| {
+        let example = example_path(name);
+        tokio::task::spawn_blocking(move || {
+            Command::new(example)
+                .args(args)
+                .env("DATABASE_URL", url)
+                .output()
+                .unwrap()
+        })
+    };
+    for (name, args) in [
+        ("payment_points", &["--orders", "20"][..]),
+        ("external_effect", &[][..]),
+    ] {
+        let out = run(name, args, db.url()).await.unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(!out.status.success(), "{name} ran over a user's schema");
+        assert!(
+            stderr.contains("was not created by pgbox's examples"),
+            "{name}: {stderr}"
+        );
+    }
+    let kept: i64 = sqlx::query_scalar(
+        "SELECT (SELECT count(*) FROM payments.orders WHERE id = 42) \
+              + (SELECT count(*) FROM ee_pgbox.mine)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(kept, 2, "a user's rows were touched");
+
+    // In a database of its own, the example runs, and runs again over what it made.
+    let own = TestDb::empty().await;
+    for _ in 0..2 {
+        let out = run("payment_points", &["--orders", "20"], own.url())
+            .await
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

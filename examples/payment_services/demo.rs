@@ -24,7 +24,6 @@ use tokio::process::{Child, Command};
 use tokio::sync::Mutex;
 
 use crate::http::{self, Response};
-use crate::local_pg;
 use crate::points::POINTS_PER_ORDER;
 use crate::service::TransportKind;
 
@@ -76,8 +75,14 @@ pub struct DemoArgs {
     wait_secs: u64,
 }
 
-const RESET: &str =
-    "DROP SCHEMA IF EXISTS payments, payments_pgbox, points, points_pgbox, broker CASCADE";
+/// The schemas the demo owns in its database (see `demo_db`).
+pub(crate) const SCHEMAS: [&str; 5] = [
+    "payments",
+    "payments_pgbox",
+    "points",
+    "points_pgbox",
+    "broker",
+];
 
 /// A service process, restarted in place (same port) after a kill.
 struct Service {
@@ -276,14 +281,12 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<bool> {
         return run_external(&args, payments_url, points_url).await;
     }
     let started = Instant::now();
-    let url = local_pg::database_url()
-        .await
-        .map_err(|e| anyhow::anyhow!(e))?;
+    let url = crate::demo_db::demo_url().await?;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
         .connect(&url)
         .await?;
-    sqlx::raw_sql(RESET).execute(&pool).await?;
+    crate::demo_db::reset_schemas(&pool, &SCHEMAS).await?;
 
     let run = uuid::Uuid::now_v7().simple().to_string();
     let mut env = vec![("DATABASE_URL".to_owned(), url.clone())];

@@ -13,6 +13,8 @@
 //! Both services serve `/health` and `/metrics` (Prometheus) and stop gracefully on SIGTERM
 //! or Ctrl-C.
 
+#[path = "../support/demo_db.rs"]
+mod demo_db;
 #[path = "../../tests/support/local_pg.rs"]
 mod local_pg;
 

@@ -1,0 +1,123 @@
+//! Where the examples keep their data: never in a database or schema they did not create.
+//!
+//! Without `DATABASE_URL`, an example works in a database of its own, `pgbox_demo` (or
+//! `PGBOX_DEMO_DATABASE`), on the server the tests would use (a reachable local one, else a
+//! throwaway cluster): created if missing and marked with a comment. A database of that name
+//! without the mark belongs to someone else and is refused. With `DATABASE_URL`, the example
+//! uses that database as given. Either way, the schemas an example resets are dropped only if
+//! they carry the mark of the examples; a schema of the same name made by anyone else stops the
+//! example with an error, untouched.
+
+use anyhow::{Context, bail};
+use sqlx::{Connection, PgConnection, PgPool};
+
+use crate::local_pg;
+
+/// The comment that marks a database or schema as the examples' own.
+const MARK: &str = "created by the pgbox examples; safe to drop";
+
+/// The database the example runs in, as a URL (see the module docs).
+pub async fn demo_url() -> anyhow::Result<String> {
+    if let Ok(url) = std::env::var("DATABASE_URL")
+        && !url.is_empty()
+    {
+        return Ok(url);
+    }
+    let server = local_pg::database_url()
+        .await
+        .map_err(|e| anyhow::anyhow!(e))?;
+    let name = std::env::var("PGBOX_DEMO_DATABASE").unwrap_or_else(|_| "pgbox_demo".into());
+    let mut admin = PgConnection::connect(&server)
+        .await
+        .with_context(|| format!("connect to {server}"))?;
+    let comment: Option<Option<String>> = sqlx::query_scalar(
+        "SELECT shobj_description(oid, 'pg_database') FROM pg_database WHERE datname = $1",
+    )
+    .bind(&name)
+    .fetch_optional(&mut admin)
+    .await?;
+    match comment {
+        Some(Some(c)) if c == MARK => {}
+        Some(_) => bail!(
+            "a database named {name:?} exists and was not created by pgbox's examples: refusing \
+             to touch it (set PGBOX_DEMO_DATABASE to another name, or DATABASE_URL)"
+        ),
+        None => {
+            let quoted = quote_ident(&name)?;
+            let created = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE {quoted}")))
+                .execute(&mut admin)
+                .await;
+            match created {
+                Ok(_) => {}
+                // Another example created it at the same moment: check its mark again.
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("42P04") => {
+                    return Box::pin(demo_url()).await;
+                }
+                Err(e) => return Err(e).context(format!("create the demo database {name:?}")),
+            }
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "COMMENT ON DATABASE {quoted} IS '{MARK}'"
+            )))
+            .execute(&mut admin)
+            .await?;
+            eprintln!("pgbox example: created the database {name:?} for its data");
+        }
+    }
+    admin.close().await.ok();
+    let mut url = url::Url::parse(&server).context("the server's URL")?;
+    url.set_path(&name);
+    Ok(url.to_string())
+}
+
+/// Drops and recreates `schemas`, each only if it is the examples' own (or absent): a schema
+/// of one of these names made by anyone else is an error, and nothing is dropped.
+pub async fn reset_schemas(pool: &PgPool, schemas: &[&str]) -> anyhow::Result<()> {
+    let mut existing = Vec::new();
+    for schema in schemas {
+        let comment: Option<Option<String>> = sqlx::query_scalar(
+            "SELECT obj_description(oid, 'pg_namespace') FROM pg_namespace WHERE nspname = $1",
+        )
+        .bind(schema)
+        .fetch_optional(pool)
+        .await?;
+        let Some(comment) = comment else { continue };
+        existing.push(*schema);
+        if comment.as_deref() != Some(MARK) {
+            bail!(
+                "the schema {schema:?} exists in this database and was not created by pgbox's \
+                 examples: refusing to drop it. Run the example in a database of its own (unset \
+                 DATABASE_URL to use pgbox_demo, or point DATABASE_URL at an empty database)"
+            );
+        }
+    }
+    for schema in schemas {
+        let quoted = quote_ident(schema)?;
+        // Only what exists is dropped: no "does not exist, skipping" notices on a first run.
+        let drop = if existing.contains(schema) {
+            format!("DROP SCHEMA {quoted} CASCADE; ")
+        } else {
+            String::new()
+        };
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "SET LOCAL client_min_messages = warning; {drop}CREATE SCHEMA {quoted}; \
+             COMMENT ON SCHEMA {quoted} IS '{MARK}'"
+        )))
+        .execute(pool)
+        .await?;
+    }
+    Ok(())
+}
+
+/// A lower-case name as a quoted identifier; anything else is refused.
+fn quote_ident(name: &str) -> anyhow::Result<String> {
+    let valid = !name.is_empty()
+        && name.len() <= 63
+        && name.starts_with(|c: char| c.is_ascii_lowercase() || c == '_')
+        && name
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !valid {
+        bail!("{name:?} is not a plain lower-case name");
+    }
+    Ok(format!("\"{name}\""))
+}
