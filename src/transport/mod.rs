@@ -3,8 +3,9 @@
 //! [`Publisher`] is the relay's side: publish a batch, confirm each message. The built-in
 //! [`PgQueue`] implements it and also the receiving side (visibility timeout, ack, nack,
 //! dead letters), so a whole pipeline runs on PostgreSQL alone. Broker adapters implement
-//! both traits for their client: [`rabbitmq`] (feature `rabbitmq`) and [`nats`] (feature
-//! `nats`). Every transport is checked by the same [`conformance`] suite (feature `testing`).
+//! both traits for their client: `transport::rabbitmq` (feature `rabbitmq`) and
+//! `transport::nats` (feature `nats`). Every transport is checked by the same
+//! `transport::conformance` suite (feature `testing`).
 
 #[cfg(feature = "testing")]
 pub mod conformance;
