@@ -110,7 +110,7 @@ async fn worker(pool: PgPool, inbox: Inbox, n: usize) -> anyhow::Result<(u32, u3
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let url = demo_db::demo_url().await?;
-    let pool = PgPool::connect(&url).await?;
+    let pool = pgbox::connect(&url, sqlx::postgres::PgPoolOptions::new()).await?;
     // The example's own schemas, so it never touches another program's.
     demo_db::reset_schemas(&pool, &["ee_provider", "ee_pgbox"]).await?;
     sqlx::raw_sql(PROVIDER).execute(&pool).await?;

@@ -12,7 +12,6 @@ mod local_pg;
 
 use pgbox::{Inbox, Outcome};
 use serde::{Deserialize, Serialize};
-use sqlx::PgPool;
 
 /// What the handler returns: stored with the inbox row and handed back to every duplicate.
 #[derive(Debug, Serialize, Deserialize)]
@@ -25,7 +24,7 @@ struct Grant {
 async fn main() -> anyhow::Result<()> {
     // A database of the example's own (pgbox_demo), or DATABASE_URL's.
     let url = demo_db::demo_url().await?;
-    let pool = PgPool::connect(&url).await?;
+    let pool = pgbox::connect(&url, sqlx::postgres::PgPoolOptions::new()).await?;
 
     // 1. Once per service start: pgbox's tables, in their own schema.
     pgbox::migrate(&pool).await?;

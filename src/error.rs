@@ -252,13 +252,23 @@ pub enum Error {
     InvalidSequence(i64),
 
     /// A database error, classified by SQLSTATE.
-    #[error("database error ({kind}): {source}")]
+    #[error("database error ({kind}): {}", sqlx_message(source))]
     Database {
         /// The classification.
         kind: DbErrorKind,
         /// The original error.
         #[source]
         source: sqlx::Error,
+    },
+
+    /// [`connect`](crate::connect) could not open its first connection: nothing listening,
+    /// a refused login, a missing database. Says where it tried (never the password) and why.
+    #[error("cannot connect to {target}: {reason}")]
+    Connect {
+        /// `user@host:port/database`.
+        target: String,
+        /// What went wrong, as the server or the network said it.
+        reason: String,
     },
 
     /// Applying migrations failed.
@@ -274,6 +284,32 @@ pub enum Error {
         /// What went wrong, with the client's error.
         message: String,
     },
+}
+
+/// A server error as a person can act on it: the message, the SQLSTATE, and the server's
+/// detail and hint when it sent them; not the server's source-file position, which sqlx's
+/// own display appends ("at line 334").
+pub(crate) fn database_message(db: &dyn sqlx::error::DatabaseError) -> String {
+    let mut text = db.message().to_owned();
+    if let Some(code) = db.code() {
+        text.push_str(&format!(" (SQLSTATE {code})"));
+    }
+    if let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+        if let Some(detail) = pg.detail() {
+            text.push_str(&format!("; {detail}"));
+        }
+        if let Some(hint) = pg.hint() {
+            text.push_str(&format!("; hint: {hint}"));
+        }
+    }
+    text
+}
+
+fn sqlx_message(e: &sqlx::Error) -> String {
+    match e {
+        sqlx::Error::Database(db) => database_message(db.as_ref()),
+        other => other.to_string(),
+    }
 }
 
 impl Error {

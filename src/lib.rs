@@ -7,6 +7,7 @@
     rust_2018_idioms
 )]
 
+mod connect;
 mod consumer;
 pub mod doctor;
 mod error;
@@ -30,6 +31,7 @@ mod version;
 /// Cancels a [`Relay`] or [`Consumer`] run (re-exported from `tokio-util`).
 pub use tokio_util::sync::CancellationToken;
 
+pub use crate::connect::{FIRST_CONNECTION_TIMEOUT, connect};
 pub use crate::consumer::{
     Consumer, ConsumerBuilder, ConsumerStats, MAX_VISIBILITY_TIMEOUT, MIN_VISIBILITY_TIMEOUT,
 };

@@ -254,12 +254,29 @@ async fn cli_errors_have_clear_messages_and_exit_codes() {
     let db = TestDb::empty().await; // not migrated
     let url = db.url();
     let cases: Vec<(Option<&str>, Vec<&str>, i32, &str)> = vec![
-        (Some("not a url"), vec!["status"], 3, "bad database URL"),
         (
-            Some("postgres://postgres@127.0.0.1:1/nothing"),
+            Some("not a url"),
             vec!["status"],
             3,
-            "cannot connect",
+            "database URL has no scheme",
+        ),
+        (
+            Some("mysql://root@127.0.0.1:3306/test"),
+            vec!["status"],
+            3,
+            "pgbox needs a PostgreSQL URL",
+        ),
+        (
+            Some("http://127.0.0.1:5432/postgres"),
+            vec!["status"],
+            3,
+            "scheme is \"http\"",
+        ),
+        (
+            Some("postgres://postgres:hunter2@127.0.0.1:1/nothing"),
+            vec!["status"],
+            3,
+            "cannot connect to postgres@127.0.0.1:1/nothing: connection refused",
         ),
         (None, vec!["status"], 2, "DATABASE_URL"),
         (Some(url.as_str()), vec!["status"], 4, "pgbox migrate"),
@@ -289,11 +306,30 @@ async fn cli_errors_have_clear_messages_and_exit_codes() {
         ),
     ];
     for (url, args, code, needle) in cases {
+        let started = std::time::Instant::now();
         let out = pgbox_cli(url, &args);
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
         assert!(err.contains(needle), "{args:?}: {err:?} lacks {needle:?}");
+        assert!(!err.contains("hunter2"), "the password leaked: {err}");
+        assert!(
+            !err.contains(" at line "),
+            "a server source position: {err}"
+        );
+        // Refused at once, not after the pool's 10 s acquire timeout.
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(5),
+            "{args:?} took {:?}",
+            started.elapsed()
+        );
     }
+    // A refused login keeps the server's words, once, without its source position.
+    let bad_database = url.replace(&db.name, "pgbox_no_such_database");
+    let out = pgbox_cli(Some(&bad_database), &["status"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{err}");
+    assert!(err.contains("does not exist (SQLSTATE 3D000)"), "{err}");
+    assert_eq!(err.matches("does not exist").count(), 1, "{err}");
 }
 
 /// The examples never drop what they did not create: a user's own `payments` schema in the

@@ -125,11 +125,13 @@ impl ServiceArgs {
     }
 
     pub async fn connect(&self) -> anyhow::Result<PgPool> {
-        Ok(sqlx::postgres::PgPoolOptions::new()
-            .max_connections(self.max_connections)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect(&self.database_url)
-            .await?)
+        Ok(pgbox::connect(
+            &self.database_url,
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(self.max_connections)
+                .acquire_timeout(Duration::from_secs(10)),
+        )
+        .await?)
     }
 }
 

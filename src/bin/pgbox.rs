@@ -238,15 +238,14 @@ fn print(json_mode: bool, value: Value, text: impl FnOnce() -> String) {
 
 async fn connect(url: Option<&str>) -> Result<PgPool, Failure> {
     let url = url.ok_or_else(|| fail(2, "no database: pass --database-url or set DATABASE_URL"))?;
-    let options: sqlx::postgres::PgConnectOptions = url
-        .parse()
-        .map_err(|e| fail(3, format!("bad database URL: {e}")))?;
-    PgPoolOptions::new()
-        .max_connections(2)
-        .acquire_timeout(Duration::from_secs(10))
-        .connect_with(options)
-        .await
-        .map_err(|e| fail(3, format!("cannot connect: {e}")))
+    pgbox::connect(
+        url,
+        PgPoolOptions::new()
+            .max_connections(2)
+            .acquire_timeout(Duration::from_secs(10)),
+    )
+    .await
+    .map_err(|e| fail(3, e.to_string()))
 }
 
 async fn ensure_schema(pool: &PgPool, schema: &str) -> Result<(), Failure> {
