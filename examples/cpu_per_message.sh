@@ -3,7 +3,7 @@
 # backend (server), read from /proc/<pid>/stat over a window in the middle of a run. On a
 # machine where the client and the server share a few cores, rate follows this total.
 #
-#   cargo build --release --example bench
+#   cargo build --release -p pgbox-bench
 #   examples/cpu_per_message.sh "I1c" 16        # arm name prefix (as --only takes), clients
 #
 # Needs a local server (the PostgreSQL backends are found as processes of the `postgres`
@@ -13,7 +13,7 @@
 set -euo pipefail
 arm="${1:?arm name prefix}"
 clients="${2:-16}"
-bench="$(dirname "$0")/../target/release/examples/bench"
+bench="$(dirname "$0")/../target/release/pgbox-bench"
 out="$(mktemp)"
 trap 'rm -f "$out"' EXIT
 

@@ -2,12 +2,12 @@
 //! database. See BENCHMARKS.md for the method and the results.
 //!
 //! ```text
-//! cargo run --release --example bench                 # full run
-//! cargo run --release --example bench -- --quick      # under two minutes (CI)
-//! cargo run --release --example bench -- --only P     # the time-partitioned inbox (P1-P3)
+//! cargo run --release -p pgbox-bench                 # full run
+//! cargo run --release -p pgbox-bench -- --quick      # under two minutes (CI)
+//! cargo run --release -p pgbox-bench -- --only P     # the time-partitioned inbox (P1-P3)
 //! ```
 
-#[path = "../tests/support/local_pg.rs"]
+#[path = "../../tests/support/local_pg.rs"]
 mod local_pg;
 
 use std::collections::HashMap;
