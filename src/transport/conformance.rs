@@ -25,6 +25,9 @@
 //!   `traceparent`), creation time and payloads from 0 bytes to several MiB arrive unchanged.
 //! - [`per_key_order`] (when [`Capabilities::per_key_order`] is claimed): one message per key
 //!   in hand at a time, keys in publication order.
+//! - [`requeue_keeps_key_order`] (when [`Capabilities::per_key_order`] is claimed): a
+//!   message nacked with a zero delay comes back before the later messages of its key,
+//!   even those the consumer already holds (a broker's prefetch buffer).
 //! - [`survives_cut_connection`]: after the connections are cut, the same publisher and
 //!   subscriber instances carry on, and no confirmed message is lost.
 
@@ -43,7 +46,9 @@ use crate::outbox::{Envelope, TRACEPARENT};
 #[non_exhaustive]
 pub struct Capabilities {
     /// At most one message per ordering key is in hand at a time, and a key's messages are
-    /// delivered in publication order (absent retries). Checked by [`per_key_order`].
+    /// delivered in publication order, also across a nack with a zero delay (a nack with a
+    /// delay may let later messages of the key overtake). Checked by [`per_key_order`] and
+    /// [`requeue_keeps_key_order`].
     pub per_key_order: bool,
     /// The visibility timeout the checks pass to [`Subscriber::receive`].
     pub visibility: Duration,
@@ -168,6 +173,7 @@ macro_rules! conformance_tests {
         $crate::conformance_tests!(@one $harness, conformance_attempts_grow_then_dead_letter, attempts_grow_then_dead_letter);
         $crate::conformance_tests!(@one $harness, conformance_byte_exact, byte_exact);
         $crate::conformance_tests!(@one $harness, conformance_per_key_order, per_key_order);
+        $crate::conformance_tests!(@one $harness, conformance_requeue_keeps_key_order, requeue_keeps_key_order);
         $crate::conformance_tests!(@one $harness, conformance_survives_cut_connection, survives_cut_connection);
     };
     (@one $harness:expr, $test:ident, $check:ident) => {
@@ -583,6 +589,93 @@ pub async fn per_key_order<H: Harness>(h: &H) {
             tokio::time::sleep(POLL).await;
         }
     }
+}
+
+/// With per-key order claimed: a message nacked with a zero delay is delivered again before
+/// the later messages of its key, including those the subscriber already received from the
+/// broker (prefetched) while it was in hand. A no-op for transports that do not claim it.
+pub async fn requeue_keeps_key_order<H: Harness>(h: &H) {
+    let caps = h.capabilities();
+    if !caps.per_key_order {
+        tracing::info!("conformance: per-key order not claimed; skipped");
+        return;
+    }
+    let topic = h.fresh_topic().await;
+    let publisher = h.publisher().await;
+    let sub = h.subscriber().await;
+    // Two keys interleaved, in one batch: a1 b1 a2 b2 a3 b3.
+    let mut batch = Vec::new();
+    for n in 1..=3 {
+        for k in ["a", "b"] {
+            let mut e = envelope(&topic, format!("{k}{n}"));
+            e.ordering_key = Some(k.to_owned());
+            batch.push(e);
+        }
+    }
+    publish_all(&publisher, &batch).await;
+    let name = |sub: &H::Subscriber, d: &S<H>| {
+        String::from_utf8(sub.envelope(d).payload.clone()).expect("utf-8")
+    };
+    type S<H> = <<H as Harness>::Subscriber as Subscriber>::Delivery;
+
+    // The heads of both keys, a1 and b1.
+    let heads = collect(&sub, &topic, 2, caps.visibility, Duration::from_secs(20)).await;
+    let mut names: Vec<String> = heads.iter().map(|d| name(&sub, d)).collect();
+    names.sort();
+    assert_eq!(names, ["a1", "b1"], "the heads of the two keys come first");
+    let (a1, b1): (Vec<_>, Vec<_>) = heads.into_iter().partition(|d| name(&sub, d) == "a1");
+    // Settling b1 lets b2 out. b2 was published after a2, so once b2 is here a2 has reached
+    // this subscriber too (on a broker that sends ahead, it waits in the prefetch buffer).
+    ack_all(&sub, &b1).await;
+    let b2 = collect(&sub, &topic, 1, caps.visibility, Duration::from_secs(20)).await;
+    assert_eq!(b2.len(), 1, "b2 arrived");
+    assert_eq!(
+        name(&sub, &b2[0]),
+        "b2",
+        "only b2 may come while a1 is in hand"
+    );
+    ack_all(&sub, &b2).await;
+
+    let fresh = sub
+        .nack(&a1[0], Duration::ZERO, "again")
+        .await
+        .expect("nack");
+    assert!(fresh, "nack of a fresh delivery reported stale");
+    drop(a1);
+
+    // What comes next, each settled as soon as it arrives: a1 again, then a2, a3 (and b3).
+    let mut order: Vec<(String, i32)> = Vec::new();
+    let start = Instant::now();
+    while order.len() < 4 {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "after the nack only {order:?} arrived within 30 s"
+        );
+        let got = sub
+            .receive(&topic, 8, caps.visibility)
+            .await
+            .expect("receive");
+        if got.is_empty() {
+            tokio::time::sleep(POLL).await;
+        }
+        for d in &got {
+            order.push((name(&sub, d), sub.attempt(d)));
+        }
+        ack_all(&sub, &got).await;
+    }
+    let key_a: Vec<&str> = order
+        .iter()
+        .filter(|(n, _)| n.starts_with('a'))
+        .map(|(n, _)| n.as_str())
+        .collect();
+    assert_eq!(
+        key_a,
+        ["a1", "a2", "a3"],
+        "key a after a1 was nacked with a zero delay (all deliveries: {order:?})"
+    );
+    let again = order.iter().find(|(n, _)| n == "a1").expect("a1 again");
+    assert_eq!(again.1, 2, "the redelivery of a1 is attempt 2");
+    assert_quiet(&sub, &topic, caps.visibility, Duration::from_millis(500)).await;
 }
 
 /// After the connections are cut, the same publisher and subscriber carry on (reconnecting

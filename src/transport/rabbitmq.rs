@@ -48,19 +48,34 @@
 //! **up** to a power of two milliseconds, and which dead-letters expired messages back to the
 //! topic's queue; then it acks the original. So the redelivery comes no earlier than the
 //! delay and at most about twice as late. Retry queues expire when unused. A nack with a
-//! zero delay requeues in place.
+//! zero delay requeues the message in place (`basic.nack` with requeue), without a copy;
+//! see order for what that does to its key.
 //!
 //! **Dead letters**: `dead_letter` publishes a copy to `<prefix>T.dead` with the error in
 //! `x-pgbox-error`, then acks the original. Inspect them with [`RabbitMq::dead_letters`]
-//! (or any AMQP tool).
+//! (or any AMQP tool). When publishing the copy fails, the message is requeued in place
+//! instead (so is a message whose delayed nack could not publish its retry copy).
 //!
 //! **Order**: a quorum queue delivers in queue order, single active consumer gives one
 //! consumer process the queue at a time, and `receive` hands out at most one message per
-//! ordering key until it is settled (later ones wait in the prefetch buffer). So messages of
-//! a key are handled one at a time in publication order, **except** around a nack with a
-//! delay: the retried message goes behind later messages of its key. Use
+//! ordering key until it is settled (later ones wait in the prefetch buffer). A message
+//! requeued in place (a nack with a zero delay, or a failed dead-letter or delayed nack)
+//! comes back behind the messages the broker had already sent ahead, later ones of its key
+//! among them: so its key stays held, and they keep waiting, until it is delivered again.
+//! So messages of a key are handled one at a time in publication order, also across
+//! requeues in place, **except**:
+//! - around a nack with a delay: the retry copy re-enters the topic's queue at its tail,
+//!   behind later messages of its key, which are handed out meanwhile;
+//! - when a requeued message does not come back within the operation timeout
+//!   ([`RabbitMqBuilder::operation_timeout`]; e.g. the broker dead-lettered it at a queue's
+//!   delivery limit): the key is then let go, and a late return queues up behind the key's
+//!   messages already received.
+//!
+//! A dead-lettered message lets the next message of its key out. Without single active
+//! consumer no order is promised, and a key is not held for its requeued message (which
+//! may go to another consumer). Use
 //! [`Inbox::process_in_order`](crate::Inbox::process_in_order) where order must survive
-//! retries.
+//! delayed retries.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
@@ -229,7 +244,9 @@ impl RabbitMqBuilder {
     /// Bound on every other broker operation: opening a channel, declaring, acking,
     /// nacking, publishing a retry or dead-letter copy (default 10 s). An operation past it
     /// counts as failed and the connection is replaced, so that a connection that died
-    /// without a clean close can never hang a consumer (or its shutdown).
+    /// without a clean close can never hang a consumer (or its shutdown). It also bounds
+    /// how long an ordering key waits for its message requeued in place to come back (see
+    /// the [module docs](self), order).
     pub fn operation_timeout(mut self, timeout: Duration) -> Self {
         self.operation_timeout = timeout;
         self
@@ -321,13 +338,25 @@ struct TopicConsumer {
     /// The generation of the connection the channel belongs to.
     generation: u64,
     consumer: lapin::Consumer,
-    /// Received, but another message of its key is in hand.
+    /// Received, but its key is held (see [`Holder`]).
     held: VecDeque<RabbitDelivery>,
     gate: Gate,
 }
 
-/// Ordering keys in hand, each with the tag of the delivery holding it.
-type Gate = Arc<StdMutex<HashMap<String, u64>>>;
+/// The held ordering keys: later messages of a key in here wait.
+type Gate = Arc<StdMutex<HashMap<String, Holder>>>;
+
+/// Why an ordering key is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Holder {
+    /// A delivery of the key is in hand (handed out, not settled), by its tag.
+    InHand(u64),
+    /// The message `id` was requeued in place and is on its way back: the broker sends it
+    /// behind the messages it had already sent ahead, later messages of its key among them,
+    /// so these must wait for it. Until `until` only: a message the broker dead-letters
+    /// instead (at a delivery limit) never comes back.
+    Requeued { id: Uuid, until: Instant },
+}
 
 /// Tags deliveries, so that only the holder of a key releases it.
 static NEXT_TAG: AtomicU64 = AtomicU64::new(1);
@@ -345,6 +374,10 @@ pub struct RabbitDelivery {
     tag: u64,
     /// The transport's operation bound, for settling.
     bound: Bound,
+    /// Whether a requeue in place holds the key until the message is back: only with single
+    /// active consumer, which sends it back to this consumer (otherwise any consumer of the
+    /// queue may get it, and no order is promised).
+    hold_requeued: bool,
 }
 
 impl Drop for RabbitDelivery {
@@ -378,8 +411,27 @@ impl RabbitDelivery {
     fn release_key(&self) {
         if let Some(key) = &self.envelope.ordering_key {
             let mut gate = self.gate.lock().expect("gate");
-            if gate.get(key) == Some(&self.tag) {
+            if gate.get(key) == Some(&Holder::InHand(self.tag)) {
                 gate.remove(key);
+            }
+        }
+    }
+
+    /// After a requeue in place: the key stays held for this message's return (bounded by
+    /// the operation timeout), instead of letting out a later message of the key that the
+    /// broker had already sent ahead.
+    fn await_return(&self) {
+        if let Some(key) = &self.envelope.ordering_key
+            && self.hold_requeued
+        {
+            let mut gate = self.gate.lock().expect("gate");
+            if let Some(holder) = gate.get_mut(key)
+                && *holder == Holder::InHand(self.tag)
+            {
+                *holder = Holder::Requeued {
+                    id: self.envelope.id,
+                    until: Instant::now() + self.bound.limit,
+                };
             }
         }
     }
@@ -949,7 +1001,8 @@ impl Subscriber for RabbitMq {
         }
         let state = slot.as_mut().expect("just set");
         let mut out = Vec::new();
-        // Held messages first, in arrival order, one per key.
+        // Held messages first, in arrival order, one per key (a key waiting for its requeued
+        // message lets only that message out: see `admit`).
         let mut still_held = VecDeque::new();
         while let Some(d) = state.held.pop_front() {
             if out.len() < max && admit(&state.gate, &d) {
@@ -1024,6 +1077,7 @@ impl Subscriber for RabbitMq {
                 gate: state.gate.clone(),
                 tag: NEXT_TAG.fetch_add(1, Ordering::Relaxed),
                 bound: self.inner.bound.clone(),
+                hold_requeued: self.inner.config.single_active_consumer,
             };
             if admit(&state.gate, &d) {
                 out.push(d);
@@ -1064,6 +1118,7 @@ impl Subscriber for RabbitMq {
 
     async fn nack(&self, delivery: &RabbitDelivery, delay: Duration, error: &str) -> Result<bool> {
         let result = self.nack_inner(delivery, delay, error).await;
+        // A no-op after a requeue in place, which keeps the key held for the message.
         delivery.release_key();
         result
     }
@@ -1082,7 +1137,6 @@ impl Subscriber for RabbitMq {
             ack_original(delivery).await
         }
         .await;
-        delivery.release_key();
         match &result {
             Ok(_) => {
                 tracing::warn!(message_id = %delivery.envelope.id, attempt = delivery.attempt, error, "pgbox rabbitmq message dead-lettered")
@@ -1092,23 +1146,37 @@ impl Subscriber for RabbitMq {
                 requeue(delivery).await;
             }
         }
+        // After the requeue, which keeps the key held for the message's return.
+        delivery.release_key();
         result
     }
 }
 
-/// Whether `d` may be handed out now (no other message of its key in hand); marks its key.
+/// Whether `d` may be handed out now (its key is not held, or held for `d` itself as the
+/// return of a requeued message, or held past the bound for a return that did not come);
+/// marks its key in hand.
 fn admit(gate: &Gate, d: &RabbitDelivery) -> bool {
-    match &d.envelope.ordering_key {
-        None => true,
-        Some(key) => {
-            let mut gate = gate.lock().expect("gate");
-            if gate.contains_key(key) {
+    let Some(key) = &d.envelope.ordering_key else {
+        return true;
+    };
+    let mut gate = gate.lock().expect("gate");
+    match gate.get(key) {
+        None => {}
+        Some(Holder::InHand(_)) => return false,
+        Some(Holder::Requeued { id, .. }) if *id == d.envelope.id => {}
+        Some(Holder::Requeued { id, until }) => {
+            if Instant::now() < *until {
                 return false;
             }
-            gate.insert(key.clone(), d.tag);
-            true
+            tracing::warn!(
+                message_id = %id,
+                ordering_key = key.as_str(),
+                "pgbox rabbitmq: a message requeued in place did not come back within the operation timeout (dead-lettered at a delivery limit?); letting the next message of its key out"
+            );
         }
     }
+    gate.insert(key.clone(), Holder::InHand(d.tag));
+    true
 }
 
 async fn ack_original(delivery: &RabbitDelivery) -> Result<bool> {
@@ -1123,15 +1191,25 @@ async fn ack_original(delivery: &RabbitDelivery) -> Result<bool> {
         })
 }
 
-async fn requeue(delivery: &RabbitDelivery) {
-    let _ = delivery
+/// Puts the message back in its queue (`basic.nack` with requeue), keeping its key held
+/// until it is back. `false` when the nack was not sent or not answered in time (the
+/// channel is gone, the connection is replaced, or the delivery was settled already): then
+/// the key is let go, since a message whose channel is gone comes back to the consumer that
+/// reopens it, with a fresh gate.
+async fn requeue(delivery: &RabbitDelivery) -> bool {
+    let done = delivery
         .acker
         .nack(BasicNackOptions {
             requeue: true,
             ..Default::default()
         })
         .within(&delivery.bound, "nack")
-        .await;
+        .await
+        .unwrap_or(false);
+    if done {
+        delivery.await_return();
+    }
+    done
 }
 
 impl RabbitMq {
@@ -1142,15 +1220,7 @@ impl RabbitMq {
         error: &str,
     ) -> Result<bool> {
         if delay.is_zero() {
-            let done = delivery
-                .acker
-                .nack(BasicNackOptions {
-                    requeue: true,
-                    ..Default::default()
-                })
-                .within(&delivery.bound, "nack")
-                .await
-                .unwrap_or(false);
+            let done = requeue(delivery).await;
             tracing::info!(message_id = %delivery.envelope.id, error, "pgbox rabbitmq nack; requeued");
             return Ok(done);
         }
