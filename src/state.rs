@@ -19,10 +19,11 @@ use std::fmt;
 use std::marker::PhantomData;
 
 use sqlx::postgres::PgArguments;
-use sqlx::{Arguments, AssertSqlSafe, Encode, PgConnection, Postgres, Row, Type};
+use sqlx::{Arguments, AssertSqlSafe, Encode, Postgres, Row, Type};
 
 use crate::error::{Error, Result};
 use crate::ident::{Identifier, TableRef};
+use crate::inbox::ConnectionLike;
 
 /// A set of states stored as text, and which transitions between them are allowed.
 ///
@@ -236,7 +237,7 @@ impl<S: StateMachine> StateTable<S> {
     /// serialize, and updates it only `WHERE status = ANY(predecessors of to)`.
     pub async fn transition<'q, I>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl ConnectionLike,
         id: I,
         to: S,
     ) -> Result<Transition<S>>
@@ -267,8 +268,12 @@ impl<S: StateMachine> StateTable<S> {
             args.add(&self.graph.predecessors[to_index])
                 .map_err(sqlx::Error::Encode)?;
             let row = sqlx::query_with(AssertSqlSafe(sql.clone()), args)
-                .fetch_one(&mut *conn)
-                .await?;
+                .fetch_one(conn.connection())
+                .await;
+            if row.is_err() {
+                conn.statement_failed();
+            }
+            let row = row?;
             let exists: bool = row.try_get(0)?;
             let current: Option<String> = row.try_get(1)?;
             let applied: bool = row.try_get(2)?;
@@ -311,7 +316,7 @@ impl<S: StateMachine> StateTable<S> {
     }
 
     /// The row's current state, `None` if there is no such row.
-    pub async fn current<'q, I>(&self, conn: &mut PgConnection, id: I) -> Result<Option<S>>
+    pub async fn current<'q, I>(&self, conn: &mut impl ConnectionLike, id: I) -> Result<Option<S>>
     where
         I: Encode<'q, Postgres> + Type<Postgres> + 'q,
     {
@@ -323,9 +328,13 @@ impl<S: StateMachine> StateTable<S> {
         );
         let mut args = PgArguments::default();
         args.add(id).map_err(sqlx::Error::Encode)?;
-        let value: Option<Option<String>> = sqlx::query_scalar_with(AssertSqlSafe(sql), args)
-            .fetch_optional(conn)
-            .await?;
+        let value = sqlx::query_scalar_with(AssertSqlSafe(sql), args)
+            .fetch_optional(conn.connection())
+            .await;
+        if value.is_err() {
+            conn.statement_failed();
+        }
+        let value: Option<Option<String>> = value?;
         value.map(|v| self.parse(v.as_deref())).transpose()
     }
 }

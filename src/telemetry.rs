@@ -137,6 +137,13 @@ pub const RELAY_PUBLISH_LAG: &str = "pgbox_relay_publish_lag_seconds";
 /// [`Inbox::claim`](crate::Inbox::claim). Label `consumer`.
 pub const INBOX_CLAIM_DURATION: &str = "pgbox_inbox_claim_duration_seconds";
 
+/// Counter: liveness checks after a handler (one round trip each), owed when a handler
+/// statement failed or the handler used the raw connection (`&mut **conn`), where pgbox could
+/// not watch. A handler that only runs statements through its `HandlerConnection` (directly or
+/// through pgbox's helpers) owes none: a steadily growing count points at a handler that
+/// could. Label `consumer`.
+pub const INBOX_LIVENESS_CHECKS: &str = "pgbox_inbox_liveness_checks_total";
+
 /// Counter: leases granted over an expired lease of another holder (lease mode; each
 /// takeover means a holder crashed or stalled past its TTL). Label `consumer`.
 pub const INBOX_LEASE_TAKEOVERS: &str = "pgbox_inbox_lease_takeovers_total";

@@ -10,10 +10,11 @@
 //! for example with [`Inbox::process_with_retry`](crate::Inbox::process_with_retry).
 
 use sqlx::postgres::PgArguments;
-use sqlx::{Arguments, AssertSqlSafe, Encode, PgConnection, Postgres, Row, Type};
+use sqlx::{Arguments, AssertSqlSafe, Encode, Postgres, Row, Type};
 
 use crate::error::{Error, Result};
 use crate::ident::{Identifier, TableRef};
+use crate::inbox::ConnectionLike;
 
 /// A table whose rows carry an integer (`bigint`) version column. Names are validated once
 /// and always quoted; values are always bound parameters.
@@ -95,7 +96,7 @@ impl VersionedTable {
     /// The row's current version, `None` if there is no such row.
     pub async fn current_version<'q, I>(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl ConnectionLike,
         id: I,
     ) -> Result<Option<i64>>
     where
@@ -108,7 +109,7 @@ impl VersionedTable {
 
     async fn read_version(
         &self,
-        conn: &mut PgConnection,
+        conn: &mut impl ConnectionLike,
         id_args: PgArguments,
     ) -> Result<Option<i64>> {
         let sql = format!(
@@ -117,9 +118,13 @@ impl VersionedTable {
             t = self.qualified(),
             id = self.id
         );
-        Ok(sqlx::query_scalar_with(AssertSqlSafe(sql), id_args)
-            .fetch_optional(conn)
-            .await?)
+        let read = sqlx::query_scalar_with(AssertSqlSafe(sql), id_args)
+            .fetch_optional(conn.connection())
+            .await;
+        if read.is_err() {
+            conn.statement_failed();
+        }
+        Ok(read?)
     }
 
     fn qualified(&self) -> String {
@@ -199,7 +204,7 @@ impl VersionedUpdate<'_> {
     ///
     /// Errors: [`Error::VersionConflict`] (retryable) with the version found,
     /// [`Error::RowNotFound`], or an input error from `set`/`add`.
-    pub async fn execute(self, conn: &mut PgConnection) -> Result<i64> {
+    pub async fn execute(self, conn: &mut impl ConnectionLike) -> Result<i64> {
         if let Some(e) = self.error {
             return Err(e);
         }
@@ -214,8 +219,12 @@ impl VersionedUpdate<'_> {
             assignments = self.assignments,
         );
         let row = sqlx::query_with(AssertSqlSafe(sql), self.args)
-            .fetch_one(&mut *conn)
-            .await?;
+            .fetch_one(conn.connection())
+            .await;
+        if row.is_err() {
+            conn.statement_failed();
+        }
+        let row = row?;
         let new_version: Option<i64> = row.try_get(0)?;
         let mut current: Option<i64> = row.try_get(1)?;
         if let Some(new_version) = new_version {

@@ -581,3 +581,65 @@ async fn payment_points_example_serves_its_metrics_to_a_prometheus_scrape() {
         "{body}"
     );
 }
+
+/// The liveness check is visible, and pgbox's own row helpers never owe one: through the
+/// handler's connection they stay watched; through the raw connection a check is owed.
+#[tokio::test]
+async fn row_helpers_through_the_handler_connection_owe_no_liveness_check() {
+    support::init_tracing();
+    let db = TestDb::migrated().await;
+    snapshotter();
+    db.pool
+        .execute(
+            "CREATE TABLE accounts (id bigint PRIMARY KEY, total bigint NOT NULL, version bigint NOT NULL); \
+             INSERT INTO accounts VALUES (1, 0, 0)",
+        )
+        .await
+        .unwrap();
+    let accounts = pgbox::VersionedTable::new("accounts").unwrap();
+    let checks = |consumer: &'static str| {
+        recorded()
+            .counters
+            .get(&key(
+                pgbox::telemetry::INBOX_LIVENESS_CHECKS,
+                &[("consumer", consumer)],
+            ))
+            .copied()
+            .unwrap_or(0)
+    };
+    let watched = pgbox::Inbox::new("helpers-watched").unwrap();
+    let raw = pgbox::Inbox::new("helpers-raw").unwrap();
+    for i in 0..5 {
+        let key = format!("k{i}");
+        // Handlers returning `()`: no outcome UPDATE that could double as the check.
+        let outcome = watched
+            .process_and_commit(&db.pool, key.as_str(), async |conn| {
+                let version = accounts.current_version(conn, 1_i64).await?.unwrap();
+                accounts
+                    .update(1_i64, version)
+                    .add("total", 1_i64)
+                    .execute(conn)
+                    .await
+                    .map(drop)
+            })
+            .await
+            .unwrap();
+        assert!(outcome.is_processed());
+        let outcome = raw
+            .process_and_commit(&db.pool, key.as_str(), async |conn| {
+                let version = accounts.current_version(&mut **conn, 1_i64).await?.unwrap();
+                accounts
+                    .update(1_i64, version)
+                    .add("total", 1_i64)
+                    .execute(&mut **conn)
+                    .await
+                    .map(drop)
+            })
+            .await
+            .unwrap();
+        assert!(outcome.is_processed());
+    }
+    assert_eq!(checks("helpers-watched"), 0);
+    assert_eq!(checks("helpers-raw"), 5);
+    assert_eq!(count(&db.pool, "SELECT total FROM accounts").await, 10);
+}

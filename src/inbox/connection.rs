@@ -183,6 +183,55 @@ impl<'c> Executor<'c> for &'c mut HandlerConnection<'_> {
     }
 }
 
+/// A connection pgbox's row helpers ([`VersionedTable`](crate::VersionedTable),
+/// [`StateTable`](crate::StateTable)) run their statements on: a `PgConnection`, a
+/// `Transaction`, a pooled connection, or the handler's [`HandlerConnection`]. Through the
+/// handler's connection the statements stay watched, so using a helper inside a handler costs
+/// no liveness check (passing `&mut **conn`, the raw connection, would owe one). Sealed.
+pub trait ConnectionLike: sealed::Sealed + Send {
+    /// The connection, for one statement.
+    #[doc(hidden)]
+    fn connection(&mut self) -> &mut PgConnection;
+    /// That statement failed (inside a transaction, the transaction is aborted).
+    #[doc(hidden)]
+    fn statement_failed(&mut self) {}
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for sqlx::PgConnection {}
+    impl Sealed for sqlx::Transaction<'_, sqlx::Postgres> {}
+    impl Sealed for sqlx::pool::PoolConnection<sqlx::Postgres> {}
+    impl Sealed for super::HandlerConnection<'_> {}
+}
+
+impl ConnectionLike for PgConnection {
+    fn connection(&mut self) -> &mut PgConnection {
+        self
+    }
+}
+
+impl ConnectionLike for sqlx::Transaction<'_, Postgres> {
+    fn connection(&mut self) -> &mut PgConnection {
+        self
+    }
+}
+
+impl ConnectionLike for sqlx::pool::PoolConnection<Postgres> {
+    fn connection(&mut self) -> &mut PgConnection {
+        self
+    }
+}
+
+impl ConnectionLike for HandlerConnection<'_> {
+    fn connection(&mut self) -> &mut PgConnection {
+        self.conn
+    }
+    fn statement_failed(&mut self) {
+        self.failed = true;
+    }
+}
+
 /// A handler's query, taken apart to read its SQL before it is sent, and put back together.
 struct Screened {
     sql: SqlStr,

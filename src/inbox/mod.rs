@@ -29,7 +29,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
 use tracing::Instrument;
 
-pub use self::connection::HandlerConnection;
+pub use self::connection::{ConnectionLike, HandlerConnection};
 pub use self::key::{Key, MAX_CONSUMER_BYTES, MAX_KEY_BYTES, MAX_MESSAGE_ID_BYTES};
 pub(crate) use self::lease::ttl_micros as lease_ttl_micros;
 pub use self::lease::{FencingToken, Lease, LeaseAttempt, LeasedRun, MAX_LEASE_TTL, MIN_LEASE_TTL};
@@ -769,6 +769,14 @@ impl Inbox {
         conn: &mut PgConnection,
         claimed: &Claimed,
     ) -> Result<()> {
+        metrics::counter!(
+            crate::telemetry::INBOX_LIVENESS_CHECKS,
+            "consumer" => self.inner.consumer.clone()
+        )
+        .increment(1);
+        tracing::debug!(
+            "pgbox liveness check: the handler used the raw connection, or a statement failed"
+        );
         let same: Option<bool> = sqlx::query_scalar(AssertSqlSafe(self.inner.sql.verify.clone()))
             .bind(&claimed.xact)
             .fetch_one(conn)
