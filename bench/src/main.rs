@@ -639,7 +639,7 @@ async fn insert_effect(
 }
 
 /// I1c's operation: `inbox.process_and_commit`, pgbox opening and committing the transaction
-/// (BEGIN with the prepared claim's EXECUTE, the handler's INSERT, COMMIT: 3 round trips).
+/// (sqlx's BEGIN, the claim, the handler's INSERT, COMMIT: 4 round trips, as `process`).
 fn process_and_commit_new(inbox: Inbox, payload: Arc<str>) -> Op {
     Arc::new(move |pool, i| {
         let (p, inbox) = (payload.clone(), inbox.clone());
@@ -862,13 +862,13 @@ async fn main() -> anyhow::Result<()> {
             )
             .await?;
     }
-    // I1c: the same through `process_and_commit`: BEGIN travels with the claim (one simple
-    // query), then the handler's INSERT, then COMMIT: 3 round trips.
+    // I1c: the same through `process_and_commit`, which opens sqlx's own transaction (so a
+    // handler's nested unit is a savepoint): BEGIN, claim, INSERT, COMMIT.
     bench
         .run(
             "I1c inbox.process_and_commit",
             1,
-            "3",
+            "4",
             Some("inbox"),
             Some("B0 BEGIN/INSERT/COMMIT"),
             None,
@@ -877,7 +877,7 @@ async fn main() -> anyhow::Result<()> {
         .await?;
     // The same handler taking the raw connection (`&mut **conn`, as code that wants a
     // `&mut PgConnection` does): pgbox cannot watch it, so it checks the transaction with
-    // `SELECT 1` after the handler: 5 statements.
+    // a liveness check (one SELECT) after the handler: 5 statements.
     let p = payload.clone();
     let inbox = Inbox::new("bench")?;
     bench
@@ -967,14 +967,14 @@ async fn main() -> anyhow::Result<()> {
             process_duplicate(Inbox::new("bench")?),
         )
         .await?;
-    // I2c: duplicates through `process_and_commit`: BEGIN, the claim (inserts nothing) and
-    // the read of the stored record in one message; ROLLBACK. 2 round trips.
+    // I2c: duplicates through `process_and_commit`: BEGIN, the claim (inserts nothing), the
+    // read of the stored record, ROLLBACK.
     let inbox = Inbox::new("bench")?;
     bench
         .run(
             "I2c inbox.process_and_commit, 100% duplicates",
             1,
-            "2",
+            "4",
             Some("inbox"),
             Some("B0 BEGIN/INSERT/COMMIT"),
             Some(&preload),
