@@ -8,6 +8,10 @@ use crate::error::{Error, Result};
 /// refuses them instead.
 pub const MAX_IDENTIFIER_BYTES: usize = 63;
 
+/// The schema pgbox uses unless told otherwise. (Here, below every module that names a
+/// schema, so that none of them has to import the migrator for it.)
+pub const DEFAULT_SCHEMA: &str = "pgbox";
+
 /// The longest name of a schema that holds pgbox's own tables. pgbox's `NOTIFY` channels are
 /// named `<schema>.outbox` and `<schema>.queue`, and a channel name has the same 63-byte
 /// limit as an identifier: a longer schema would make every enqueue fail at its NOTIFY.

@@ -50,9 +50,9 @@ use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::error::{DbErrorKind, Error, Result};
+use crate::ident::DEFAULT_SCHEMA;
 use crate::ident::Identifier;
 use crate::inbox::Inbox;
-use crate::migrate::DEFAULT_SCHEMA;
 
 /// Advisory-lock class of the janitor lock (two-key form: `pg_advisory_lock(LOCK_CLASS,
 /// key)`, with a key derived from the schema name). The two-key form never collides with the

@@ -22,8 +22,7 @@ pub(crate) mod embedded {
     refinery::embed_migrations!("migrations");
 }
 
-/// The schema pgbox uses unless told otherwise.
-pub const DEFAULT_SCHEMA: &str = "pgbox";
+pub use crate::ident::DEFAULT_SCHEMA;
 
 /// Name of the migration history table, created inside the pgbox schema.
 pub const HISTORY_TABLE: &str = "pgbox_migrations";

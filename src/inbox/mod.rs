@@ -40,8 +40,8 @@ pub(crate) use self::retention::purge_batch_sql;
 pub use self::sequence::{GapPolicy, Sequenced};
 
 use crate::error::{Error, Result};
+use crate::ident::DEFAULT_SCHEMA;
 use crate::ident::Identifier;
-use crate::migrate::DEFAULT_SCHEMA;
 
 /// How long a claim waits behind an uncommitted claim of the same key by another transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

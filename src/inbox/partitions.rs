@@ -33,8 +33,8 @@ use sqlx::{AssertSqlSafe, PgPool, Row};
 use time::OffsetDateTime;
 
 use crate::error::{Error, Result};
+use crate::ident::DEFAULT_SCHEMA;
 use crate::ident::Identifier;
-use crate::migrate::DEFAULT_SCHEMA;
 
 /// Settings of the time-partitioned inbox, given to
 /// [`Migrator::partitioned_inbox`](crate::Migrator::partitioned_inbox).

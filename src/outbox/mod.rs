@@ -18,8 +18,8 @@ pub use self::message::{
 pub use self::trace::TRACEPARENT;
 
 use crate::error::Result;
+use crate::ident::DEFAULT_SCHEMA;
 use crate::ident::Identifier;
-use crate::migrate::DEFAULT_SCHEMA;
 
 /// Advisory-lock class for per-key enqueue locks (two-key form, so it never collides with an
 /// application's single-key advisory locks).

@@ -8,8 +8,8 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::error::Result;
+use crate::ident::DEFAULT_SCHEMA;
 use crate::ident::Identifier;
-use crate::migrate::DEFAULT_SCHEMA;
 
 /// A message that failed every publish attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]

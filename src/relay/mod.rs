@@ -28,8 +28,8 @@ use tracing::Instrument;
 pub use self::dead_letters::{DeadLetter, DeadLetters};
 
 use crate::error::{Error, Result};
+use crate::ident::DEFAULT_SCHEMA;
 use crate::ident::Identifier;
-use crate::migrate::DEFAULT_SCHEMA;
 use crate::outbox::{ASLEEP_LOCK_CLASS, Envelope};
 use crate::retry::RetryPolicy;
 use crate::telemetry;
