@@ -412,7 +412,7 @@ impl<S: Subscriber> Consumer<S> {
         );
         // Before the span is entered: its parent is fixed then.
         #[cfg(feature = "opentelemetry")]
-        crate::otel::join_producer_trace(&span, envelope);
+        crate::otel::join_producer_trace(&span, &envelope.headers);
         async {
             // A redelivery was often processed already (the ack was lost, or the visibility
             // timeout expired just after the commit): one autocommit read settles it, without
@@ -520,7 +520,7 @@ impl<S: Subscriber> Consumer<S> {
         );
         // Before the span is entered: its parent is fixed then.
         #[cfg(feature = "opentelemetry")]
-        crate::otel::join_producer_trace(&span, envelope);
+        crate::otel::join_producer_trace(&span, &envelope.headers);
         async {
             // No redelivery shortcut: the lease statement is itself one autocommit read for
             // a consumed key.

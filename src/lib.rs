@@ -25,6 +25,7 @@ mod retry;
 mod state;
 mod status;
 pub mod telemetry;
+mod traceparent;
 pub mod transport;
 mod version;
 

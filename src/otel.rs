@@ -15,22 +15,21 @@ use opentelemetry::trace::{SpanContext, SpanId, TraceContextExt, TraceFlags, Tra
 use opentelemetry::{Context, KeyValue};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 
-use crate::outbox::{Envelope, TRACEPARENT};
+use std::collections::BTreeMap;
 
-/// The W3C header carrying vendor-specific trace state beside `traceparent`.
-const TRACESTATE: &str = "tracestate";
+use crate::traceparent::{TRACEPARENT, TRACESTATE};
 
-/// Makes `span` a child of the span that produced `envelope`, from its `traceparent` header.
+/// Makes `span` a child of the span that produced a message, from its `traceparent` header.
 ///
 /// Call it after creating the span and before entering it (or instrumenting a future with
 /// it): `tracing-opentelemetry` starts the OpenTelemetry span on first entry, after which its
 /// parent is fixed. Does nothing for an absent or malformed header, without an OpenTelemetry
 /// layer, or for a disabled span.
-pub(crate) fn join_producer_trace(span: &tracing::Span, envelope: &Envelope) {
+pub(crate) fn join_producer_trace(span: &tracing::Span, headers: &BTreeMap<String, String>) {
     if span.is_disabled() {
         return;
     }
-    let Some(producer) = remote_span_context(envelope) else {
+    let Some(producer) = remote_span_context(headers) else {
         return;
     };
     // An error means there is no OpenTelemetry layer or the span was already started:
@@ -38,25 +37,25 @@ pub(crate) fn join_producer_trace(span: &tracing::Span, envelope: &Envelope) {
     let _ = span.set_parent(Context::new().with_remote_span_context(producer));
 }
 
-/// Links `span` to the producer span of every message of `envelopes` that carries a valid
+/// Links `span` to the producer span of every message (id, headers) that carries a valid
 /// `traceparent`, each link with the message's id (`messaging.message.id`).
 ///
 /// For a span that covers a batch, such as the relay's round: a batch has many parents, so
 /// OpenTelemetry models it with links rather than parentage. Links can be added while the
 /// span is open, entered or not. The SDK keeps at most its span limit's worth of links (128
 /// by default) and counts the rest as dropped.
-pub(crate) fn link_producer_traces(span: &tracing::Span, envelopes: &[Envelope]) {
+pub(crate) fn link_producer_traces<'a>(
+    span: &tracing::Span,
+    messages: impl IntoIterator<Item = (uuid::Uuid, &'a BTreeMap<String, String>)>,
+) {
     if span.is_disabled() {
         return;
     }
-    for envelope in envelopes {
-        if let Some(producer) = remote_span_context(envelope) {
+    for (id, headers) in messages {
+        if let Some(producer) = remote_span_context(headers) {
             span.add_link_with_attributes(
                 producer,
-                vec![KeyValue::new(
-                    "messaging.message.id",
-                    envelope.id.to_string(),
-                )],
+                vec![KeyValue::new("messaging.message.id", id.to_string())],
             );
         }
     }
@@ -90,43 +89,25 @@ pub(crate) fn current_traceparent() -> Option<String> {
     })
 }
 
-/// The producer's span context from `envelope`'s headers, marked remote; `None` when the
+/// The producer's span context from a message's headers, marked remote; `None` when the
 /// `traceparent` is absent or malformed. A malformed `tracestate` is dropped, not the parent.
-fn remote_span_context(envelope: &Envelope) -> Option<SpanContext> {
-    let (trace_id, span_id, flags) = parse_traceparent(envelope.headers.get(TRACEPARENT)?)?;
-    let state = envelope
-        .headers
+fn remote_span_context(headers: &BTreeMap<String, String>) -> Option<SpanContext> {
+    let (trace_id, span_id, flags) = parse_traceparent(headers.get(TRACEPARENT)?)?;
+    let state = headers
         .get(TRACESTATE)
         .and_then(|s| s.parse::<TraceState>().ok())
         .unwrap_or_default();
     Some(SpanContext::new(trace_id, span_id, flags, true, state))
 }
 
-/// `(trace-id, parent-id, flags)` of a version-00 `traceparent`: four dash-separated fields
-/// of lowercase hex, 2-32-16-2 digits, with non-zero ids. The same rules as the header the
-/// outbox propagates, so a header is joined here exactly when the outbox would continue it.
+/// `(trace-id, parent-id, flags)` of a valid `traceparent` (see [`crate::traceparent::parse`]).
 fn parse_traceparent(header: &str) -> Option<(TraceId, SpanId, TraceFlags)> {
-    let mut parts = header.split('-');
-    let (version, trace_id, span_id, flags) =
-        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    let hex = |s: &str, len: usize| {
-        s.len() == len
-            && s.bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    };
-    if version != "00"
-        || parts.next().is_some()
-        || !hex(trace_id, 32)
-        || !hex(span_id, 16)
-        || !hex(flags, 2)
-    {
-        return None;
-    }
-    let trace_id = TraceId::from_hex(trace_id).ok()?;
-    let span_id = SpanId::from_hex(span_id).ok()?;
-    let flags = TraceFlags::new(u8::from_str_radix(flags, 16).ok()?);
-    (trace_id != TraceId::INVALID && span_id != SpanId::INVALID)
-        .then_some((trace_id, span_id, flags))
+    let parsed = crate::traceparent::parse(header)?;
+    Some((
+        TraceId::from_hex(parsed.trace_id).ok()?,
+        SpanId::from_hex(parsed.parent_id).ok()?,
+        TraceFlags::new(u8::from_str_radix(parsed.flags, 16).ok()?),
+    ))
 }
 
 #[cfg(test)]
@@ -140,8 +121,8 @@ mod tests {
 
     const HEADER: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
-    fn envelope(traceparent: Option<&str>) -> Envelope {
-        let mut envelope = Envelope::new(Uuid::now_v7(), "topic", "payload");
+    fn envelope(traceparent: Option<&str>) -> crate::Envelope {
+        let mut envelope = crate::Envelope::new(Uuid::now_v7(), "topic", "payload");
         if let Some(t) = traceparent {
             envelope
                 .headers
@@ -175,7 +156,7 @@ mod tests {
         let mut e = envelope(Some(HEADER));
         e.headers
             .insert(TRACESTATE.to_owned(), "congo=t61rcWkgMzE".to_owned());
-        let cx = remote_span_context(&e).unwrap();
+        let cx = remote_span_context(&e.headers).unwrap();
         assert_eq!(
             cx.trace_id(),
             TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap()
@@ -187,7 +168,7 @@ mod tests {
 
         let unsampled = HEADER.replace("-01", "-00");
         assert!(
-            !remote_span_context(&envelope(Some(&unsampled)))
+            !remote_span_context(&envelope(Some(&unsampled)).headers)
                 .unwrap()
                 .is_sampled()
         );
@@ -195,7 +176,7 @@ mod tests {
 
     #[test]
     fn absent_or_malformed_traceparents_are_ignored() {
-        assert!(remote_span_context(&envelope(None)).is_none());
+        assert!(remote_span_context(&envelope(None).headers).is_none());
         for bad in [
             "",
             "garbage",
@@ -209,7 +190,7 @@ mod tests {
             "00-+bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
         ] {
             assert!(
-                remote_span_context(&envelope(Some(bad))).is_none(),
+                remote_span_context(&envelope(Some(bad)).headers).is_none(),
                 "{bad:?}"
             );
         }
@@ -219,7 +200,7 @@ mod tests {
     fn a_joined_span_exports_with_the_producer_as_its_parent() {
         let spans = traced(|| {
             let span = tracing::info_span!("pgbox.consumer.handle");
-            join_producer_trace(&span, &envelope(Some(HEADER)));
+            join_producer_trace(&span, &envelope(Some(HEADER)).headers);
             span.in_scope(|| {
                 tracing::info_span!("handler").in_scope(|| {});
             });
@@ -247,14 +228,14 @@ mod tests {
     fn a_span_is_left_alone_without_a_valid_header_or_once_started() {
         let spans = traced(|| {
             let span = tracing::info_span!("no header");
-            join_producer_trace(&span, &envelope(None));
+            join_producer_trace(&span, &envelope(None).headers);
             span.in_scope(|| {});
             let span = tracing::info_span!("bad header");
-            join_producer_trace(&span, &envelope(Some("garbage")));
+            join_producer_trace(&span, &envelope(Some("garbage")).headers);
             span.in_scope(|| {});
             let span = tracing::info_span!("started");
             span.in_scope(|| {});
-            join_producer_trace(&span, &envelope(Some(HEADER)));
+            join_producer_trace(&span, &envelope(Some(HEADER)).headers);
         });
         let producer = TraceId::from_hex("4bf92f3577b34da6a3ce929d0e0e4736").unwrap();
         for name in ["no header", "bad header", "started"] {
@@ -267,13 +248,14 @@ mod tests {
     #[test]
     fn does_nothing_without_an_opentelemetry_layer() {
         let span = tracing::info_span!("untraced");
-        join_producer_trace(&span, &envelope(Some(HEADER)));
-        link_producer_traces(&span, &[envelope(Some(HEADER))]);
+        join_producer_trace(&span, &envelope(Some(HEADER)).headers);
+        let one = envelope(Some(HEADER));
+        link_producer_traces(&span, [(one.id, &one.headers)]);
         span.in_scope(|| assert_eq!(current_traceparent(), None));
         let subscriber = tracing_subscriber::registry();
         tracing::subscriber::with_default(subscriber, || {
             let span = tracing::info_span!("no otel layer");
-            join_producer_trace(&span, &envelope(Some(HEADER)));
+            join_producer_trace(&span, &envelope(Some(HEADER)).headers);
             span.in_scope(|| assert_eq!(current_traceparent(), None));
         });
     }
@@ -289,7 +271,7 @@ mod tests {
         ];
         let spans = traced(|| {
             let span = tracing::debug_span!("pgbox.relay.round");
-            span.in_scope(|| link_producer_traces(&span, &batch));
+            span.in_scope(|| link_producer_traces(&span, batch.iter().map(|e| (e.id, &e.headers))));
         });
         let round = named(&spans, "pgbox.relay.round");
         let links: Vec<_> = round

@@ -11,8 +11,7 @@
 
 use std::future::Future;
 
-/// The header name.
-pub const TRACEPARENT: &str = "traceparent";
+pub use crate::traceparent::TRACEPARENT;
 
 tokio::task_local! {
     static INCOMING: Option<String>;
@@ -26,7 +25,10 @@ pub(crate) async fn with_incoming<F: Future>(traceparent: Option<String>, f: F) 
 /// The `traceparent` for a message enqueued now, if there is a context to propagate.
 pub(crate) fn outgoing() -> Option<String> {
     let incoming = INCOMING.try_with(|t| t.clone()).ok().flatten();
-    let incoming = incoming.as_deref().and_then(parse);
+    let incoming = incoming
+        .as_deref()
+        .and_then(crate::traceparent::parse)
+        .map(|t| (t.trace_id, t.flags));
     // With an OpenTelemetry layer installed, the current span is a real, exported parent:
     // stamp its ids, unless it belongs to another trace than the message being handled.
     #[cfg(feature = "opentelemetry")]
@@ -49,26 +51,6 @@ fn nonzero_u64() -> u64 {
     fastrand::u64(1..)
 }
 
-/// `(trace-id, flags)` of a valid version-00 traceparent.
-fn parse(header: &str) -> Option<(&str, &str)> {
-    let mut parts = header.split('-');
-    let (version, trace_id, parent_id, flags) =
-        (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
-    let hex = |s: &str, len: usize| {
-        s.len() == len
-            && s.bytes()
-                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
-    };
-    let valid = version == "00"
-        && parts.next().is_none()
-        && hex(trace_id, 32)
-        && trace_id != "0".repeat(32)
-        && hex(parent_id, 16)
-        && parent_id != "0".repeat(16)
-        && hex(flags, 2);
-    valid.then_some((trace_id, flags))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -82,7 +64,7 @@ mod tests {
         assert!(out.starts_with("00-4bf92f3577b34da6a3ce929d0e0e4736-"));
         assert!(out.ends_with("-01"));
         assert_ne!(out, incoming);
-        assert!(parse(&out).is_some());
+        assert!(crate::traceparent::parse(&out).is_some());
     }
 
     #[tokio::test]
@@ -94,7 +76,7 @@ mod tests {
             "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
             "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
         ] {
-            assert!(parse(bad).is_none(), "{bad}");
+            assert!(crate::traceparent::parse(bad).is_none(), "{bad}");
             assert_eq!(
                 with_incoming(Some(bad.into()), async { outgoing() }).await,
                 None

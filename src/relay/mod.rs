@@ -448,7 +448,10 @@ impl<P: Publisher> Relay<P> {
             let batch = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
             tracing::debug!(messages = batch.len(), "pgbox relay claimed");
             #[cfg(feature = "opentelemetry")]
-            crate::otel::link_producer_traces(&tracing::Span::current(), &batch);
+            crate::otel::link_producer_traces(
+                &tracing::Span::current(),
+                batch.iter().map(|e| (e.id, &e.headers)),
+            );
             let results = self.publish_in_key_order(&batch).await;
             let confirmed_at = OffsetDateTime::now_utc();
             let mut tally = Tally::default();
