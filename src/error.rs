@@ -377,6 +377,11 @@ pub enum DbErrorKind {
     TransactionAborted,
     /// 3F000 / 42P01: the pgbox schema or table does not exist (run the migrations).
     MissingSchema,
+    /// 25006: the server only allows reads: a hot standby (after a failover, the connection
+    /// still points at the old primary, now a standby, or the URL lacks
+    /// `target_session_attrs=read-write`), or `default_transaction_read_only`. The claim fails
+    /// before any handler runs. Retryable: reconnecting may reach the new primary.
+    ReadOnly,
     /// Any other error.
     Other,
 }
@@ -409,6 +414,7 @@ impl DbErrorKind {
             "57P01" | "57P02" | "57P03" => DbErrorKind::ConnectionLost,
             "25P02" => DbErrorKind::TransactionAborted,
             "3F000" | "42P01" => DbErrorKind::MissingSchema,
+            "25006" => DbErrorKind::ReadOnly,
             c if c.starts_with("08") => DbErrorKind::ConnectionLost,
             _ => DbErrorKind::Other,
         }
@@ -424,6 +430,7 @@ impl DbErrorKind {
                 | DbErrorKind::QueryCanceled
                 | DbErrorKind::ConnectionLost
                 | DbErrorKind::PoolTimedOut
+                | DbErrorKind::ReadOnly
         )
     }
 }
@@ -440,6 +447,7 @@ impl fmt::Display for DbErrorKind {
             DbErrorKind::PoolTimedOut => "pool timed out",
             DbErrorKind::TransactionAborted => "transaction aborted",
             DbErrorKind::MissingSchema => "missing schema or table",
+            DbErrorKind::ReadOnly => "read-only server (a standby?)",
             DbErrorKind::Other => "other",
         })
     }
@@ -460,6 +468,7 @@ mod tests {
             ("08006", DbErrorKind::ConnectionLost, true),
             ("57P01", DbErrorKind::ConnectionLost, true),
             ("25P02", DbErrorKind::TransactionAborted, false),
+            ("25006", DbErrorKind::ReadOnly, true),
             ("42P01", DbErrorKind::MissingSchema, false),
             ("22P02", DbErrorKind::Other, false),
         ];
