@@ -313,19 +313,25 @@ impl<S: Subscriber> Consumer<S> {
     {
         let mut stats = ConsumerStats::default();
         let mut in_flight = FuturesUnordered::new();
-        let mut listener = match self.source.wake_channel() {
-            Some((pool, channel)) => crate::listen::listen(&pool, &channel)
-                .await
-                .inspect_err(
-                    |e| tracing::warn!(error = %e, "pgbox consumer cannot LISTEN; polling"),
-                )
-                .ok(),
-            None => None,
-        };
+        // The wake-up channel, when the source has one. Lost or never made, the listener is
+        // made again with backoff (the server restarted, a failover, a network blip): a
+        // consumer that stopped listening would wait out every poll interval for as long as
+        // it lives. Meanwhile the receive at the top of the loop keeps polling, so nothing
+        // is missed, only later.
+        let wake_channel = self.source.wake_channel();
+        let mut listener = None;
+        let mut relisten = Relisten::default();
         loop {
             let stopping = shutdown.is_cancelled();
             if stopping && in_flight.is_empty() {
                 return Ok(stats);
+            }
+            if listener.is_none()
+                && !stopping
+                && let Some((pool, channel)) = &wake_channel
+                && relisten.due()
+            {
+                listener = relisten.attempt(pool, channel).await;
             }
             let free = self.concurrency - in_flight.len();
             if !stopping && free > 0 {
@@ -376,7 +382,7 @@ impl<S: Subscriber> Consumer<S> {
                     if listener.is_some() && !stopping =>
                 {
                     if let Err(e) = n {
-                        tracing::warn!(error = %e, "pgbox consumer lost LISTEN; polling");
+                        tracing::warn!(error = %e, "pgbox consumer lost LISTEN; polling until it is back");
                         lost_listener = true;
                     }
                 }
@@ -732,5 +738,66 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "non-string panic payload".to_owned()
+    }
+}
+
+/// When to try LISTEN again after it failed: exponential backoff from 100 ms to 30 s, with
+/// jitter; a warning on the first failure and on recovery, debug lines in between.
+#[derive(Debug, Default)]
+struct Relisten {
+    failures: u32,
+    not_before: Option<tokio::time::Instant>,
+}
+
+impl Relisten {
+    const FIRST: Duration = Duration::from_millis(100);
+    const MAX: Duration = Duration::from_secs(30);
+    /// A connect that hangs (a server that accepts TCP but does not answer) must not hold up
+    /// the receive loop and the handlers it drives.
+    const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+    fn due(&self) -> bool {
+        self.not_before
+            .is_none_or(|at| tokio::time::Instant::now() >= at)
+    }
+
+    async fn attempt(
+        &mut self,
+        pool: &sqlx::PgPool,
+        channel: &str,
+    ) -> Option<sqlx::postgres::PgListener> {
+        let made =
+            tokio::time::timeout(Self::CONNECT_TIMEOUT, crate::listen::listen(pool, channel))
+                .await
+                .unwrap_or_else(|_| {
+                    Err(Error::Database {
+                        kind: crate::DbErrorKind::ConnectionLost,
+                        source: sqlx::Error::PoolTimedOut,
+                    })
+                });
+        match made {
+            Ok(listener) => {
+                if self.failures > 0 {
+                    tracing::info!(
+                        failures = self.failures,
+                        "pgbox consumer listening again; wake-ups are immediate"
+                    );
+                }
+                *self = Relisten::default();
+                Some(listener)
+            }
+            Err(e) => {
+                self.failures += 1;
+                let exp = Self::FIRST.saturating_mul(1 << self.failures.min(9));
+                let delay = exp.min(Self::MAX).mul_f64(0.5 + fastrand::f64() / 2.0);
+                self.not_before = Some(tokio::time::Instant::now() + delay);
+                if self.failures == 1 {
+                    tracing::warn!(error = %e, ?delay, "pgbox consumer cannot LISTEN; polling, and trying again with backoff");
+                } else {
+                    tracing::debug!(error = %e, failures = self.failures, ?delay, "pgbox consumer still cannot LISTEN");
+                }
+                None
+            }
+        }
     }
 }

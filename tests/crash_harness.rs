@@ -9,7 +9,7 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,7 @@ use pgbox::transport::PgQueue;
 use pgbox::{CancellationToken, Consumer, Envelope, Error, Inbox, Message, Outbox, Relay};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, Executor, PgConnection, PgPool};
-use support::local_pg;
+use support::cluster::Cluster;
 
 /// Set in a child process: its role (`producer`, `relay` or `consumer`).
 const ROLE_ENV: &str = "PGBOX_CRASH_ROLE";
@@ -29,92 +29,6 @@ const TOTAL: i64 = 2_000;
 const KEYS: i64 = 20;
 const PER_TX: i64 = 5;
 const TOPIC: &str = "crash";
-
-/// A private cluster in a temporary directory, stopped and removed on drop.
-struct Cluster {
-    dir: PathBuf,
-    bindir: PathBuf,
-    port: u16,
-    root: bool,
-}
-
-impl Cluster {
-    fn start() -> Cluster {
-        let bindir = local_pg::find_bindir()
-            .expect("PostgreSQL's binaries (initdb, pg_ctl) under /usr/lib/postgresql or PG_BIN");
-        let root = local_pg::is_root();
-        let dir =
-            std::env::temp_dir().join(format!("pgbox-crash-{}", uuid::Uuid::now_v7().simple()));
-        std::fs::create_dir_all(&dir).unwrap();
-        if root {
-            local_pg::run(Command::new("chown").arg("postgres:postgres").arg(&dir)).unwrap();
-        }
-        local_pg::run(
-            local_pg::pg_command(root, &bindir.join("initdb"))
-                .arg("-D")
-                .arg(dir.join("data"))
-                .args(["-U", "postgres", "-A", "trust", "-E", "UTF8"])
-                .arg("--locale=C.UTF-8"),
-        )
-        .unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let cluster = Cluster {
-            dir,
-            bindir,
-            port,
-            root,
-        };
-        cluster.pg_ctl(&["start"]);
-        cluster
-    }
-
-    fn url(&self, database: &str) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/{database}", self.port)
-    }
-
-    /// Commits are durable (`synchronous_commit` on): a crash of the server, not of the
-    /// machine, loses no committed transaction even with `fsync` off, which only matters
-    /// to an operating-system crash.
-    fn pg_ctl(&self, action: &[&str]) {
-        let options = format!(
-            "-c listen_addresses=127.0.0.1 -p {} -k {} -c fsync=off -c max_connections=100",
-            self.port,
-            self.dir.display()
-        );
-        local_pg::run(
-            local_pg::pg_command(self.root, &self.bindir.join("pg_ctl"))
-                .arg("-D")
-                .arg(self.dir.join("data"))
-                .arg("-l")
-                .arg(self.dir.join("server.log"))
-                .args(["-w", "-t", "60", "-o", &options])
-                .args(action),
-        )
-        .unwrap_or_else(|e| panic!("pg_ctl {action:?}: {e}"));
-    }
-
-    /// Kills every server process at once (no checkpoint, no clean shutdown of a single
-    /// connection), then starts the server again, which replays its WAL.
-    fn crash_restart(&self) {
-        self.pg_ctl(&["-m", "immediate", "restart"]);
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = local_pg::run(
-            local_pg::pg_command(self.root, &self.bindir.join("pg_ctl"))
-                .arg("-D")
-                .arg(self.dir.join("data"))
-                .args(["-m", "immediate", "-w", "stop"]),
-        );
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// A connection to `url`, retried while the server restarts (up to 60 s).
 async fn connect(url: &str) -> PgConnection {
@@ -223,13 +137,24 @@ async fn consume(url: &str) {
             .run(
                 async |envelope: &Envelope, conn: &mut pgbox::HandlerConnection<'_>| {
                     let n: i64 = envelope.json()?;
+                    // The effect in a nested unit of work (a savepoint) that also records the
+                    // message in a second inbox: a kill or a crash anywhere must leave both
+                    // or neither, whatever the nested commit did.
+                    let mut unit = sqlx::Connection::begin(&mut **conn).await?;
                     sqlx::query("INSERT INTO effects (n, key, message_id) VALUES ($1, $2, $3)")
                         .bind(n)
                         .bind(envelope.ordering_key.as_deref())
                         .bind(envelope.id)
-                        .execute(&mut *conn)
+                        .execute(&mut *unit)
                         .await
                         .map_err(Error::from)?;
+                    let nested = Inbox::new("followups")?
+                        .process(&mut unit, n.to_string(), async |_| Ok::<(), Error>(()))
+                        .await?;
+                    if !nested.is_processed() {
+                        return Err(Error::InvalidConfig(format!("followup {n}: {nested:?}")));
+                    }
+                    unit.commit().await?;
                     Ok::<(), Error>(())
                 },
                 CancellationToken::new(),
@@ -329,7 +254,7 @@ async fn processes_killed_and_postgres_crash_restarted_lose_nothing_double_nothi
         .unwrap();
     setup.close().await;
 
-    let logs = cluster.dir.clone();
+    let logs = cluster.dir().to_path_buf();
     let mut processes: Vec<Process> = ["producer", "relay", "relay", "consumer", "consumer"]
         .into_iter()
         .map(|role| Process::spawn(role, &url, &logs))
@@ -392,6 +317,17 @@ async fn processes_killed_and_postgres_crash_restarted_lose_nothing_double_nothi
     .await
     .unwrap();
     assert_eq!(unproduced, 0, "only committed messages took effect");
+    let (followups, distinct_followups): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(DISTINCT key) FROM pgbox.inbox WHERE consumer = 'followups'",
+    )
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        (followups, distinct_followups),
+        (TOTAL, TOTAL),
+        "the nested unit's inbox record committed exactly with each effect"
+    );
     let out_of_order: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM (SELECT n, lag(n) OVER (PARTITION BY key ORDER BY seq) AS before \
          FROM effects) e WHERE e.before > e.n",

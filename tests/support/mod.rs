@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod brokers;
+pub mod cluster;
 pub mod local_pg;
 
 use std::str::FromStr;
