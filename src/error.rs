@@ -127,7 +127,7 @@ pub enum Error {
     /// reverse), no partition for the claiming transaction's start time (run the
     /// [`Janitor`](crate::janitor::Janitor), or
     /// [`InboxPartitions::create_ahead`](crate::InboxPartitions::create_ahead)), a claim on
-    /// the partitioned inbox under REPEATABLE READ, or lease mode on a partitioned inbox.
+    /// the partitioned inbox under REPEATABLE READ or SERIALIZABLE, or lease mode on a partitioned inbox.
     /// Nothing was recorded: fix the configuration and redeliver.
     #[error("pgbox inbox layout: {0}")]
     InboxLayout(String),

@@ -403,35 +403,132 @@ async fn racing_deliveries_across_partition_switches_apply_once_under_read_commi
     race_across_switches(false).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn racing_deliveries_across_partition_switches_apply_once_under_serializable() {
-    race_across_switches(true).await;
-}
-
 #[tokio::test]
-async fn repeatable_read_is_refused_with_a_typed_error_and_records_nothing() {
+async fn repeatable_read_and_serializable_are_refused_with_a_typed_error_and_record_nothing() {
     let db = partitioned_db(Duration::ZERO, 5).await;
     let inbox = partitioned("points");
-    let mut tx = db.pool.begin().await.unwrap();
-    sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    for level in ["REPEATABLE READ", "SERIALIZABLE"] {
+        let mut tx = db.pool.begin().await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SET TRANSACTION ISOLATION LEVEL {level}"
+        )))
         .execute(&mut *tx)
         .await
         .unwrap();
-    let ran = std::sync::atomic::AtomicBool::new(false);
-    let err = inbox
-        .process(&mut tx, "k", async |_conn| {
-            ran.store(true, Ordering::SeqCst);
-            Ok::<_, Error>(())
-        })
+        let ran = std::sync::atomic::AtomicBool::new(false);
+        let err = inbox
+            .process(&mut tx, "k", async |_conn| {
+                ran.store(true, Ordering::SeqCst);
+                Ok::<_, Error>(())
+            })
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, Error::InboxLayout(ref m) if m.contains(level) && m.contains("READ COMMITTED")),
+            "{level}: {err}"
+        );
+        assert!(!ran.load(Ordering::SeqCst));
+        drop(tx);
+        // The batch claim refuses the same way.
+        let mut tx = db.pool.begin().await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "SET TRANSACTION ISOLATION LEVEL {level}"
+        )))
+        .execute(&mut *tx)
         .await
-        .unwrap_err();
-    assert!(
-        matches!(err, Error::InboxLayout(ref m) if m.contains("REPEATABLE READ")),
-        "{err}"
-    );
-    assert!(!ran.load(Ordering::SeqCst));
-    drop(tx);
+        .unwrap();
+        let err = inbox.claim_batch(&mut tx, ["k", "k2"]).await.unwrap_err();
+        assert!(
+            matches!(err, Error::InboxLayout(ref m) if m.contains(level)),
+            "{err}"
+        );
+        drop(tx);
+    }
     assert_eq!(where_is(&db.pool, "points", "k").await.1, 0);
+}
+
+/// The race the review found: a claim whose snapshot predates a READ COMMITTED holder's
+/// commit, in the next partition. Under SERIALIZABLE (or REPEATABLE READ) its look-up would
+/// miss the holder's row and record the key a second time; it is refused instead. Every
+/// pair of levels: only READ COMMITTED against READ COMMITTED claims, once.
+#[tokio::test]
+async fn a_claim_whose_snapshot_predates_a_commit_across_a_boundary_never_records_twice() {
+    // Nine pairs, each crossing a 1 s boundary: partitions for well past the end.
+    let db = partitioned_db(Duration::ZERO, 30).await;
+    let inbox = partitioned("points");
+    let levels = ["READ COMMITTED", "REPEATABLE READ", "SERIALIZABLE"];
+    for (i, late) in levels.iter().enumerate() {
+        for (j, early) in levels.iter().enumerate() {
+            let key = format!("pair-{i}-{j}");
+            // The late claimer's transaction starts (and takes its snapshot) first.
+            let mut late_tx = db.pool.begin().await.unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SET TRANSACTION ISOLATION LEVEL {late}"
+            )))
+            .execute(&mut *late_tx)
+            .await
+            .unwrap();
+            sqlx::query("SELECT 1")
+                .execute(&mut *late_tx)
+                .await
+                .unwrap();
+            // The holder claims and commits, in the next partition.
+            cross_boundary(&db.pool).await;
+            let mut early_tx = db.pool.begin().await.unwrap();
+            sqlx::query(sqlx::AssertSqlSafe(format!(
+                "SET TRANSACTION ISOLATION LEVEL {early}"
+            )))
+            .execute(&mut *early_tx)
+            .await
+            .unwrap();
+            let first = inbox
+                .process(&mut early_tx, key.as_str(), async |conn| {
+                    record_effect(conn, &key, 1).await
+                })
+                .await;
+            let first_ok = match first {
+                Ok(outcome) => {
+                    assert!(outcome.is_processed(), "{early}: {outcome:?}");
+                    early_tx.commit().await.unwrap();
+                    true
+                }
+                Err(e) => {
+                    assert!(matches!(e, Error::InboxLayout(_)), "{early}: {e}");
+                    assert_ne!(*early, "READ COMMITTED", "{e}");
+                    false
+                }
+            };
+            let second = inbox
+                .process(&mut late_tx, key.as_str(), async |conn| {
+                    record_effect(conn, &key, 2).await
+                })
+                .await;
+            match second {
+                Ok(outcome) => {
+                    assert_eq!(*late, "READ COMMITTED", "{late} claimed: {outcome:?}");
+                    assert_eq!(
+                        outcome.is_duplicate(),
+                        first_ok,
+                        "{late}/{early}: {outcome:?}"
+                    );
+                    late_tx.commit().await.unwrap();
+                }
+                Err(e) => {
+                    assert!(matches!(e, Error::InboxLayout(_)), "{late}: {e}");
+                    assert_ne!(*late, "READ COMMITTED", "{e}");
+                }
+            }
+            let (partitions, rows) = where_is(&db.pool, "points", &key).await;
+            assert!(
+                rows <= 1,
+                "{late} after {early}: recorded twice in {partitions:?}"
+            );
+            assert!(
+                effects(&db.pool, &key).await <= 1,
+                "{late} after {early}: two effects"
+            );
+        }
+    }
 }
 
 #[tokio::test]
@@ -989,4 +1086,86 @@ async fn the_doctor_warns_before_the_partitions_run_out() {
         .unwrap_or_else(|| panic!("{report:?}"));
     assert_eq!(finding.severity, Severity::Critical);
     assert!(finding.advice.contains("pgbox partitions create"));
+}
+
+/// Leases taken in the plain inbox before the switch: every claim path agrees on what such a
+/// key is. A live one is in progress (single claim) or refuses the batch (as the plain
+/// layout's batch does), never "already recorded"; its holder can still complete it; an
+/// expired one is taken over by the next claim, and its stale holder is refused.
+#[tokio::test]
+async fn leases_from_before_the_switch_are_in_progress_completable_and_taken_over() {
+    support::init_tracing();
+    let db = TestDb::migrated().await;
+    sqlx::query("CREATE TABLE effects (key text NOT NULL, worker int NOT NULL)")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let plain = Inbox::new("points").unwrap();
+    let leased = |attempt: pgbox::LeaseAttempt| match attempt {
+        pgbox::LeaseAttempt::Leased(lease) => lease,
+        other => panic!("not leased: {other:?}"),
+    };
+    let ttl = Duration::from_secs(60);
+    let _live = leased(plain.lease(&db.pool, "live", ttl).await.unwrap());
+    let done = leased(plain.lease(&db.pool, "done", ttl).await.unwrap());
+    let stale = leased(
+        plain
+            .lease(&db.pool, "expired", Duration::from_millis(300))
+            .await
+            .unwrap(),
+    );
+    Migrator::new()
+        .partitioned_inbox(
+            InboxPartitioning::every(SECOND)
+                .minimum_retention(Duration::ZERO)
+                .ahead(5),
+        )
+        .run(&db.pool)
+        .await
+        .unwrap();
+    let inbox = partitioned("points");
+    let deliver = async |key: &str| {
+        inbox
+            .process_and_commit(&db.pool, key, async |conn| {
+                record_effect(conn, key, 1).await
+            })
+            .await
+            .unwrap()
+    };
+
+    // A live lease: the batch is refused for it, the single claim says in progress.
+    let mut tx = db.pool.begin().await.unwrap();
+    let err = inbox
+        .claim_batch(&mut tx, ["fresh", "live"])
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::KeyInProgress { ref key, .. } if key == "live"),
+        "{err}"
+    );
+    drop(tx);
+    let outcome = deliver("live").await;
+    assert!(matches!(outcome, Outcome::InProgress), "{outcome:?}");
+    assert_eq!(effects(&db.pool, "live").await, 0);
+
+    // Its holder completes it after the switch; from then on it is a duplicate everywhere.
+    done.complete(&db.pool, &"receipt").await.unwrap();
+    assert!(deliver("done").await.is_duplicate());
+    let mut tx = db.pool.begin().await.unwrap();
+    assert_eq!(
+        inbox.claim_batch(&mut tx, ["done", "new"]).await.unwrap(),
+        vec![false, true]
+    );
+    tx.commit().await.unwrap();
+
+    // An expired lease is taken over by the next claim; the stale holder is refused.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let outcome = deliver("expired").await;
+    assert!(outcome.is_processed(), "{outcome:?}");
+    assert_eq!(effects(&db.pool, "expired").await, 1);
+    let err = stale.complete(&db.pool, &()).await.unwrap_err();
+    assert!(matches!(err, Error::LeaseLost { .. }), "{err}");
+    assert!(deliver("expired").await.is_duplicate());
+    assert_eq!(effects(&db.pool, "expired").await, 1);
+    assert_eq!(where_is(&db.pool, "points", "expired").await.1, 1);
 }

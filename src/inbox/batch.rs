@@ -49,7 +49,7 @@ impl Inbox {
                     .bind(&message_ids)
                     .fetch_all(&mut **tx)
                     .await
-                    .map_err(|e| super::partitions::layout_error(e.into()))?;
+                    .map_err(|e| self.partitioned_batch_error(e.into()))?;
             return Ok(self.report_batch(&keys, claimed));
         }
         // The common batch has no duplicate: a plain INSERT is a third cheaper than
@@ -110,6 +110,27 @@ impl Inbox {
             claimed
         };
         Ok(self.report_batch(&keys, claimed))
+    }
+
+    /// The partitioned batch claim's refusal of a key under a lease taken before the switch
+    /// (SQLSTATE 55006, the key in the detail) is the plain layout's `KeyInProgress`.
+    fn partitioned_batch_error(&self, e: crate::Error) -> crate::Error {
+        if let crate::Error::Database {
+            source: sqlx::Error::Database(db),
+            ..
+        } = &e
+            && db.code().as_deref() == Some("55006")
+            && db
+                .message()
+                .starts_with("pgbox: a key of the batch is under a lease")
+            && let Some(pg) = db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+        {
+            return crate::Error::KeyInProgress {
+                consumer: self.inner.consumer.clone(),
+                key: pg.detail().unwrap_or_default().to_owned(),
+            };
+        }
+        super::partitions::layout_error(e)
     }
 
     /// Per input key, whether it is among `claimed` (a repeated key counts once).

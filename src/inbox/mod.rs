@@ -283,8 +283,8 @@ impl InboxBuilder {
     /// Whether this inbox uses the time-partitioned table (default `false`): set it in a
     /// schema switched with [`Migrator::partitioned_inbox`](crate::Migrator::partitioned_inbox).
     /// A mismatch either way fails every claim with [`Error::InboxLayout`], never
-    /// deduplicating against the wrong table. The partitioned inbox refuses claims under
-    /// REPEATABLE READ and has no lease mode; see [`InboxPartitioning`].
+    /// deduplicating against the wrong table. The partitioned inbox claims only under READ
+    /// COMMITTED and has no lease mode; see [`InboxPartitioning`].
     pub fn partitioned(mut self, partitioned: bool) -> Self {
         self.partitioned = partitioned;
         self

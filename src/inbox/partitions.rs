@@ -16,10 +16,14 @@
 //! 3. only if none holds the key does it insert, into the partition of its transaction's
 //!    start time; each partition's unique index on `(consumer, key)` backs the look-up.
 //!
-//! A duplicate takes the lock and reads: no row, no transaction id, no WAL. Claims under
-//! REPEATABLE READ are refused ([`Error::InboxLayout`]): that snapshot can predate the lock.
-//! SERIALIZABLE works (its conflict checks turn the race into a retryable serialization
-//! failure). Lease mode is not available on a partitioned inbox.
+//! A duplicate takes the lock and reads: no row, no transaction id, no WAL. Claims run only
+//! under READ COMMITTED: REPEATABLE READ and SERIALIZABLE are refused
+//! ([`Error::InboxLayout`]), because their snapshot can predate the lock and miss a holder
+//! that committed into another partition (SSI does not track a READ COMMITTED holder, so
+//! SERIALIZABLE gives no protection). Lease mode is not available on a partitioned inbox;
+//! a lease taken in the plain inbox before the switch keeps working (complete, extend,
+//! release), a claim of its key is in progress while it lasts and takes it over once it has
+//! expired, and a batch holding its key fails with [`Error::KeyInProgress`].
 //!
 //! Expiry ([`InboxPartitions::drop_expired`], or the [`Janitor`](crate::janitor::Janitor))
 //! detaches a partition concurrently (claims go on) and drops it: no DELETE, no dead tuples,
@@ -417,7 +421,12 @@ pub(crate) fn layout_error(e: Error) -> Error {
              switched with Migrator::partitioned_inbox, build the Inbox without partitioned(true)"
         }
         "0A000" if message.starts_with("pgbox: the partitioned inbox cannot claim") => {
-            "the partitioned inbox cannot claim under REPEATABLE READ: use READ COMMITTED (the default) or SERIALIZABLE"
+            return Error::InboxLayout(format!(
+                "{}: its look-up must see every claim committed before the key's lock was \
+                 granted, which only READ COMMITTED (the default) does; claim under READ \
+                 COMMITTED, or use the plain inbox",
+                message.trim_start_matches("pgbox: ")
+            ));
         }
         "55000" if message.starts_with("pgbox: the partitioned inbox is not enabled") => {
             "this schema has not been switched to the partitioned inbox (Migrator::partitioned_inbox)"
