@@ -39,7 +39,6 @@
 //!             .get("x-account-id")
 //!             .and_then(|v| v.to_str().ok())
 //!             .map(str::to_owned)
-//!             .ok_or_else(|| StatusCode::UNAUTHORIZED.into_response())
 //!     })
 //!     .build()?;
 //! let app: Router = Router::new().route("/orders/{id}/pay", post(pay).route_layer(layer));
@@ -72,11 +71,14 @@
 //! | key missing, [`required`](IdempotencyBuilder::required) (the default) | 400, problem JSON | no |
 //! | key missing, not required | the handler runs in a layer transaction, committed when the response is final | no |
 //! | key empty, longer than [`max_key_len`](IdempotencyBuilder::max_key_len) (255), not visible ASCII (a space, a control character, non-ASCII), or sent twice | 400, problem JSON saying which rule failed | no |
+//! | key sent, but the [scope](IdempotencyBuilder::scope) function finds no client | 401, problem JSON | no |
 //! | request body over [`max_request_bytes`](IdempotencyBuilder::max_request_bytes) | 413 | no |
 //! | first request, handler answers 2xx or 3xx | the handler's response | yes |
 //! | first request, handler answers a final 4xx (400, 402, 405, 410, 413, 422, …) | the handler's response | yes |
 //! | first request, handler answers 401, 403, 404, 406, 408, 409, 411, 412, 415, 423, 424, 425, 428 or 429 | the handler's response; its effects roll back | no |
 //! | first request, handler answers 5xx, fails or panics | the handler's response; its effects roll back | no |
+//! | first request, handler swallowed a failed statement or ended the transaction | 500, problem JSON; nothing commits | no |
+//! | first request, final response body over [`max_response_bytes`](IdempotencyBuilder::max_response_bytes) | 500, problem JSON; its effects roll back | no |
 //! | same key, same request, after the first committed | the stored response, plus `Idempotent-Replayed: true` | (already) |
 //! | same key, another method, path, query or body | 422, problem JSON | no |
 //! | same key while the first is in flight | waits for it, then as above (the inbox's default [`Wait::Block`](crate::Wait::Block)); 409 with `Retry-After: 1` once the inbox's [`Wait::Timeout`](crate::Wait::Timeout) expires, or at once with [`Wait::NoWait`](crate::Wait::NoWait) | no |
@@ -100,16 +102,19 @@
 //! bytes; headers are not part of it. A key reused for a different request is refused with
 //! 422 (the draft's answer), never replayed.
 //!
-//! **Keys** are the header's value, verbatim: 1 to [`max_key_len`](IdempotencyBuilder::max_key_len)
-//! (default 255, as Stripe) visible ASCII characters, 0x21 to 0x7E. The draft's quoted
+//! **Keys** are the header's value, verbatim: 1 to
+//! [`max_key_len`](IdempotencyBuilder::max_key_len) (default 255, as Stripe) visible ASCII
+//! characters, 0x21 to 0x7E. The draft's quoted
 //! structured-field form (`"8e03…"`) is accepted as is (its quotes are visible ASCII). The
 //! 400 names the rule and what broke it.
 //!
 //! **Scope.** The inbox row's key is the [scope](IdempotencyBuilder::scope) and the
-//! client's key together, in the layer's inbox consumer (one key space per layer: give each
-//! layer an inbox consumer of its own). Without a scope function, every client of the layer
-//! shares one key space: set one that returns the authenticated principal (a stable account
-//! id, not a token that rotates) whenever more than one client calls the route.
+//! client's key together, `<scope length>:<scope>:<key>` (`0::<key>` without a scope; a scope
+//! over 256 bytes as `#<its SHA-256>:<key>`), in the layer's inbox consumer (one key space
+//! per layer: give each layer an inbox consumer of its own). Without a scope function, every
+//! client of the layer shares one key space, and one client could be answered with another's
+//! response: set one that returns the authenticated principal (a stable account id, not a
+//! token that rotates) whenever more than one client calls the route.
 //!
 //! **Expiry.** Keys are remembered at least the [retention](IdempotencyBuilder::retention)
 //! window (default 24 hours, as Stripe) and forgotten when the inbox rows are purged: by
@@ -124,10 +129,14 @@
 //! [`max_response_bytes`](IdempotencyBuilder::max_response_bytes), else 500 and roll back),
 //! and so are requests with a key (for the fingerprint).
 //!
-//! **In flight.** With the inbox's default [`Wait::Block`](crate::Wait::Block), a second request with the same
-//! key waits on the first one's claim (holding a pool connection) and then gets its stored
-//! response, or runs itself if the first stored nothing: a client that retries too early
-//! still gets the answer. [`Wait::NoWait`](crate::Wait::NoWait) gives the draft's 409 at once.
+//! **In flight.** With the inbox's default [`Wait::Block`](crate::Wait::Block), a second
+//! request with the same key waits on the first one's claim (holding a pool connection) and
+//! then gets its stored response, or runs itself if the first stored nothing: a client that
+//! retries too early still gets the answer, and one whose first attempt timed out on its
+//! side does not have to poll. The draft's 409 is there for those who prefer it:
+//! [`Wait::NoWait`](crate::Wait::NoWait) answers it at once, and
+//! [`Wait::Timeout`](crate::Wait::Timeout) after a bounded wait (a pool-friendly default for
+//! slow handlers).
 
 use std::convert::Infallible;
 use std::fmt;
@@ -181,7 +190,7 @@ const MAX_SCOPE_BYTES: usize = 256;
 /// The version of the stored response's JSON, for readers of older rows.
 const STORED_FORMAT: u32 = 1;
 
-type ScopeFn = dyn Fn(&Parts) -> std::result::Result<String, Response> + Send + Sync;
+type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 type FinalFn = dyn Fn(StatusCode) -> bool + Send + Sync;
 
 /// Whether a response is a final answer, overriding the layer's status rule
@@ -325,12 +334,13 @@ impl IdempotencyBuilder {
     }
 
     /// The key space of a request, typically the authenticated principal (an account id):
-    /// two requests share a key only if they have the same scope. `Err(response)` refuses the
-    /// request with that response (e.g. 401) before anything runs. Default: no scope, one key
-    /// space for every client of the layer.
+    /// two requests share a key only if they have the same scope. It sees the request's
+    /// head, extensions included (where an authentication layer in front leaves the
+    /// principal). `None` (no principal) refuses a request that has a key with 401 before
+    /// anything runs. Default: no scope, one key space for every client of the layer.
     pub fn scope<F>(mut self, scope: F) -> Self
     where
-        F: Fn(&Parts) -> std::result::Result<String, Response> + Send + Sync + 'static,
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
     {
         self.scope = Some(Arc::new(scope));
         self
@@ -425,9 +435,9 @@ impl IdempotencyLayer {
     }
 
     /// A builder: transactions from `pool`, keys recorded in `inbox` (give it a consumer of
-    /// its own; its [`Wait`](crate::Wait) decides what a concurrent same-key request does). Defaults: the
-    /// key required in [`IDEMPOTENCY_KEY`], at most [`DEFAULT_MAX_KEY_LEN`] characters;
-    /// replays marked with [`IDEMPOTENT_REPLAYED`]; bodies up to
+    /// its own; its [`Wait`](crate::Wait) decides what a concurrent same-key request does).
+    /// Defaults: the key required in [`IDEMPOTENCY_KEY`], at most [`DEFAULT_MAX_KEY_LEN`]
+    /// characters; replays marked with [`IDEMPOTENT_REPLAYED`]; bodies up to
     /// [`DEFAULT_MAX_REQUEST_BYTES`] in and [`DEFAULT_MAX_RESPONSE_BYTES`] stored; retention
     /// [`DEFAULT_RETENTION`]; no scope; [`is_final_by_default`].
     pub fn builder(pool: PgPool, inbox: Inbox) -> IdempotencyBuilder {
@@ -571,8 +581,9 @@ impl IdempotencyTx {
     pub async fn lock(&self) -> Result<TxGuard<'_>> {
         let mut slot = self.slot.lock().await;
         if slot.tx.is_none()
-            && let Some(pool) = slot.begin_from.take()
+            && let Some(pool) = &slot.begin_from
         {
+            // The pool stays until the layer closes the slot: a failed begin may be retried.
             slot.tx = Some(pool.begin().await?);
         }
         MutexGuard::try_map(slot, |slot| slot.tx.as_mut())
@@ -740,12 +751,21 @@ impl Shared {
                     ),
                 );
             }
-            Err(response) => return response,
+            Err(why) => return problem(StatusCode::BAD_REQUEST, "Invalid Idempotency-Key", why),
         };
         let scope = match &self.scope {
             Some(scope) => match scope(&parts) {
-                Ok(scope) => scope,
-                Err(refused) => return refused,
+                Some(scope) => scope,
+                None => {
+                    return problem(
+                        StatusCode::UNAUTHORIZED,
+                        "Client unknown",
+                        format!(
+                            "{} keys are kept per client, and this request names none",
+                            self.header_display
+                        ),
+                    );
+                }
             },
             None => String::new(),
         };
@@ -786,9 +806,9 @@ impl Shared {
         .await
     }
 
-    /// The key from the headers: `Ok(None)` without one, `Err(400)` for one that breaks the
-    /// rule.
-    fn key(&self, headers: &HeaderMap) -> std::result::Result<Option<String>, Response> {
+    /// The key from the headers: `Ok(None)` without one, `Err(what the 400 says)` for one
+    /// that breaks the rule.
+    fn key(&self, headers: &HeaderMap) -> std::result::Result<Option<String>, String> {
         let mut values = headers.get_all(&self.header).iter();
         let Some(value) = values.next() else {
             return Ok(None);
@@ -803,11 +823,7 @@ impl Shared {
                 // Visible ASCII only, checked above.
                 String::from_utf8_lossy(value.as_bytes()).into_owned(),
             )),
-            Some(fault) => Err(problem(
-                StatusCode::BAD_REQUEST,
-                "Invalid Idempotency-Key",
-                format!("{}: {}", self.key_rule(), fault),
-            )),
+            Some(fault) => Err(format!("{}: {}", self.key_rule(), fault)),
         }
     }
 

@@ -604,6 +604,29 @@ async fn a_server_error_is_not_stored_and_its_effects_roll_back() {
     assert!(again.replayed());
     assert_eq!(again.body, ok.body);
     assert_eq!((charges(&db.pool).await, keys(&db.pool).await), (1, 1));
+
+    // Whatever the rule says, a 5xx is never stored.
+    let everything_final = IdempotencyLayer::builder(db.pool.clone(), inbox())
+        .is_final(|_| true)
+        .build()
+        .unwrap();
+    let App {
+        router, handlers, ..
+    } = app(everything_final);
+    handlers.failures_left.store(1, Ordering::SeqCst);
+    let failed = post_key(&router, "/flaky", Some("rule"), "").await;
+    assert_eq!(failed.status, StatusCode::INTERNAL_SERVER_ERROR);
+    assert_eq!((charges(&db.pool).await, keys(&db.pool).await), (1, 1));
+    let ok = post_key(&router, "/flaky", Some("rule"), "").await;
+    assert_eq!((ok.status, ok.replayed()), (StatusCode::CREATED, false));
+    // And the replaced rule is the one applied: a 404 is stored now.
+    let missing = post_key(&router, "/items/6/buy", Some("rule-404"), "").await;
+    assert_eq!(missing.status, StatusCode::NOT_FOUND);
+    let again = post_key(&router, "/items/6/buy", Some("rule-404"), "").await;
+    assert_eq!(
+        (again.status, again.replayed()),
+        (StatusCode::NOT_FOUND, true)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -651,7 +674,6 @@ async fn a_scope_keeps_clients_keys_apart() {
                 .get("x-client")
                 .and_then(|v| v.to_str().ok())
                 .map(str::to_owned)
-                .ok_or_else(|| (StatusCode::UNAUTHORIZED, "who are you?").into_response())
         })
         .build()
         .unwrap();
@@ -679,9 +701,15 @@ async fn a_scope_keeps_clients_keys_apart() {
     assert_eq!(alice_again.body, alice.body);
     assert_eq!(charges(&db.pool).await, 2);
 
-    // No principal: refused by the scope function, nothing runs.
+    // No principal: refused, nothing runs.
     let anonymous = post_key(&router, "/charges", Some("1"), body).await;
     assert_eq!(anonymous.status, StatusCode::UNAUTHORIZED);
+    assert!(
+        anonymous.problem()["detail"]
+            .as_str()
+            .unwrap()
+            .contains("kept per client")
+    );
     assert_eq!(charges(&db.pool).await, 2);
 }
 
