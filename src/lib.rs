@@ -11,6 +11,8 @@ mod connect;
 mod consumer;
 pub mod doctor;
 mod error;
+#[cfg(feature = "axum")]
+pub mod idempotency;
 mod ident;
 pub mod inbox;
 pub mod janitor;
@@ -37,6 +39,8 @@ pub use crate::consumer::{
     Consumer, ConsumerBuilder, ConsumerStats, MAX_VISIBILITY_TIMEOUT, MIN_VISIBILITY_TIMEOUT,
 };
 pub use crate::error::{DbErrorKind, Error, Result};
+#[cfg(feature = "axum")]
+pub use crate::idempotency::{Finality, IdempotencyLayer, IdempotencyTx};
 pub use crate::ident::{Identifier, MAX_IDENTIFIER_BYTES, MAX_PGBOX_SCHEMA_BYTES};
 pub use crate::inbox::{
     Claim, Claimed, ConnectionLike, Duplicate, FencingToken, GapPolicy, HandlerConnection, Inbox,

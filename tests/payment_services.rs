@@ -265,6 +265,18 @@ async fn pay_is_idempotent_by_key_over_http() {
     // No key: refused, nothing paid.
     let r = post(addr, &pay, None, None).await;
     assert_eq!(r.status, 400, "{}", r.text());
+    // A key with a space: refused, saying why.
+    let r = post(addr, &pay, Some("two words"), None).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("it contains a space"), "{}", r.text());
+
+    // An order that does not exist: 404, not stored (a retry runs again, no replay).
+    let missing = format!("/orders/{}/pay", order + 1_000_000);
+    for _ in 0..2 {
+        let r = post(addr, &missing, Some("key-404"), None).await;
+        assert_eq!(r.status, 404, "{}", r.text());
+        assert_eq!(r.header("idempotent-replayed"), None);
+    }
 
     // Same key: the identical response, marked as a replay.
     let first = post(addr, &pay, Some("key-1"), None).await;

@@ -845,11 +845,12 @@ async fn sql_view(pool: &sqlx::PgPool, users: (i64, i64), run: &str) -> anyhow::
     .bind(last)
     .fetch_one(pool)
     .await?;
+    // The idempotency layer records `<scope length>:<scope>:<key>`; payments has no scope.
     let pay_keys: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM payments_pgbox.inbox \
          WHERE consumer = 'pay-requests' AND key LIKE $1",
     )
-    .bind(format!("{run}-pay-%"))
+    .bind(format!("0::{run}-pay-%"))
     .fetch_one(pool)
     .await
     .unwrap_or(-1);

@@ -1,24 +1,28 @@
 //! The payments service: orders over HTTP, paid exactly once per `Idempotency-Key`, with
 //! `PaymentSucceeded` written to the outbox in the paying transaction and relayed.
 //!
-//! A request with an `Idempotency-Key` runs inside `Inbox::process` keyed by it: the inbox
-//! row, the order's transition and the outbox message commit together, and the response
-//! (status and body) is the stored outcome, so every retry of the key is answered with what
-//! the first attempt answered. A concurrent retry waits on the key (`Wait::Block`, the
-//! default) until the first transaction ends. The stored outcome also carries a fingerprint
-//! of the request: the same key sent with another request is refused with 422.
+//! Idempotency is pgbox's `Idempotency-Key` layer (`pgbox::idempotency`, feature `axum`): it
+//! claims the key in the inbox and hands the handler that transaction (`IdempotencyTx`), so
+//! the inbox row, the order's transition, the outbox message and the stored response commit
+//! together, and every retry of the key is answered with what the first attempt answered
+//! (`Idempotent-Replayed: true`). A concurrent retry waits on the key (`Wait::Block`, the
+//! default) until the first transaction ends. The same key sent with another request is
+//! refused with 422. A 404 or 409 is not stored (its transaction rolls back): paying an order
+//! that does not exist yet, then retrying the key once it does, pays it.
 
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::{Path, Request, State};
+use axum::http::StatusCode;
+use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
+use pgbox::idempotency::{IdempotencyLayer, IdempotencyTx};
 use pgbox::transport::{PgQueue, PublishError, Publisher};
 use pgbox::{
-    CancellationToken, Envelope, HandlerConnection, Inbox, Message, Migrator, Outbox, Outcome,
-    Relay, StateMachine, StateTable, Transition,
+    CancellationToken, Envelope, Inbox, Message, Migrator, Outbox, Relay, StateMachine, StateTable,
+    Transition,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -31,7 +35,7 @@ pub const SCHEMA: &str = "payments";
 pub const PGBOX_SCHEMA: &str = "payments_pgbox";
 /// The built-in queue's schema (transport `postgres`).
 pub const BROKER_SCHEMA: &str = "broker";
-/// Inbox consumers: one key space per kind of request.
+/// Inbox consumers of the idempotency layers: one key space per kind of request.
 const PAY_REQUESTS: &str = "pay-requests";
 const ORDER_REQUESTS: &str = "order-requests";
 
@@ -101,34 +105,10 @@ pub struct PaymentSucceeded {
     pub amount: i64,
 }
 
-/// What an idempotent request answered, stored with its inbox row.
-#[derive(Debug, Serialize, Deserialize)]
-struct StoredResponse {
-    /// Which request produced it: a retry must be the same request.
-    fingerprint: String,
-    status: u16,
-    body: Value,
-}
-
-/// A handler's result: the response to store and, for a payment, the event to enqueue in the
-/// same transaction. Only the response is stored.
-struct Handled {
-    response: StoredResponse,
-    event: Option<PaymentSucceeded>,
-}
-
-impl Serialize for Handled {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        self.response.serialize(s)
-    }
-}
-
 struct Payments {
     pool: PgPool,
     orders: StateTable<OrderState>,
     outbox: Outbox,
-    pay_requests: Inbox,
-    order_requests: Inbox,
     topic: String,
     /// `--producer-retries`: the share of payments whose event is enqueued a second time.
     producer_retries: f64,
@@ -152,10 +132,6 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
         pool: pool.clone(),
         orders: StateTable::new("orders")?.schema(SCHEMA)?,
         outbox: Outbox::with_schema(PGBOX_SCHEMA)?,
-        pay_requests: Inbox::builder(PAY_REQUESTS).schema(PGBOX_SCHEMA).build()?,
-        order_requests: Inbox::builder(ORDER_REQUESTS)
-            .schema(PGBOX_SCHEMA)
-            .build()?,
         topic: args.topic.clone(),
         producer_retries: args.producer_retries,
     });
@@ -187,10 +163,34 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
     };
     let gauges = service::spawn_gauges(pool.clone(), gauge_schemas, shutdown.clone());
 
+    // `Idempotency-Key`: required to pay, optional to create an order (without one, each
+    // request creates an order).
+    let pay_requests = IdempotencyLayer::builder(
+        pool.clone(),
+        Inbox::builder(PAY_REQUESTS).schema(PGBOX_SCHEMA).build()?,
+    )
+    .build()?;
+    let order_requests = IdempotencyLayer::builder(
+        pool.clone(),
+        Inbox::builder(ORDER_REQUESTS)
+            .schema(PGBOX_SCHEMA)
+            .build()?,
+    )
+    .required(false)
+    .build()?;
     let app = Router::new()
-        .route("/orders", post(create_order))
+        .route("/orders", post(create_order).route_layer(order_requests))
         .route("/orders/{id}", get(get_order))
-        .route("/orders/{id}/pay", post(pay_order))
+        .route(
+            "/orders/{id}/pay",
+            post(pay_order)
+                .route_layer(pay_requests)
+                // Outside the idempotency layer: runs after its commit.
+                .route_layer(middleware::from_fn_with_state(
+                    state.clone(),
+                    resend_after_commit,
+                )),
+        )
         .route("/stats", get(stats))
         .with_state(state)
         .merge(service::ops_routes(pool.clone(), metrics));
@@ -277,29 +277,9 @@ struct NewOrder {
     amount: i64,
 }
 
-/// The Idempotency-Key header: `Ok(None)` when absent, `Err` (the reason for a 400) when
-/// unusable.
-fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, &'static str> {
-    let Some(value) = headers.get("idempotency-key") else {
-        return Ok(None);
-    };
-    match value.to_str() {
-        Ok(key) if !key.is_empty() && key.len() <= 255 => Ok(Some(key.to_owned())),
-        _ => Err("Idempotency-Key must be 1 to 255 visible ASCII characters"),
-    }
-}
-
-fn bad_request(message: &str) -> Response {
-    (StatusCode::BAD_REQUEST, Json(error_body(message))).into_response()
-}
-
 /// `POST /orders {user_id, amount}`: 201 with the order. With an `Idempotency-Key`, a retry
 /// gets the same order instead of creating another one.
-async fn create_order(
-    State(app): State<Shared>,
-    headers: HeaderMap,
-    Json(new): Json<NewOrder>,
-) -> Result<Response, AppError> {
+async fn create_order(tx: IdempotencyTx, Json(new): Json<NewOrder>) -> Result<Response, AppError> {
     if new.amount <= 0 {
         return Ok((
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -307,171 +287,87 @@ async fn create_order(
         )
             .into_response());
     }
-    let key = match idempotency_key(&headers) {
-        Ok(key) => key,
-        Err(reason) => return Ok(bad_request(reason)),
-    };
-    let create = async |conn: &mut HandlerConnection<'_>| {
-        let order: Value = sqlx::query_scalar(INSERT_ORDER)
-            .bind(new.user_id)
-            .bind(new.amount)
-            .fetch_one(&mut *conn)
-            .await?;
-        Ok::<_, anyhow::Error>(order)
-    };
-    let Some(key) = key else {
-        // Not idempotent: each request creates an order.
-        let mut tx = app.pool.begin().await?;
-        let order: Value = sqlx::query_scalar(INSERT_ORDER)
-            .bind(new.user_id)
-            .bind(new.amount)
-            .fetch_one(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        return Ok((StatusCode::CREATED, Json(order)).into_response());
-    };
-    let fingerprint = format!("POST /orders user_id={} amount={}", new.user_id, new.amount);
-    app.idempotent(
-        &app.order_requests,
-        &key,
-        fingerprint.clone(),
-        async |conn| {
-            let order = create(conn).await?;
-            Ok(Handled {
-                response: StoredResponse {
-                    fingerprint,
-                    status: StatusCode::CREATED.as_u16(),
-                    body: order,
-                },
-                event: None,
-            })
-        },
-    )
-    .await
+    let mut tx = tx.lock().await?;
+    let order: Value = sqlx::query_scalar(INSERT_ORDER)
+        .bind(new.user_id)
+        .bind(new.amount)
+        .fetch_one(&mut **tx)
+        .await?;
+    Ok((StatusCode::CREATED, Json(order)).into_response())
 }
 
 /// `POST /orders/{id}/pay` with `Idempotency-Key` (required): 200 with the paid order; 409
-/// when the order is paid already (by another key); 404 when there is no such order.
+/// when the order is paid already (by another key); 404 when there is no such order. The
+/// layer stores the 200 with the payment; the 404 and 409 are not stored (and roll back).
 async fn pay_order(
     State(app): State<Shared>,
     Path(order_id): Path<i64>,
-    headers: HeaderMap,
+    idempotent: IdempotencyTx,
 ) -> Result<Response, AppError> {
-    let key = match idempotency_key(&headers) {
-        Ok(Some(key)) => key,
-        Ok(None) => return Ok(bad_request("the Idempotency-Key header is required")),
-        Err(reason) => return Ok(bad_request(reason)),
-    };
-    let fingerprint = format!("POST /orders/{order_id}/pay");
-    let orders = &app.orders;
-    app.idempotent(&app.pay_requests, &key, fingerprint.clone(), async |conn| {
-        let respond = |status: StatusCode, body: Value| StoredResponse {
-            fingerprint: fingerprint.clone(),
-            status: status.as_u16(),
-            body,
-        };
-        // Locks the order row: a concurrent payment of it with another key waits here and
-        // then finds it paid.
-        let response = match orders.transition(conn, order_id, OrderState::Paid).await? {
+    let mut tx = idempotent.lock().await?;
+    // Locks the order row: a concurrent payment of it with another key waits here and then
+    // finds it paid.
+    Ok(
+        match app
+            .orders
+            .transition(&mut tx, order_id, OrderState::Paid)
+            .await?
+        {
             Transition::Applied { .. } => {
                 let order: Value = sqlx::query_scalar(MARK_PAID)
                     .bind(order_id)
-                    .fetch_one(&mut *conn)
+                    .fetch_one(&mut **tx)
                     .await?;
                 let event = PaymentSucceeded {
                     order_id,
                     user_id: order["user_id"].as_i64().unwrap_or_default(),
                     amount: order["amount"].as_i64().unwrap_or_default(),
                 };
-                tracing::info!(order_id, user_id = event.user_id, key = %key, "order paid");
-                return Ok(Handled {
-                    response: respond(StatusCode::OK, order),
-                    event: Some(event),
-                });
+                let message = Message::json(&app.topic, &event)?
+                    .ordering_key(format!("user-{}", event.user_id));
+                app.outbox.enqueue(&mut *tx, message).await?;
+                tracing::info!(
+                    order_id,
+                    user_id = event.user_id,
+                    key = idempotent.key(),
+                    "order paid"
+                );
+                // The event rides along for `resend_after_commit`; the layer stores only status,
+                // selected headers and body.
+                (StatusCode::OK, Extension(event), Json(order)).into_response()
             }
-            Transition::AlreadyInState | Transition::Stale { .. } => respond(
+            Transition::AlreadyInState | Transition::Stale { .. } => (
                 StatusCode::CONFLICT,
-                json!({ "error": "order already paid", "order_id": order_id }),
-            ),
-            Transition::NotFound => respond(
+                Json(json!({ "error": "order already paid", "order_id": order_id })),
+            )
+                .into_response(),
+            Transition::NotFound => (
                 StatusCode::NOT_FOUND,
-                json!({ "error": "no such order", "order_id": order_id }),
-            ),
-            other => respond(
+                Json(json!({ "error": "no such order", "order_id": order_id })),
+            )
+                .into_response(),
+            other => (
                 StatusCode::CONFLICT,
-                json!({ "error": format!("cannot pay: {other:?}"), "order_id": order_id }),
-            ),
-        };
-        Ok(Handled {
-            response,
-            event: None,
-        })
-    })
-    .await
+                Json(json!({ "error": format!("cannot pay: {other:?}"), "order_id": order_id })),
+            )
+                .into_response(),
+        },
+    )
 }
 
-impl Payments {
-    /// Runs `handler` once per `key` (in `inbox`'s key space), in one transaction with the
-    /// inbox row and the handler's event; answers retries from the stored response.
-    async fn idempotent<F>(
-        &self,
-        inbox: &Inbox,
-        key: &str,
-        fingerprint: String,
-        handler: F,
-    ) -> Result<Response, AppError>
-    where
-        F: AsyncFnOnce(&mut HandlerConnection<'_>) -> anyhow::Result<Handled>,
+/// Fault injection (`--producer-retries`), around the idempotency layer: after a payment
+/// committed (its response carries the event; a replay does not), sometimes enqueue the event
+/// again. The answer is not affected.
+async fn resend_after_commit(State(app): State<Shared>, request: Request, next: Next) -> Response {
+    let response = next.run(request).await;
+    if let Some(event) = response.extensions().get::<PaymentSucceeded>()
+        && app.producer_retries > 0.0
+        && fastrand::f64() < app.producer_retries
+        && let Err(e) = app.resend(event).await
     {
-        let mut tx = self.pool.begin().await?;
-        match inbox.process(&mut tx, key, handler).await? {
-            Outcome::Processed(handled) => {
-                if let Some(event) = &handled.event {
-                    let message = Message::json(&self.topic, event)?
-                        .ordering_key(format!("user-{}", event.user_id));
-                    self.outbox.enqueue(&mut tx, message).await?;
-                }
-                tx.commit().await?;
-                if let Some(event) = &handled.event
-                    && self.producer_retries > 0.0
-                    && fastrand::f64() < self.producer_retries
-                {
-                    // An injected fault: the answer is not affected.
-                    if let Err(e) = self.resend(event).await {
-                        tracing::warn!(order_id = event.order_id, error = %format!("{e:#}"), "injected re-send failed");
-                    }
-                }
-                Ok(reply(&handled.response, false))
-            }
-            Outcome::Duplicate(duplicate) => {
-                tx.rollback().await?;
-                let stored: StoredResponse = duplicate
-                    .outcome()?
-                    .ok_or_else(|| anyhow::anyhow!("key {key:?} has no stored response"))?;
-                if stored.fingerprint != fingerprint {
-                    tracing::info!(key, stored = %stored.fingerprint, request = %fingerprint, "idempotency key reused for another request");
-                    return Ok((
-                        StatusCode::UNPROCESSABLE_ENTITY,
-                        Json(json!({
-                            "error": "Idempotency-Key already used for a different request",
-                            "original_request": stored.fingerprint,
-                        })),
-                    )
-                        .into_response());
-                }
-                Ok(reply(&stored, true))
-            }
-            Outcome::Rejected(reason) => {
-                Ok((StatusCode::UNPROCESSABLE_ENTITY, Json(error_body(reason))).into_response())
-            }
-            // Only with a bounded wait, which this inbox does not use.
-            Outcome::InProgress => Ok((
-                StatusCode::CONFLICT,
-                Json(error_body("a request with this key is in progress; retry")),
-            )
-                .into_response()),
-        }
+        tracing::warn!(order_id = event.order_id, error = %format!("{e:#}"), "injected re-send failed");
     }
+    response
 }
 
 impl Payments {
@@ -495,17 +391,6 @@ impl Payments {
         );
         Ok(())
     }
-}
-
-fn reply(stored: &StoredResponse, replayed: bool) -> Response {
-    let status = StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut response = (status, Json(stored.body.clone())).into_response();
-    if replayed {
-        response
-            .headers_mut()
-            .insert("idempotent-replayed", "true".parse().expect("header value"));
-    }
-    response
 }
 
 /// `GET /orders/{id}`.

@@ -1,0 +1,1317 @@
+//! An `Idempotency-Key` layer for HTTP routes (axum/tower), backed by the inbox: a retried
+//! `POST` gets the first attempt's response instead of a second effect.
+//!
+//! Feature `axum`. Semantics follow the IETF draft "The Idempotency-Key HTTP Header Field"
+//! (draft-ietf-httpapi-idempotency-key-header) and Stripe's documented behaviour, with the
+//! differences said below.
+//!
+//! ```no_run
+//! use axum::Router;
+//! use axum::extract::Path;
+//! use axum::http::StatusCode;
+//! use axum::response::{IntoResponse, Response};
+//! use axum::routing::post;
+//! use pgbox::Inbox;
+//! use pgbox::idempotency::{IdempotencyLayer, IdempotencyTx};
+//!
+//! /// `POST /orders/{id}/pay`: its effects and its stored response commit together.
+//! async fn pay(Path(id): Path<i64>, tx: IdempotencyTx) -> Result<Response, StatusCode> {
+//!     let failed = |_| StatusCode::INTERNAL_SERVER_ERROR;
+//!     let mut tx = tx.lock().await.map_err(failed)?;
+//!     let paid = sqlx::query("UPDATE orders SET status = 'paid' WHERE id = $1 AND status = 'new'")
+//!         .bind(id)
+//!         .execute(&mut **tx)
+//!         .await
+//!         .map_err(|_| StatusCode::INTERNAL_SERVER_ERROR)?;
+//!     Ok(match paid.rows_affected() {
+//!         1 => (StatusCode::OK, "paid").into_response(),
+//!         // Not stored by default: a retry after the order exists runs again.
+//!         _ => (StatusCode::NOT_FOUND, "no such unpaid order").into_response(),
+//!     })
+//! }
+//!
+//! # async fn f(pool: sqlx::PgPool) -> Result<(), pgbox::Error> {
+//! let layer = IdempotencyLayer::builder(pool, Inbox::new("pay-requests")?)
+//!     // Keys are per client: two clients' "1" never meet.
+//!     .scope(|request| {
+//!         request
+//!             .headers
+//!             .get("x-account-id")
+//!             .and_then(|v| v.to_str().ok())
+//!             .map(str::to_owned)
+//!     })
+//!     .build()?;
+//! let app: Router = Router::new().route("/orders/{id}/pay", post(pay).route_layer(layer));
+//! # let _ = app; Ok(()) }
+//! ```
+//!
+//! # How a handler gets the transaction, and why
+//!
+//! For a request with a key, the layer begins a transaction, claims the key in it (the
+//! inbox's `INSERT … ON CONFLICT`, keyed by the layer's inbox consumer), and hands that
+//! transaction to the handler as the [`IdempotencyTx`] extractor. After the handler returns,
+//! the layer decides whether the response is final (below): if so it stores the response
+//! (status, [selected headers](IdempotencyBuilder::store_header), body) on the claim's inbox
+//! row and commits, so **the response is stored if and only if the handler's effects
+//! committed**; if not, it rolls back, so neither the effects nor the key remain and a retry
+//! runs the handler again. A layer, rather than a closure API, because it fits any existing
+//! handler (extractors, state, `IntoResponse`) and any route; the transaction travels in the
+//! request's extensions because that is how a tower layer can hand something to an axum
+//! handler. The handler must not end the transaction itself: the store names the claiming
+//! transaction, so a handler that committed or swallowed a failed statement gets a 500, never
+//! a stored response.
+//!
+//! Effects the handler makes elsewhere (other pools, other services) are not covered: they
+//! happen once per run, and a run is repeated only when the previous one stored nothing.
+//!
+//! # Semantics
+//!
+//! | case | answer | stored? |
+//! | --- | --- | --- |
+//! | key missing, [`required`](IdempotencyBuilder::required) (the default) | 400, problem JSON | no |
+//! | key missing, not required | the handler runs in a layer transaction, committed when the response is final | no |
+//! | key empty, longer than [`max_key_len`](IdempotencyBuilder::max_key_len) (255), not visible ASCII (a space, a control character, non-ASCII), or sent twice | 400, problem JSON saying which rule failed | no |
+//! | key sent, but the [scope](IdempotencyBuilder::scope) function finds no client | 401, problem JSON | no |
+//! | request body over [`max_request_bytes`](IdempotencyBuilder::max_request_bytes) | 413 | no |
+//! | first request, handler answers 2xx or 3xx | the handler's response | yes |
+//! | first request, handler answers a final 4xx (400, 402, 405, 410, 413, 422, …) | the handler's response | yes |
+//! | first request, handler answers 401, 403, 404, 406, 408, 409, 411, 412, 415, 423, 424, 425, 428 or 429 | the handler's response; its effects roll back | no |
+//! | first request, handler answers 5xx, fails or panics | the handler's response; its effects roll back | no |
+//! | first request, handler swallowed a failed statement or ended the transaction | 500, problem JSON; nothing commits | no |
+//! | first request, final response body over [`max_response_bytes`](IdempotencyBuilder::max_response_bytes) | 500, problem JSON; its effects roll back | no |
+//! | same key, same request, after the first committed | the stored response, plus `Idempotent-Replayed: true` | (already) |
+//! | same key, another method, path, query or body | 422, problem JSON | no |
+//! | same key while the first is in flight | waits for it, then as above (the inbox's default [`Wait::Block`](crate::Wait::Block)); 409 with `Retry-After: 1` once the inbox's [`Wait::Timeout`](crate::Wait::Timeout) expires, or at once with [`Wait::NoWait`](crate::Wait::NoWait) | no |
+//! | same key after the retention window, once purged | runs again, as a first request | yes |
+//! | a [`Finality`] part in the response | overrides the status rule (never for 5xx) | as it says |
+//!
+//! **Which responses are stored.** Stripe saves a result only once the endpoint began
+//! executing, and not when the request failed validation before execution or conflicted with
+//! a concurrent one; the draft leaves the choice to the server. Here a response is stored when
+//! it is *final*: the same request (what the fingerprint covers) would get the same answer
+//! later. 2xx and 3xx are final; 4xx are final except those whose answer depends on something
+//! outside the fingerprint (credentials 401/403; `Accept`, `Content-Type`, length and
+//! precondition headers 406/411/412/415/428) or may change with time (404: the resource may
+//! be created; 408, 409, 423, 424, 425, 429: transient). 5xx is never stored, unlike Stripe,
+//! which replays its 500s: here a 5xx rolled back the handler's transaction, so nothing
+//! happened and running again is the honest answer. A handler that knows better says so with
+//! [`Finality`] (e.g. a 409 "already paid" that is final), or the rule is replaced with
+//! [`IdempotencyBuilder::is_final`].
+//!
+//! **The fingerprint** is a SHA-256 of the method, the path with its query, and the body
+//! bytes; headers are not part of it. A key reused for a different request is refused with
+//! 422 (the draft's answer), never replayed.
+//!
+//! **Keys** are the header's value, verbatim: 1 to
+//! [`max_key_len`](IdempotencyBuilder::max_key_len) (default 255, as Stripe) visible ASCII
+//! characters, 0x21 to 0x7E. The draft's quoted
+//! structured-field form (`"8e03…"`) is accepted as is (its quotes are visible ASCII). The
+//! 400 names the rule and what broke it.
+//!
+//! **Scope.** The inbox row's key is the [scope](IdempotencyBuilder::scope) and the
+//! client's key together, `<scope length>:<scope>:<key>` (`0::<key>` without a scope; a scope
+//! over 256 bytes as `#<its SHA-256>:<key>`), in the layer's inbox consumer (one key space
+//! per layer: give each layer an inbox consumer of its own). Without a scope function, every
+//! client of the layer shares one key space, and one client could be answered with another's
+//! response: set one that returns the authenticated principal (a stable account id, not a
+//! token that rotates) whenever more than one client calls the route.
+//!
+//! **Expiry.** Keys are remembered at least the [retention](IdempotencyBuilder::retention)
+//! window (default 24 hours, as Stripe) and forgotten when the inbox rows are purged: by
+//! [`IdempotencyLayer::purge_expired`], or by the [`Janitor`](crate::janitor::Janitor) with
+//! `consumer_retention(layer.inbox().consumer(), retention)`. A key sent again after its
+//! purge runs as a first request.
+//!
+//! **Replays** carry the stored status, the stored headers (by default `content-type`,
+//! `content-encoding`, `content-language` and `location`; never `set-cookie`) and the stored
+//! body, plus `Idempotent-Replayed: true` (the header Stripe uses). The first response goes
+//! out with all its headers. Responses that are stored are buffered (at most
+//! [`max_response_bytes`](IdempotencyBuilder::max_response_bytes), else 500 and roll back),
+//! and so are requests with a key (for the fingerprint).
+//!
+//! **In flight.** With the inbox's default [`Wait::Block`](crate::Wait::Block), a second
+//! request with the same key waits on the first one's claim (holding a pool connection) and
+//! then gets its stored response, or runs itself if the first stored nothing: a client that
+//! retries too early still gets the answer, and one whose first attempt timed out on its
+//! side does not have to poll. The draft's 409 is there for those who prefer it:
+//! [`Wait::NoWait`](crate::Wait::NoWait) answers it at once, and
+//! [`Wait::Timeout`](crate::Wait::Timeout) after a bounded wait (a pool-friendly default for
+//! slow handlers).
+
+use std::convert::Infallible;
+use std::fmt;
+use std::future::Future;
+use std::ops::{Deref, DerefMut};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes, HttpBody};
+use axum::extract::{FromRequestParts, Request};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
+use axum::response::{IntoResponse, IntoResponseParts, Response, ResponseParts};
+use futures_util::StreamExt;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use sqlx::{PgPool, Postgres, Transaction};
+use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
+use tower::{Layer, Service};
+
+use crate::error::{DbErrorKind, Error, Result};
+use crate::inbox::{Claim, Claimed, Duplicate, Inbox};
+
+/// The request header carrying the key (the draft's name).
+pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
+
+/// The response header that marks a replay, with the value `true` (Stripe's name).
+pub const IDEMPOTENT_REPLAYED: &str = "Idempotent-Replayed";
+
+/// Default longest key, in characters: 255, as Stripe.
+pub const DEFAULT_MAX_KEY_LEN: usize = 255;
+
+/// The longest key [`IdempotencyBuilder::max_key_len`] accepts: 512 characters, so that a
+/// key with its scope always fits the inbox's key limit ([`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES)).
+pub const MAX_KEY_LEN: usize = 512;
+
+/// Default largest request body read for the fingerprint: 2 MiB (axum's default body limit).
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 2 * 1024 * 1024;
+
+/// Default largest response body stored: 1 MiB (it is kept in the inbox row, as JSON).
+pub const DEFAULT_MAX_RESPONSE_BYTES: usize = 1024 * 1024;
+
+/// Default retention window of keys: 24 hours, as Stripe.
+pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 3600);
+
+/// A scope longer than this (in bytes) is replaced by its SHA-256 in the inbox key.
+const MAX_SCOPE_BYTES: usize = 256;
+
+/// The version of the stored response's JSON, for readers of older rows.
+const STORED_FORMAT: u32 = 1;
+
+type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+type FinalFn = dyn Fn(StatusCode) -> bool + Send + Sync;
+
+/// Whether a response is a final answer, overriding the layer's status rule
+/// ([`is_final_by_default`]) for this one response. Put it in the response's parts:
+/// `(StatusCode::CONFLICT, Finality::Final, body)`. A 5xx is never stored, whatever it says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Finality {
+    /// The answer stands for good: store it with the effects and replay it to retries.
+    Final,
+    /// The answer may change (or depends on something the fingerprint does not cover): roll
+    /// the handler's transaction back and let a retry run again.
+    Retryable,
+}
+
+impl IntoResponseParts for Finality {
+    type Error = Infallible;
+
+    fn into_response_parts(
+        self,
+        mut res: ResponseParts,
+    ) -> std::result::Result<ResponseParts, Self::Error> {
+        res.extensions_mut().insert(self);
+        Ok(res)
+    }
+}
+
+impl IntoResponse for Finality {
+    fn into_response(self) -> Response {
+        (self, ()).into_response()
+    }
+}
+
+/// The layer's rule for responses without a [`Finality`]: 2xx and 3xx are final; 4xx are
+/// final except 401, 403, 404, 406, 408, 409, 411, 412, 415, 423, 424, 425, 428 and 429;
+/// 1xx and 5xx never are. See the [module docs](self) for why.
+pub fn is_final_by_default(status: StatusCode) -> bool {
+    match status.as_u16() {
+        200..=399 => true,
+        // Credentials, headers outside the fingerprint, or transient: may change.
+        401 | 403 | 404 | 406 | 408 | 409 | 411 | 412 | 415 | 423 | 424 | 425 | 428 | 429 => false,
+        400..=499 => true,
+        _ => false,
+    }
+}
+
+/// Builder of an [`IdempotencyLayer`]; see [`IdempotencyLayer::builder`] for the defaults.
+#[must_use]
+#[non_exhaustive]
+pub struct IdempotencyBuilder {
+    pool: PgPool,
+    inbox: Inbox,
+    header: String,
+    replayed_header: String,
+    max_key_len: usize,
+    required: bool,
+    max_request_bytes: usize,
+    max_response_bytes: usize,
+    stored_headers: Vec<HeaderName>,
+    retention: Duration,
+    scope: Option<Arc<ScopeFn>>,
+    is_final: Arc<FinalFn>,
+}
+
+impl fmt::Debug for IdempotencyBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyBuilder")
+            .field("inbox", &self.inbox.consumer())
+            .field("header", &self.header)
+            .field("replayed_header", &self.replayed_header)
+            .field("max_key_len", &self.max_key_len)
+            .field("required", &self.required)
+            .field("max_request_bytes", &self.max_request_bytes)
+            .field("max_response_bytes", &self.max_response_bytes)
+            .field("stored_headers", &self.stored_headers)
+            .field("retention", &self.retention)
+            .field("scoped", &self.scope.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyBuilder {
+    /// Whether a request without the key is refused with 400 (default `true`, the draft's
+    /// answer for an operation that requires it). When `false`, such a request runs the
+    /// handler once per request, in a transaction the layer commits when the response is
+    /// final and rolls back otherwise, exactly as for a keyed request minus the storing.
+    pub fn required(mut self, required: bool) -> Self {
+        self.required = required;
+        self
+    }
+
+    /// The longest key, in characters (default [`DEFAULT_MAX_KEY_LEN`], at most
+    /// [`MAX_KEY_LEN`]). The 400 for a longer key says this number.
+    pub fn max_key_len(mut self, len: usize) -> Self {
+        self.max_key_len = len;
+        self
+    }
+
+    /// The request header carrying the key (default [`IDEMPOTENCY_KEY`]).
+    pub fn header(mut self, name: impl Into<String>) -> Self {
+        self.header = name.into();
+        self
+    }
+
+    /// The response header that marks a replay (default [`IDEMPOTENT_REPLAYED`]).
+    pub fn replayed_header(mut self, name: impl Into<String>) -> Self {
+        self.replayed_header = name.into();
+        self
+    }
+
+    /// The largest request body read for the fingerprint (default
+    /// [`DEFAULT_MAX_REQUEST_BYTES`]); a larger one gets 413 and nothing runs.
+    pub fn max_request_bytes(mut self, bytes: usize) -> Self {
+        self.max_request_bytes = bytes;
+        self
+    }
+
+    /// The largest response body stored (default [`DEFAULT_MAX_RESPONSE_BYTES`]). A final
+    /// response with a larger body cannot be stored: the layer rolls back and answers 500, so
+    /// size the limit to the route.
+    pub fn max_response_bytes(mut self, bytes: usize) -> Self {
+        self.max_response_bytes = bytes;
+        self
+    }
+
+    /// Also stores and replays this response header (besides `content-type`,
+    /// `content-encoding`, `content-language` and `location`). `set-cookie` is refused by
+    /// [`build`](Self::build): a replay must not hand out the first caller's session.
+    pub fn store_header(mut self, name: HeaderName) -> Self {
+        if !self.stored_headers.contains(&name) {
+            self.stored_headers.push(name);
+        }
+        self
+    }
+
+    /// How long keys are remembered at least (default [`DEFAULT_RETENTION`]): what
+    /// [`IdempotencyLayer::purge_expired`] purges past. At least one second.
+    pub fn retention(mut self, retention: Duration) -> Self {
+        self.retention = retention;
+        self
+    }
+
+    /// The key space of a request, typically the authenticated principal (an account id):
+    /// two requests share a key only if they have the same scope. It sees the request's
+    /// head, extensions included (where an authentication layer in front leaves the
+    /// principal). `None` (no principal) refuses a request that has a key with 401 before
+    /// anything runs. Default: no scope, one key space for every client of the layer.
+    pub fn scope<F>(mut self, scope: F) -> Self
+    where
+        F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    {
+        self.scope = Some(Arc::new(scope));
+        self
+    }
+
+    /// Replaces the rule deciding whether a response without a [`Finality`] is final
+    /// (default [`is_final_by_default`]). It is not asked about 5xx, which is never stored.
+    pub fn is_final<F>(mut self, rule: F) -> Self
+    where
+        F: Fn(StatusCode) -> bool + Send + Sync + 'static,
+    {
+        self.is_final = Arc::new(rule);
+        self
+    }
+
+    /// Validates the settings.
+    pub fn build(self) -> Result<IdempotencyLayer> {
+        let invalid = |what: String| Err(Error::InvalidConfig(what));
+        if !(1..=MAX_KEY_LEN).contains(&self.max_key_len) {
+            return invalid(format!(
+                "idempotency max_key_len {} must be between 1 and {MAX_KEY_LEN}",
+                self.max_key_len
+            ));
+        }
+        let header = header_name(&self.header, "header")?;
+        let replayed_header = header_name(&self.replayed_header, "replayed_header")?;
+        if self.stored_headers.contains(&header::SET_COOKIE) {
+            return invalid("set-cookie cannot be a stored header: replays would share it".into());
+        }
+        if self.retention < Duration::from_secs(1) {
+            return invalid(format!(
+                "idempotency retention {:?} must be at least 1 s",
+                self.retention
+            ));
+        }
+        if self.max_request_bytes == 0 || self.max_response_bytes == 0 {
+            return invalid("idempotency body limits must be greater than zero".into());
+        }
+        Ok(IdempotencyLayer {
+            shared: Arc::new(Shared {
+                pool: self.pool,
+                inbox: self.inbox,
+                header,
+                header_display: self.header,
+                replayed_header,
+                max_key_len: self.max_key_len,
+                required: self.required,
+                max_request_bytes: self.max_request_bytes,
+                max_response_bytes: self.max_response_bytes,
+                stored_headers: self.stored_headers,
+                retention: self.retention,
+                scope: self.scope,
+                is_final: self.is_final,
+            }),
+        })
+    }
+}
+
+fn header_name(name: &str, setting: &str) -> Result<HeaderName> {
+    HeaderName::from_bytes(name.as_bytes()).map_err(|_| {
+        Error::InvalidConfig(format!(
+            "idempotency {setting} {name:?} is not a header name"
+        ))
+    })
+}
+
+/// A tower [`Layer`] that makes a route idempotent by `Idempotency-Key`; see the
+/// [module docs](self). Cheap to clone; put it on the routes it guards with
+/// `route_layer` (axum's `MethodRouter::route_layer` or `Router::route_layer`).
+#[derive(Clone)]
+pub struct IdempotencyLayer {
+    shared: Arc<Shared>,
+}
+
+impl fmt::Debug for IdempotencyLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyLayer")
+            .field("inbox", &self.shared.inbox.consumer())
+            .field("schema", &self.shared.inbox.schema())
+            .field("header", &self.shared.header)
+            .field("required", &self.shared.required)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyLayer {
+    /// A layer with the defaults of [`builder`](Self::builder).
+    pub fn new(pool: PgPool, inbox: Inbox) -> Self {
+        Self::builder(pool, inbox)
+            .build()
+            .expect("the default idempotency settings are valid")
+    }
+
+    /// A builder: transactions from `pool`, keys recorded in `inbox` (give it a consumer of
+    /// its own; its [`Wait`](crate::Wait) decides what a concurrent same-key request does).
+    /// Defaults: the key required in [`IDEMPOTENCY_KEY`], at most [`DEFAULT_MAX_KEY_LEN`]
+    /// characters; replays marked with [`IDEMPOTENT_REPLAYED`]; bodies up to
+    /// [`DEFAULT_MAX_REQUEST_BYTES`] in and [`DEFAULT_MAX_RESPONSE_BYTES`] stored; retention
+    /// [`DEFAULT_RETENTION`]; no scope; [`is_final_by_default`].
+    pub fn builder(pool: PgPool, inbox: Inbox) -> IdempotencyBuilder {
+        IdempotencyBuilder {
+            pool,
+            inbox,
+            header: IDEMPOTENCY_KEY.to_owned(),
+            replayed_header: IDEMPOTENT_REPLAYED.to_owned(),
+            max_key_len: DEFAULT_MAX_KEY_LEN,
+            required: true,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            max_response_bytes: DEFAULT_MAX_RESPONSE_BYTES,
+            stored_headers: vec![
+                header::CONTENT_TYPE,
+                header::CONTENT_ENCODING,
+                header::CONTENT_LANGUAGE,
+                header::LOCATION,
+            ],
+            retention: DEFAULT_RETENTION,
+            scope: None,
+            is_final: Arc::new(is_final_by_default),
+        }
+    }
+
+    /// The inbox the keys are recorded in.
+    pub fn inbox(&self) -> &Inbox {
+        &self.shared.inbox
+    }
+
+    /// The retention window of keys.
+    pub fn retention(&self) -> Duration {
+        self.shared.retention
+    }
+
+    /// Forgets the keys recorded more than the retention window ago (database clock): the
+    /// inbox's [`purge_older_than`](Inbox::purge_older_than) for this layer's consumer.
+    /// Returns the number of keys forgotten. Run it periodically, or let the
+    /// [`Janitor`](crate::janitor::Janitor) do it with a `consumer_retention` for this
+    /// layer's inbox consumer.
+    pub async fn purge_expired(&self) -> Result<u64> {
+        self.shared
+            .inbox
+            .purge_older_than(&self.shared.pool, self.shared.retention)
+            .await
+    }
+}
+
+impl<S> Layer<S> for IdempotencyLayer {
+    type Service = IdempotencyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        IdempotencyService {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// The service [`IdempotencyLayer`] wraps a route in.
+#[derive(Clone)]
+pub struct IdempotencyService<S> {
+    inner: S,
+    shared: Arc<Shared>,
+}
+
+impl<S> fmt::Debug for IdempotencyService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyService")
+            .field("inbox", &self.shared.inbox.consumer())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> Service<Request> for IdempotencyService<S>
+where
+    S: Service<Request, Error = Infallible> + Clone + Send + 'static,
+    S::Response: IntoResponse,
+    S::Future: Send + 'static,
+{
+    type Response = Response;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = std::result::Result<Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<std::result::Result<(), Infallible>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request) -> Self::Future {
+        // The service that was polled ready handles this request; a clone takes its place
+        // for the next one (tower's pattern for services called from a boxed future).
+        let ready = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, ready);
+        let shared = self.shared.clone();
+        Box::pin(async move { Ok(shared.handle(inner, request).await) })
+    }
+}
+
+/// The transaction the layer runs the handler in: extract it in the handler
+/// (`tx: IdempotencyTx`) and [`lock`](Self::lock) it to run statements.
+///
+/// For a request with a key it is the transaction that claimed the key; the layer commits it
+/// together with the stored response when the response is final, and rolls it back
+/// otherwise. For a request without a key (on a layer where the key is not
+/// [required](IdempotencyBuilder::required)), it begins on first use and is committed or
+/// rolled back by the same rule. Never commit it in the handler: nested units of work
+/// (`tx.begin()`) are savepoints and fine.
+///
+/// Extracting it on a route without the layer fails with 500.
+#[derive(Clone)]
+pub struct IdempotencyTx {
+    slot: Arc<Mutex<Slot>>,
+    key: Option<Arc<str>>,
+}
+
+struct Slot {
+    tx: Option<Transaction<'static, Postgres>>,
+    /// For a request without a key: begin on first use, from this pool.
+    begin_from: Option<PgPool>,
+}
+
+impl fmt::Debug for IdempotencyTx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyTx")
+            .field("key", &self.key)
+            .finish_non_exhaustive()
+    }
+}
+
+impl IdempotencyTx {
+    /// The request's `Idempotency-Key` as the client sent it (without the scope), `None`
+    /// for a request without one.
+    pub fn key(&self) -> Option<&str> {
+        self.key.as_deref()
+    }
+
+    /// The transaction, for as long as the guard lives: run statements with
+    /// `.execute(&mut **tx)`, pass `&mut *tx` to APIs that take a `&mut Transaction` (such
+    /// as [`Outbox::enqueue`](crate::Outbox::enqueue)). Drop the guard before the handler
+    /// returns: the layer takes the transaction back then. Fails once the layer has ended the
+    /// transaction (a task that outlived the handler), or if beginning it fails.
+    pub async fn lock(&self) -> Result<TxGuard<'_>> {
+        let mut slot = self.slot.lock().await;
+        if slot.tx.is_none()
+            && let Some(pool) = &slot.begin_from
+        {
+            // The pool stays until the layer closes the slot: a failed begin may be retried.
+            slot.tx = Some(pool.begin().await?);
+        }
+        MutexGuard::try_map(slot, |slot| slot.tx.as_mut())
+            .map(|guard| TxGuard { guard })
+            .map_err(|_| {
+                Error::InvalidConfig(
+                    "the idempotency layer's transaction is over: use it only inside the handler"
+                        .to_owned(),
+                )
+            })
+    }
+
+    fn new(
+        tx: Option<Transaction<'static, Postgres>>,
+        pool: Option<PgPool>,
+        key: Option<&str>,
+    ) -> Self {
+        IdempotencyTx {
+            slot: Arc::new(Mutex::new(Slot {
+                tx,
+                begin_from: pool,
+            })),
+            key: key.map(Arc::from),
+        }
+    }
+
+    /// Takes the transaction back after the handler, and closes the slot to late users.
+    async fn take(&self) -> Option<Transaction<'static, Postgres>> {
+        let mut slot = self.slot.lock().await;
+        slot.begin_from = None;
+        slot.tx.take()
+    }
+}
+
+impl<S: Send + Sync> FromRequestParts<S> for IdempotencyTx {
+    type Rejection = Response;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        _state: &S,
+    ) -> std::result::Result<Self, Self::Rejection> {
+        parts
+            .extensions
+            .get::<IdempotencyTx>()
+            .cloned()
+            .ok_or_else(|| {
+                tracing::error!("IdempotencyTx extracted on a route without an IdempotencyLayer");
+                problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "Idempotency layer missing",
+                    "this route extracts IdempotencyTx but has no IdempotencyLayer in front of it"
+                        .to_owned(),
+                )
+            })
+    }
+}
+
+/// The layer's transaction, locked for the handler; derefs to the [`Transaction`].
+pub struct TxGuard<'a> {
+    guard: MappedMutexGuard<'a, Transaction<'static, Postgres>>,
+}
+
+impl fmt::Debug for TxGuard<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TxGuard").finish_non_exhaustive()
+    }
+}
+
+impl Deref for TxGuard<'_> {
+    type Target = Transaction<'static, Postgres>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.guard
+    }
+}
+
+impl DerefMut for TxGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.guard
+    }
+}
+
+struct Shared {
+    pool: PgPool,
+    inbox: Inbox,
+    header: HeaderName,
+    /// The header's name as configured, for messages.
+    header_display: String,
+    replayed_header: HeaderName,
+    max_key_len: usize,
+    required: bool,
+    max_request_bytes: usize,
+    max_response_bytes: usize,
+    stored_headers: Vec<HeaderName>,
+    retention: Duration,
+    scope: Option<Arc<ScopeFn>>,
+    is_final: Arc<FinalFn>,
+}
+
+/// What a stored response is, in the inbox row's `outcome` column.
+#[derive(Debug, Serialize, Deserialize)]
+struct StoredResponse {
+    /// [`STORED_FORMAT`].
+    format: u32,
+    /// SHA-256 (hex) of the request: a retry must be the same request.
+    fingerprint: String,
+    /// `METHOD /path` of the first request, for the 422 and for people reading the row.
+    request: String,
+    status: u16,
+    /// The stored headers with UTF-8 values, in order.
+    headers: Vec<(String, String)>,
+    /// The body, when it is UTF-8 without NUL (jsonb's strings cannot hold NUL)...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    body: Option<String>,
+    /// ...else as hex.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    body_hex: Option<String>,
+}
+
+/// Why a body could not be read whole.
+enum Unread {
+    TooLarge,
+    Failed(axum::Error),
+}
+
+async fn read_body(body: Body, limit: usize) -> std::result::Result<Bytes, Unread> {
+    if body.size_hint().lower() > limit as u64 {
+        return Err(Unread::TooLarge);
+    }
+    let mut stream = body.into_data_stream();
+    let mut buf = Vec::new();
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(Unread::Failed)?;
+        if buf.len() + chunk.len() > limit {
+            return Err(Unread::TooLarge);
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(Bytes::from(buf))
+}
+
+impl Shared {
+    async fn handle<S>(&self, inner: S, request: Request) -> Response
+    where
+        S: Service<Request, Error = Infallible> + Send,
+        S::Response: IntoResponse,
+        S::Future: Send,
+    {
+        let (parts, body) = request.into_parts();
+        let key = match self.key(&parts.headers) {
+            Ok(Some(key)) => key,
+            Ok(None) if !self.required => {
+                return self
+                    .run_without_key(inner, Request::from_parts(parts, body))
+                    .await;
+            }
+            Ok(None) => {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    "Idempotency-Key missing",
+                    format!(
+                        "this operation requires an {} header: {}",
+                        self.header_display,
+                        self.key_rule()
+                    ),
+                );
+            }
+            Err(why) => return problem(StatusCode::BAD_REQUEST, "Invalid Idempotency-Key", why),
+        };
+        let scope = match &self.scope {
+            Some(scope) => match scope(&parts) {
+                Some(scope) => scope,
+                None => {
+                    return problem(
+                        StatusCode::UNAUTHORIZED,
+                        "Client unknown",
+                        format!(
+                            "{} keys are kept per client, and this request names none",
+                            self.header_display
+                        ),
+                    );
+                }
+            },
+            None => String::new(),
+        };
+        let body = match read_body(body, self.max_request_bytes).await {
+            Ok(body) => body,
+            Err(Unread::TooLarge) => {
+                return problem(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "Request body too large",
+                    format!(
+                        "a request with an {} may have a body of at most {} bytes",
+                        self.header_display, self.max_request_bytes
+                    ),
+                );
+            }
+            Err(Unread::Failed(e)) => {
+                return problem(
+                    StatusCode::BAD_REQUEST,
+                    "Request body unreadable",
+                    format!("the request body could not be read: {e}"),
+                );
+            }
+        };
+        let fingerprint = fingerprint(&parts.method, &parts.uri, &body);
+        let request_line = format!("{} {}", parts.method, parts.uri.path());
+        let inbox_key = inbox_key(&scope, &key);
+        let span = tracing::info_span!(
+            "pgbox.idempotency",
+            consumer = %self.inbox.consumer(),
+            key = %key,
+            request = %request_line,
+        );
+        let first = Request::from_parts(parts, Body::from(body));
+        tracing::Instrument::instrument(
+            self.run_with_key(inner, first, &key, &inbox_key, fingerprint, request_line),
+            span,
+        )
+        .await
+    }
+
+    /// The key from the headers: `Ok(None)` without one, `Err(what the 400 says)` for one
+    /// that breaks the rule.
+    fn key(&self, headers: &HeaderMap) -> std::result::Result<Option<String>, String> {
+        let mut values = headers.get_all(&self.header).iter();
+        let Some(value) = values.next() else {
+            return Ok(None);
+        };
+        let broken = if values.next().is_some() {
+            Some("it was sent more than once".to_owned())
+        } else {
+            key_fault(value.as_bytes(), self.max_key_len)
+        };
+        match broken {
+            None => Ok(Some(
+                // Visible ASCII only, checked above.
+                String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            )),
+            Some(fault) => Err(format!("{}: {}", self.key_rule(), fault)),
+        }
+    }
+
+    /// The rule a key must follow, as the 400 says it.
+    fn key_rule(&self) -> String {
+        format!(
+            "{} must be 1 to {} visible ASCII characters (0x21 to 0x7E: letters, digits and \
+             punctuation; no spaces or control characters)",
+            self.header_display, self.max_key_len
+        )
+    }
+
+    async fn run_with_key<S>(
+        &self,
+        inner: S,
+        request: Request,
+        key: &str,
+        inbox_key: &str,
+        fingerprint: String,
+        request_line: String,
+    ) -> Response
+    where
+        S: Service<Request, Error = Infallible> + Send,
+        S::Response: IntoResponse,
+        S::Future: Send,
+    {
+        let mut tx = match self.pool.begin().await {
+            Ok(tx) => tx,
+            Err(e) => return store_failed("begin", &Error::from(e)),
+        };
+        let claimed = match self.inbox.claim(&mut tx, inbox_key).await {
+            Ok(Claim::Claimed(claimed)) => claimed,
+            Ok(Claim::Duplicate(duplicate)) => {
+                // Read only: nothing to keep.
+                rollback(tx).await;
+                return self.replay(&duplicate, &fingerprint);
+            }
+            Ok(Claim::InProgress) => {
+                rollback(tx).await;
+                return self.in_progress();
+            }
+            Err(e) if e.db_kind() == Some(DbErrorKind::LockTimeout) => {
+                // The session's own lock_timeout ran out behind the first request.
+                rollback(tx).await;
+                return self.in_progress();
+            }
+            Err(e) => {
+                rollback(tx).await;
+                return store_failed("claim", &e);
+            }
+        };
+        let handle = IdempotencyTx::new(Some(tx), None, Some(key));
+        let response = call(inner, with_tx(request, &handle)).await;
+        let (mut parts, body) = response.into_parts();
+        let is_final = self.is_final(parts.status, parts.extensions.remove::<Finality>());
+        let Some(tx) = handle.take().await else {
+            // Only the layer takes it.
+            return store_failed("handler", &Error::InvalidConfig("transaction gone".into()));
+        };
+        if !is_final {
+            rollback(tx).await;
+            tracing::info!(
+                status = parts.status.as_u16(),
+                "response not final: not stored, effects rolled back"
+            );
+            return Response::from_parts(parts, body);
+        }
+        let body = match read_body(body, self.max_response_bytes).await {
+            Ok(body) => body,
+            Err(unread) => {
+                rollback(tx).await;
+                return match unread {
+                    Unread::TooLarge => {
+                        tracing::error!(
+                            limit = self.max_response_bytes,
+                            "response too large to store; rolled back"
+                        );
+                        problem(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            "Response too large to store",
+                            format!(
+                                "the response is larger than the {} bytes an idempotent response \
+                                 may have; nothing was done",
+                                self.max_response_bytes
+                            ),
+                        )
+                    }
+                    Unread::Failed(e) => {
+                        store_failed("response body", &Error::InvalidConfig(e.to_string()))
+                    }
+                };
+            }
+        };
+        let stored = self.stored(&parts, &body, fingerprint, request_line);
+        match commit_stored(tx, claimed, &stored).await {
+            Ok(()) => {
+                tracing::debug!(
+                    status = parts.status.as_u16(),
+                    "response stored with the effects"
+                );
+                Response::from_parts(parts, Body::from(body))
+            }
+            Err(e) => store_failed("store", &e),
+        }
+    }
+
+    /// A request without a key, on a layer where it is optional: the same transaction rule,
+    /// without a claim or a stored response.
+    async fn run_without_key<S>(&self, inner: S, request: Request) -> Response
+    where
+        S: Service<Request, Error = Infallible> + Send,
+        S::Response: IntoResponse,
+        S::Future: Send,
+    {
+        let handle = IdempotencyTx::new(None, Some(self.pool.clone()), None);
+        let response = call(inner, with_tx(request, &handle)).await;
+        let (mut parts, body) = response.into_parts();
+        let is_final = self.is_final(parts.status, parts.extensions.remove::<Finality>());
+        if let Some(mut tx) = handle.take().await {
+            if !is_final {
+                rollback(tx).await;
+            } else {
+                // COMMIT of an aborted transaction rolls back without an error: a handler that
+                // swallowed a failed statement must not be answered as if it took effect.
+                let alive = sqlx::query("SELECT 1").execute(&mut *tx).await;
+                if let Err(e) = async {
+                    alive?;
+                    tx.commit().await
+                }
+                .await
+                {
+                    return store_failed("commit", &Error::from(e));
+                }
+            }
+        }
+        Response::from_parts(parts, body)
+    }
+
+    fn is_final(&self, status: StatusCode, finality: Option<Finality>) -> bool {
+        if status.is_server_error() || status.is_informational() {
+            return false;
+        }
+        match finality {
+            Some(Finality::Final) => true,
+            Some(Finality::Retryable) => false,
+            None => (self.is_final)(status),
+        }
+    }
+
+    fn stored(
+        &self,
+        parts: &axum::http::response::Parts,
+        body: &Bytes,
+        fingerprint: String,
+        request: String,
+    ) -> StoredResponse {
+        let headers = self
+            .stored_headers
+            .iter()
+            .flat_map(|name| {
+                parts.headers.get_all(name).iter().filter_map(
+                    move |value| match std::str::from_utf8(value.as_bytes()) {
+                        Ok(value) => Some((name.as_str().to_owned(), value.to_owned())),
+                        Err(_) => {
+                            tracing::warn!(header = %name, "header value is not UTF-8: not stored");
+                            None
+                        }
+                    },
+                )
+            })
+            .collect();
+        let text = std::str::from_utf8(body).ok().filter(|t| !t.contains('\0'));
+        StoredResponse {
+            format: STORED_FORMAT,
+            fingerprint,
+            request,
+            status: parts.status.as_u16(),
+            headers,
+            body: text.map(str::to_owned),
+            body_hex: text.is_none().then(|| to_hex(body)),
+        }
+    }
+
+    /// The answer to a request whose key is recorded: the stored response if it is the same
+    /// request, 422 if not.
+    fn replay(&self, duplicate: &Duplicate, fingerprint: &str) -> Response {
+        let stored: StoredResponse = match duplicate.outcome() {
+            Ok(Some(stored)) => stored,
+            Ok(None) | Err(_) => {
+                tracing::error!(
+                    "key recorded without a stored response: is the inbox consumer shared with \
+                     something else than this layer?"
+                );
+                return problem(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "Idempotency record unreadable",
+                    "this key is recorded without a response this server can replay".to_owned(),
+                );
+            }
+        };
+        if stored.fingerprint != fingerprint {
+            tracing::info!(first = %stored.request, "key reused for a different request: 422");
+            let mut response = problem_body(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                "Idempotency-Key reused",
+                format!(
+                    "this {} was first used for a different request ({}); a key may be sent \
+                     again only with the same method, path, query and body",
+                    self.header_display, stored.request
+                ),
+            );
+            response["original_request"] = stored.request.into();
+            return problem_response(StatusCode::UNPROCESSABLE_ENTITY, response);
+        }
+        tracing::info!(status = stored.status, "replayed the stored response");
+        let status =
+            StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let body = match (stored.body, stored.body_hex) {
+            (Some(text), _) => Bytes::from(text),
+            (None, Some(hex)) => Bytes::from(from_hex(&hex).unwrap_or_default()),
+            (None, None) => Bytes::new(),
+        };
+        let mut response = Response::new(Body::from(body));
+        *response.status_mut() = status;
+        let headers = response.headers_mut();
+        for (name, value) in &stored.headers {
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_str(value),
+            ) {
+                headers.append(name, value);
+            }
+        }
+        headers.insert(
+            self.replayed_header.clone(),
+            HeaderValue::from_static("true"),
+        );
+        response
+    }
+
+    fn in_progress(&self) -> Response {
+        tracing::info!("key in flight in another request: 409");
+        let mut response = problem(
+            StatusCode::CONFLICT,
+            "Request in progress",
+            format!(
+                "a request with this {} is still being processed; retry later",
+                self.header_display
+            ),
+        );
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        response
+    }
+}
+
+/// Whatever is wrong with a key, `None` if nothing. The first fault found, in the order the
+/// rule states them.
+fn key_fault(key: &[u8], max_len: usize) -> Option<String> {
+    if key.is_empty() {
+        return Some("it is empty".to_owned());
+    }
+    if let Some(&b) = key.iter().find(|b| !(0x21..=0x7e).contains(*b)) {
+        return Some(
+            match b {
+                b' ' => "it contains a space",
+                b'\t' => "it contains a tab",
+                0..=0x1f | 0x7f => "it contains a control character",
+                _ => "it contains a non-ASCII byte",
+            }
+            .to_owned(),
+        );
+    }
+    (key.len() > max_len).then(|| format!("it has {} characters", key.len()))
+}
+
+/// The inbox key of `key` in `scope`: the scope's length first, so no scope and key pair can
+/// spell another pair's key; a long scope (or one with NUL, which text columns refuse) as its
+/// SHA-256 behind `#`, which no length starts with. At most 3 + 1 + 256 + 1 + 512 bytes,
+/// under the inbox's limit.
+fn inbox_key(scope: &str, key: &str) -> String {
+    if scope.len() > MAX_SCOPE_BYTES || scope.contains('\0') {
+        format!("#{}:{key}", to_hex(&Sha256::digest(scope.as_bytes())))
+    } else {
+        format!("{}:{scope}:{key}", scope.len())
+    }
+}
+
+/// SHA-256 of the method, the path with its query, and the body; each part's length is
+/// hashed before it, so no two requests share the hashed bytes.
+fn fingerprint(method: &Method, uri: &Uri, body: &[u8]) -> String {
+    let target = uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut hash = Sha256::new();
+    for part in [method.as_str().as_bytes(), target.as_bytes(), body] {
+        hash.update((part.len() as u64).to_be_bytes());
+        hash.update(part);
+    }
+    to_hex(&hash.finalize())
+}
+
+fn with_tx(request: Request, handle: &IdempotencyTx) -> Request {
+    let (mut parts, body) = request.into_parts();
+    parts.extensions.insert(handle.clone());
+    Request::from_parts(parts, body)
+}
+
+async fn call<S>(mut inner: S, request: Request) -> Response
+where
+    S: Service<Request, Error = Infallible>,
+    S::Response: IntoResponse,
+{
+    match inner.call(request).await {
+        Ok(response) => response.into_response(),
+        Err(never) => match never {},
+    }
+}
+
+/// Stores the response on the claim's row and commits: one transaction with the handler's
+/// effects. The UPDATE names the claiming transaction, so it fails if the handler ended the
+/// transaction or swallowed a failed statement, and then nothing commits.
+async fn commit_stored(
+    mut tx: Transaction<'static, Postgres>,
+    claimed: Claimed,
+    stored: &StoredResponse,
+) -> Result<()> {
+    if let Err(e) = claimed.store_outcome(&mut tx, stored).await {
+        rollback(tx).await;
+        return Err(match e.db_kind() {
+            Some(DbErrorKind::TransactionAborted) => Error::TransactionAbortedInHandler,
+            _ => e,
+        });
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+async fn rollback(tx: Transaction<'static, Postgres>) {
+    if let Err(e) = tx.rollback().await {
+        // The connection is gone with its transaction: nothing of it remains.
+        tracing::warn!(error = %e, "idempotency rollback failed");
+    }
+}
+
+/// A 500 for a failure of the layer's own work; logged, and nothing of it committed (except
+/// when COMMIT itself failed in flight, which the next retry settles: a replay if it did).
+fn store_failed(step: &str, e: &Error) -> Response {
+    tracing::error!(step, error = %e, "idempotency layer failed");
+    problem(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "Idempotency store failed",
+        format!("the request could not be completed ({step}); retry with the same key"),
+    )
+}
+
+/// An RFC 9457 problem document.
+fn problem(status: StatusCode, title: &str, detail: String) -> Response {
+    problem_response(status, problem_body(status, title, detail))
+}
+
+fn problem_body(status: StatusCode, title: &str, detail: String) -> serde_json::Value {
+    serde_json::json!({
+        "type": "about:blank",
+        "title": title,
+        "status": status.as_u16(),
+        "detail": detail,
+    })
+}
+
+fn problem_response(status: StatusCode, body: serde_json::Value) -> Response {
+    let mut response = Response::new(Body::from(body.to_string()));
+    *response.status_mut() = status;
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    response
+}
+
+fn to_hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut hex = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        hex.push(DIGITS[usize::from(b >> 4)] as char);
+        hex.push(DIGITS[usize::from(b & 0x0f)] as char);
+    }
+    hex
+}
+
+fn from_hex(hex: &str) -> Option<Vec<u8>> {
+    if !hex.is_ascii() || !hex.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..hex.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_rule_faults() {
+        assert_eq!(key_fault(b"", 255).as_deref(), Some("it is empty"));
+        assert_eq!(
+            key_fault(b"a b", 255).as_deref(),
+            Some("it contains a space")
+        );
+        assert_eq!(
+            key_fault(b"a\tb", 255).as_deref(),
+            Some("it contains a tab")
+        );
+        assert_eq!(
+            key_fault("é".as_bytes(), 255).as_deref(),
+            Some("it contains a non-ASCII byte")
+        );
+        assert_eq!(
+            key_fault(b"a\x7fb", 255).as_deref(),
+            Some("it contains a control character")
+        );
+        assert_eq!(key_fault(&[b'k'; 255], 255), None);
+        assert_eq!(
+            key_fault(&[b'k'; 256], 255).as_deref(),
+            Some("it has 256 characters")
+        );
+        assert_eq!(key_fault(b"\"8e03978e\"", 255), None);
+        assert_eq!(key_fault(b"!~", 255), None);
+    }
+
+    #[test]
+    fn inbox_keys_of_different_scopes_never_meet() {
+        assert_ne!(inbox_key("a:1", "x"), inbox_key("a", "1:x"));
+        assert_ne!(inbox_key("", "1:a:x"), inbox_key("a", "x"));
+        assert_eq!(inbox_key("alice", "k"), "5:alice:k");
+        let long = "s".repeat(MAX_SCOPE_BYTES + 1);
+        let hashed = inbox_key(&long, &"k".repeat(MAX_KEY_LEN));
+        assert!(hashed.starts_with('#'));
+        assert!(hashed.len() <= crate::MAX_KEY_BYTES);
+        let longest = inbox_key(&"s".repeat(MAX_SCOPE_BYTES), &"k".repeat(MAX_KEY_LEN));
+        assert!(longest.len() <= crate::MAX_KEY_BYTES);
+        assert_ne!(inbox_key("a\0b", "k"), inbox_key("a", "k"));
+    }
+
+    #[test]
+    fn fingerprint_covers_method_path_query_and_body() {
+        let uri = |s: &str| s.parse::<Uri>().unwrap();
+        let base = fingerprint(&Method::POST, &uri("/a?x=1"), b"{}");
+        assert_eq!(base, fingerprint(&Method::POST, &uri("/a?x=1"), b"{}"));
+        assert_ne!(base, fingerprint(&Method::PUT, &uri("/a?x=1"), b"{}"));
+        assert_ne!(base, fingerprint(&Method::POST, &uri("/b?x=1"), b"{}"));
+        assert_ne!(base, fingerprint(&Method::POST, &uri("/a?x=2"), b"{}"));
+        assert_ne!(base, fingerprint(&Method::POST, &uri("/a?x=1"), b"{ }"));
+        // The lengths keep the parts apart.
+        assert_ne!(
+            fingerprint(&Method::POST, &uri("/ab"), b"c"),
+            fingerprint(&Method::POST, &uri("/a"), b"bc")
+        );
+        assert_eq!(base.len(), 64);
+    }
+
+    #[test]
+    fn finality_by_status() {
+        for ok in [200, 201, 204, 303, 400, 402, 405, 410, 413, 422] {
+            assert!(
+                is_final_by_default(StatusCode::from_u16(ok).unwrap()),
+                "{ok}"
+            );
+        }
+        for not in [
+            100, 401, 403, 404, 406, 408, 409, 411, 412, 415, 423, 424, 425, 428, 429, 500, 502,
+            503,
+        ] {
+            assert!(
+                !is_final_by_default(StatusCode::from_u16(not).unwrap()),
+                "{not}"
+            );
+        }
+    }
+
+    #[test]
+    fn hex_round_trips() {
+        let bytes = [0u8, 1, 0x7f, 0x80, 0xff];
+        assert_eq!(to_hex(&bytes), "00017f80ff");
+        assert_eq!(from_hex("00017f80ff").unwrap(), bytes);
+        assert_eq!(from_hex("0"), None);
+        assert_eq!(from_hex("zz"), None);
+        assert_eq!(from_hex("éé"), None);
+    }
+}
