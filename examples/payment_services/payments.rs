@@ -310,7 +310,7 @@ async fn pay_order(
     Ok(
         match app
             .orders
-            .transition(&mut tx, order_id, OrderState::Paid)
+            .transition(&mut **tx, order_id, OrderState::Paid)
             .await?
         {
             Transition::Applied { .. } => {
