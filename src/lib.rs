@@ -54,7 +54,9 @@ pub use crate::outbox::{
     DEFAULT_MAX_MESSAGE_BYTES, Envelope, InTransaction, MAX_HEADER_NAME_BYTES,
     MAX_MESSAGE_BYTES_LIMIT, MAX_TOPIC_BYTES, Message, Outbox, TRACEPARENT,
 };
-pub use crate::relay::{DeadLetter, DeadLetters, Relay, RelayBuilder, RoundReport, WakeUp};
+pub use crate::relay::{
+    DeadLetter, DeadLetters, DrainReport, Relay, RelayBuilder, RoundReport, WakeUp,
+};
 pub use crate::retry::{RetryPolicy, Retryable};
 pub use crate::state::{StateMachine, StateTable, Transition};
 pub use crate::status::{

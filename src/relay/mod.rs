@@ -165,6 +165,11 @@ struct Statements {
     done: String,
     retry: String,
     dead: String,
+    /// Seconds until the next pending message is due (0 or less: due now), NULL when none
+    /// is pending. A message never tried is due whatever its `available_at`.
+    next_due: String,
+    /// Messages held behind a dead-lettered message of their key.
+    held: String,
 }
 
 impl Statements {
@@ -224,8 +229,40 @@ impl Statements {
                  SELECT seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, attempts + 1, final_error \
                  FROM moved"
             ),
+            // Messages held behind a dead-lettered message of their key wait for its replay
+            // or discard, not for a relay: they do not count as pending.
+            next_due: format!(
+                "SELECT extract(epoch FROM min(CASE WHEN o.attempts = 0 THEN now() ELSE o.available_at END) - now())::float8 \
+                 FROM {s}.outbox AS o \
+                 WHERE o.published_at IS NULL \
+                   AND (o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {s}.outbox_dead_letters AS d \
+                     WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key))"
+            ),
+            held: format!(
+                "SELECT count(*) FROM {s}.outbox AS o \
+                 WHERE o.published_at IS NULL AND o.ordering_key IS NOT NULL \
+                   AND EXISTS (SELECT 1 FROM {s}.outbox_dead_letters AS d \
+                     WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key)"
+            ),
         }
     }
+}
+
+/// What [`Relay::drain`] did, over all its rounds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DrainReport {
+    /// Rounds run (the last one found nothing).
+    pub rounds: usize,
+    /// Messages published by this relay.
+    pub published: usize,
+    /// Failed publishes, rescheduled (and published or dead-lettered by a later round).
+    pub retried: usize,
+    /// Messages moved to the dead letters.
+    pub dead_lettered: usize,
+    /// Messages left in the outbox when it returned, held behind a dead-lettered message of
+    /// their ordering key: published once that one is replayed or discarded.
+    pub held: usize,
 }
 
 /// What one relay round did.
@@ -294,7 +331,7 @@ impl<P: Publisher> Relay<P> {
                     Err(e) => tracing::warn!(error = %e, "pgbox relay cannot LISTEN; polling"),
                 }
             }
-            if !self.drain(&shutdown).await {
+            if !self.run_rounds(&shutdown).await {
                 return Ok(());
             }
             let wait = tokio::time::sleep(self.poll_interval);
@@ -304,7 +341,7 @@ impl<P: Publisher> Relay<P> {
                     // Asleep: producers that commit from now on notify. Sleep until one
                     // does, or the poll interval passes (backoffs expire without a notice).
                     Ok(true) => {
-                        if !self.drain(&shutdown).await {
+                        if !self.run_rounds(&shutdown).await {
                             return Ok(());
                         }
                         tokio::select! {
@@ -350,7 +387,8 @@ impl<P: Publisher> Relay<P> {
     /// Publishes rounds while they make progress: a round that published anything may have
     /// unblocked the next messages of its keys, and a full round means there is more.
     /// `false` if shutdown was requested.
-    async fn drain(&self, shutdown: &CancellationToken) -> bool {
+    /// Rounds while they find work; `false` once `shutdown` is cancelled.
+    async fn run_rounds(&self, shutdown: &CancellationToken) -> bool {
         loop {
             if shutdown.is_cancelled() {
                 return false;
@@ -404,6 +442,57 @@ impl<P: Publisher> Relay<P> {
             .execute(&mut *listener)
             .await?;
         Ok(())
+    }
+
+    /// Publishes until the outbox has nothing left to publish, then returns what it did: for
+    /// tests, batch jobs and a shutdown that should leave nothing behind.
+    ///
+    /// "Nothing left" is read from the table, not from one empty round: a round that claims
+    /// nothing while messages are pending (another relay holds them, or holds the keyed-drain
+    /// lock for their keys) waits and looks again, and a message waiting out a retry backoff
+    /// is waited for (at most a poll interval at a time) until it is published or
+    /// dead-lettered after `max_attempts`. Several relays may drain at once; each returns
+    /// when the outbox is empty. A round's error is returned as it is (the messages of that
+    /// round are published again by the next round or relay).
+    pub async fn drain(&self) -> Result<DrainReport> {
+        let span = tracing::info_span!("pgbox.relay.drain", schema = self.schema.as_str());
+        async {
+            let mut total = DrainReport::default();
+            loop {
+                let round = self.relay_once().await?;
+                total.rounds += 1;
+                total.published += round.published;
+                total.retried += round.retried;
+                total.dead_lettered += round.dead_lettered;
+                if round.claimed > 0 {
+                    continue;
+                }
+                let next_due: Option<f64> =
+                    sqlx::query_scalar(AssertSqlSafe(self.sql.next_due.clone()))
+                        .fetch_one(&self.pool)
+                        .await?;
+                let Some(seconds) = next_due else {
+                    let held: i64 = sqlx::query_scalar(AssertSqlSafe(self.sql.held.clone()))
+                        .fetch_one(&self.pool)
+                        .await?;
+                    total.held = usize::try_from(held).unwrap_or(usize::MAX);
+                    tracing::info!(
+                        held = total.held,
+                        published = total.published,
+                        dead_lettered = total.dead_lettered,
+                        rounds = total.rounds,
+                        "pgbox relay drained the outbox"
+                    );
+                    return Ok(total);
+                };
+                // Due now but not claimable: another relay has it; look again shortly.
+                let wait = Duration::from_secs_f64(seconds.max(0.0))
+                    .clamp(Duration::from_millis(5), self.poll_interval);
+                tokio::time::sleep(wait).await;
+            }
+        }
+        .instrument(span)
+        .await
     }
 
     /// One round: claim, publish, settle, commit. Returns what it did.
