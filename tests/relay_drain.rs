@@ -53,11 +53,22 @@ async fn three_relays_drain_a_keyed_and_unkeyed_backlog_and_each_returns_when_it
     let (a, b, c) = (relay(), relay(), relay());
     let (ra, rb, rc) = tokio::join!(a.drain(), b.drain(), c.drain());
     let (ra, rb, rc) = (ra.unwrap(), rb.unwrap(), rc.unwrap());
-    assert_eq!(ra.published + rb.published + rc.published, 500, "{ra:?} {rb:?} {rc:?}");
-    assert_eq!(ra.held + rb.held + rc.held, 0);
-    assert_eq!(count(&db.pool, "SELECT count(*) FROM pgbox.outbox").await, 0);
     assert_eq!(
-        count(&db.pool, "SELECT count(DISTINCT message_id) FROM pgbox.queue").await,
+        ra.published + rb.published + rc.published,
+        500,
+        "{ra:?} {rb:?} {rc:?}"
+    );
+    assert_eq!(ra.held + rb.held + rc.held, 0);
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM pgbox.outbox").await,
+        0
+    );
+    assert_eq!(
+        count(
+            &db.pool,
+            "SELECT count(DISTINCT message_id) FROM pgbox.queue"
+        )
+        .await,
         500
     );
     // Each key's messages reached the queue in production order.
@@ -126,5 +137,8 @@ async fn drain_waits_out_retries_and_reports_what_a_dead_letter_holds_back() {
     assert_eq!(report.retried, 2, "{report:?}");
     assert_eq!(report.dead_lettered, 1, "{report:?}");
     assert_eq!(report.held, 2, "{report:?}");
-    assert_eq!(count(&db.pool, "SELECT count(*) FROM pgbox.outbox").await, 2);
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM pgbox.outbox").await,
+        2
+    );
 }

@@ -218,6 +218,17 @@ fn parse_age(s: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("{s:?}: too large"))
 }
 
+/// A duration as the CLI's flags write it, in the largest unit that divides it: `1d`, `12h`.
+fn age_text(d: Duration) -> String {
+    let secs = d.as_secs();
+    for (unit, size) in [("d", 86_400), ("h", 3600), ("m", 60)] {
+        if secs >= size && secs % size == 0 {
+            return format!("{}{unit}", secs / size);
+        }
+    }
+    format!("{secs}s")
+}
+
 fn time_text(t: Option<OffsetDateTime>) -> String {
     t.and_then(|t| t.format(&Rfc3339).ok())
         .unwrap_or_else(|| "-".into())
@@ -596,8 +607,36 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             xmin_age_warn,
             xmin_age_critical,
         } => {
+            if xmin_age_warn > xmin_age_critical {
+                return Err(fail(
+                    2,
+                    format!(
+                        "--xmin-age-warn ({}) is above --xmin-age-critical ({}): the warning \
+                         must come first",
+                        age_text(xmin_age_warn),
+                        age_text(xmin_age_critical)
+                    ),
+                ));
+            }
             let pool = connect(cli.database_url.as_deref()).await?;
-            ensure_schema(&pool, schema).await?;
+            if let Err(not_migrated) = ensure_schema(&pool, schema).await {
+                // A health check's consumers read stdout: say what was found there too.
+                print(
+                    json_mode,
+                    json!({
+                        "schema": schema,
+                        "migrated": false,
+                        "findings": [{
+                            "severity": "critical",
+                            "code": "not_migrated",
+                            "message": not_migrated.message,
+                        }],
+                        "exit_code": not_migrated.code,
+                    }),
+                    || format!("critical  not_migrated  {}\n", not_migrated.message),
+                );
+                return Err(not_migrated);
+            }
             let report = Doctor::new()
                 .schema(schema)?
                 .xmin_age_warn(xmin_age_warn)
@@ -745,10 +784,10 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 return Err(fail(
                     6,
                     format!(
-                        "refusing to purge rows younger than the {}s retention floor \
-                         (a message redelivered after its row is gone is processed again); \
-                         pass --force to override",
-                        min_retention.as_secs()
+                        "refusing to purge rows younger than {} (--min-retention, the \
+                         redelivery window): a message redelivered after its row is gone is \
+                         processed again; pass --force to override",
+                        age_text(min_retention)
                     ),
                 ));
             }
@@ -787,7 +826,29 @@ async fn run(cli: Cli) -> Result<(), Failure> {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // `--json` covers argument errors too: a script gets JSON whatever went wrong.
+            let wants_json = std::env::args_os().any(|a| a == "--json");
+            let is_usage_error = !matches!(
+                e.kind(),
+                clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion
+            );
+            if wants_json && is_usage_error {
+                let text = e.to_string();
+                let message = text
+                    .lines()
+                    .find(|l| !l.trim().is_empty())
+                    .unwrap_or("bad usage")
+                    .trim_start_matches("error: ")
+                    .to_owned();
+                eprintln!("{}", json!({ "error": message, "exit_code": 2 }));
+                return ExitCode::from(2);
+            }
+            e.exit();
+        }
+    };
     let json_mode = cli.json;
     match run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
