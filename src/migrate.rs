@@ -124,8 +124,18 @@ impl Migrator {
             let report = self.run_locked(conn).await?;
             // Success: the lock was released, the connection may go back to the pool.
             drop(guard.0.take());
+            // refinery logs each migration as it applies it (through `log`, which most
+            // subscribers pick up): one summary line here, not a second line per migration.
             for m in &report.applied {
-                tracing::info!(version = m.version, name = %m.name, "pgbox migration applied");
+                tracing::debug!(version = m.version, name = %m.name, "pgbox migration applied");
+            }
+            if let (Some(first), Some(last)) = (report.applied.first(), report.applied.last()) {
+                tracing::info!(
+                    applied = report.applied.len(),
+                    from = first.version,
+                    to = last.version,
+                    "pgbox migrations applied"
+                );
             }
             Ok(report)
         }
@@ -142,7 +152,13 @@ impl Migrator {
             .bind(lock_key)
             .execute(&mut **conn)
             .await?;
-        let create = format!("CREATE SCHEMA IF NOT EXISTS {}", self.schema.quoted());
+        // The idempotent DDL (`IF NOT EXISTS`, here and refinery's history table) answers a
+        // re-run with NOTICEs ("already exists, skipping") that land in the application's
+        // log: quiet for this session's migration work, reset before the connection is reused.
+        let create = format!(
+            "SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS {}",
+            self.schema.quoted()
+        );
         sqlx::raw_sql(AssertSqlSafe(create))
             .execute(&mut **conn)
             .await?;
@@ -161,6 +177,9 @@ impl Migrator {
             None => Vec::new(),
         };
 
+        sqlx::raw_sql("RESET client_min_messages")
+            .execute(&mut **conn)
+            .await?;
         sqlx::query("SELECT pg_advisory_unlock($1)")
             .bind(lock_key)
             .execute(&mut **conn)

@@ -107,10 +107,17 @@ async fn run_demo(args: &[&str], env: &[(&str, &str)]) -> String {
         .await
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    eprintln!("{text}{}", String::from_utf8_lossy(&out.stderr));
+    let logs = String::from_utf8_lossy(&out.stderr).into_owned();
+    eprintln!("{text}{logs}");
     assert!(out.status.success(), "the demo failed");
     assert!(text.contains("all invariants hold"));
     assert!(!text.contains("FAILED"));
+    // Logs to a pipe are plain text, and a run's idempotent DDL raises no notices.
+    assert!(
+        !logs.contains('\u{1b}') && !text.contains('\u{1b}'),
+        "colour codes in a pipe"
+    );
+    assert!(!logs.contains("skipping"), "NOTICEs in the log: {logs}");
     text
 }
 

@@ -135,12 +135,17 @@ impl ServiceArgs {
     }
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (default `info`).
+/// Logs to stderr, filtered by `RUST_LOG` (default `info`). Colours only on a terminal, and
+/// never with `NO_COLOR` set: a log file or a pipe gets plain text.
 pub fn init_tracing() {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let colour = std::io::stderr().is_terminal()
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(colour)
         .with_writer(std::io::stderr)
         .try_init();
 }

@@ -122,6 +122,7 @@ impl Drop for TestDb {
 /// Logs to the test output when `RUST_LOG` is set.
 pub fn init_tracing() {
     let _ = tracing_subscriber::fmt()
+        .with_ansi(false)
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_test_writer()
         .try_init();
