@@ -222,7 +222,7 @@ fn parse_age(s: &str) -> Result<Duration, String> {
 fn age_text(d: Duration) -> String {
     let secs = d.as_secs();
     for (unit, size) in [("d", 86_400), ("h", 3600), ("m", 60)] {
-        if secs >= size && secs % size == 0 {
+        if secs >= size && secs.is_multiple_of(size) {
             return format!("{}{unit}", secs / size);
         }
     }
