@@ -321,6 +321,8 @@ impl<S: Subscriber> Consumer<S> {
         let wake_channel = self.source.wake_channel();
         let mut listener = None;
         let mut relisten = Relisten::default();
+        // Consecutive failed receives (the database or the broker is away).
+        let mut receive_failures: u32 = 0;
         loop {
             let stopping = shutdown.is_cancelled();
             if stopping && in_flight.is_empty() {
@@ -354,6 +356,13 @@ impl<S: Subscriber> Consumer<S> {
                     }
                 };
                 let Some(received) = received else { continue };
+                if received.is_ok() && receive_failures > 0 {
+                    tracing::info!(
+                        failures = receive_failures,
+                        "pgbox consumer receiving again"
+                    );
+                    receive_failures = 0;
+                }
                 match received {
                     Ok(batch) if !batch.is_empty() => {
                         for delivery in batch {
@@ -364,11 +373,19 @@ impl<S: Subscriber> Consumer<S> {
                         }
                     }
                     Ok(_) => {}
-                    // Don't spin on a database that is down: fall through to the wait.
-                    Err(e) => tracing::warn!(error = %e, "pgbox consumer receive failed; retrying"),
+                    // Don't spin on a database or broker that is down: fall through to the
+                    // wait, which grows while the failures last.
+                    Err(e) => {
+                        receive_failures += 1;
+                        if receive_failures == 1 {
+                            tracing::warn!(error = %e, "pgbox consumer receive failed; retrying with backoff");
+                        } else {
+                            tracing::debug!(error = %e, failures = receive_failures, "pgbox consumer receive failed again");
+                        }
+                    }
                 }
             }
-            let wait = tokio::time::sleep(self.poll_interval);
+            let wait = tokio::time::sleep(receive_backoff(self.poll_interval, receive_failures));
             let mut lost_listener = false;
             tokio::select! {
                 Some(settled) = in_flight.next(), if !in_flight.is_empty() => {
@@ -739,6 +756,20 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     } else {
         "non-string panic payload".to_owned()
     }
+}
+
+/// The wait before the next receive: the poll interval, doubled per consecutive failure up
+/// to 30 s (never below the poll interval), with jitter once failing.
+fn receive_backoff(poll_interval: Duration, failures: u32) -> Duration {
+    if failures == 0 {
+        return poll_interval;
+    }
+    let cap = Duration::from_secs(30).max(poll_interval);
+    poll_interval
+        .saturating_mul(1 << failures.min(8))
+        .min(cap)
+        .mul_f64(0.75 + fastrand::f64() / 4.0)
+        .max(poll_interval)
 }
 
 /// When to try LISTEN again after it failed: exponential backoff from 100 ms to 30 s, with

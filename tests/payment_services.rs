@@ -408,3 +408,53 @@ async fn demo_drives_running_services_in_external_mode() {
     payments.stop().await;
     points.stop().await;
 }
+
+/// A dead broker makes either service unready, never dead: both start, `/health/live` says
+/// 200, `/health/ready` (and `/health`) 503 naming the broker, and they keep running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_broker_makes_a_service_unready_not_dead() {
+    let db = TestDb::empty().await;
+    let url = db.url();
+    for (name, transport, broker) in [
+        ("points", "rabbitmq", "amqp://guest:guest@127.0.0.1:1/%2f"),
+        ("payments", "nats", "nats://127.0.0.1:1"),
+    ] {
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let mut child = Command::new(example_path("payment_services"))
+            .args([name, "--listen", &addr.to_string(), "--transport", transport])
+            .env("DATABASE_URL", &url)
+            .env("BROKER_URL", broker)
+            .env("RUST_LOG", "warn")
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let live = loop {
+            if let Ok(r) = http::request(addr, "GET", "/health/live", &[], None, TIMEOUT).await {
+                break r;
+            }
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("{name} exited with a dead broker: {status}");
+            }
+            assert!(Instant::now() < deadline, "{name} never served /health/live");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(live.status, 200, "{name}");
+        for path in ["/health/ready", "/health"] {
+            let ready = http::request(addr, "GET", path, &[], None, TIMEOUT)
+                .await
+                .unwrap();
+            assert_eq!(ready.status, 503, "{name} {path}: {}", ready.text());
+            let body = ready.json().unwrap();
+            assert!(body["down"]["broker"].is_string(), "{name}: {body}");
+            assert!(body["down"]["database"].is_null(), "{name}: {body}");
+        }
+        // Still running a moment later.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert!(child.try_wait().unwrap().is_none(), "{name} gave up");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}

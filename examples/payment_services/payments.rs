@@ -139,26 +139,29 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     service::cancel_on_signal(shutdown.clone());
     let mut gauge_schemas = vec![PGBOX_SCHEMA];
-    let relay = match args.transport {
+    // A broker that is down does not stop the service: it starts unready, declares the topic
+    // with backoff, and the relay retries its publishes meanwhile (nothing is lost: the
+    // messages wait in the outbox).
+    let (relay, broker) = match args.transport {
         TransportKind::Postgres => {
             gauge_schemas.push(BROKER_SCHEMA);
-            spawn_relay(
+            let relay = spawn_relay(
                 &pool,
                 PgQueue::with_schema(pool.clone(), BROKER_SCHEMA)?,
                 &args,
                 &shutdown,
-            )?
+            )?;
+            (relay, service::BrokerReady::ready())
         }
         TransportKind::Rabbitmq => {
             let rabbit = args.rabbitmq()?;
-            // Its queue exists before the first publish (unroutable messages are retried).
-            rabbit.declare_topic(&args.topic).await?;
-            spawn_relay(&pool, rabbit, &args, &shutdown)?
+            let broker = service::BrokerReady::watch_topic(&rabbit, &args.topic, shutdown.clone());
+            (spawn_relay(&pool, rabbit, &args, &shutdown)?, broker)
         }
         TransportKind::Nats => {
             let nats = args.nats()?;
-            nats.declare_topic(&args.topic).await?;
-            spawn_relay(&pool, nats, &args, &shutdown)?
+            let broker = service::BrokerReady::watch_topic(&nats, &args.topic, shutdown.clone());
+            (spawn_relay(&pool, nats, &args, &shutdown)?, broker)
         }
     };
     let gauges = service::spawn_gauges(pool.clone(), gauge_schemas, shutdown.clone());
@@ -193,7 +196,7 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
         )
         .route("/stats", get(stats))
         .with_state(state)
-        .merge(service::ops_routes(pool.clone(), metrics));
+        .merge(service::ops_routes(pool.clone(), metrics, broker));
     tracing::info!(
         transport = args.transport.name(),
         topic = %args.topic,

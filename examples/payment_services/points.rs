@@ -66,14 +66,27 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
     let shutdown = CancellationToken::new();
     service::cancel_on_signal(shutdown.clone());
     let mut gauge_schemas = vec![PGBOX_SCHEMA];
-    let consumer = match args.transport {
+    // Like the payment service: a broker that is down makes the service unready, not dead;
+    // the consumer retries its receives with backoff meanwhile.
+    let (consumer, broker) = match args.transport {
         TransportKind::Postgres => {
             gauge_schemas.push(BROKER_SCHEMA);
             let queue = PgQueue::with_schema(pool.clone(), BROKER_SCHEMA)?;
-            spawn_consumer(&pool, queue, &args, &shutdown)?
+            (
+                spawn_consumer(&pool, queue, &args, &shutdown)?,
+                service::BrokerReady::ready(),
+            )
         }
-        TransportKind::Rabbitmq => spawn_consumer(&pool, args.rabbitmq()?, &args, &shutdown)?,
-        TransportKind::Nats => spawn_consumer(&pool, args.nats()?, &args, &shutdown)?,
+        TransportKind::Rabbitmq => {
+            let rabbit = args.rabbitmq()?;
+            let broker = service::BrokerReady::watch_topic(&rabbit, &args.topic, shutdown.clone());
+            (spawn_consumer(&pool, rabbit, &args, &shutdown)?, broker)
+        }
+        TransportKind::Nats => {
+            let nats = args.nats()?;
+            let broker = service::BrokerReady::watch_topic(&nats, &args.topic, shutdown.clone());
+            (spawn_consumer(&pool, nats, &args, &shutdown)?, broker)
+        }
     };
     let gauges = service::spawn_gauges(pool.clone(), gauge_schemas, shutdown.clone());
 
@@ -81,7 +94,7 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
         .route("/users/{id}/points", get(user_points))
         .route("/stats", get(stats))
         .with_state(pool.clone())
-        .merge(service::ops_routes(pool.clone(), metrics));
+        .merge(service::ops_routes(pool.clone(), metrics, broker));
     tracing::info!(transport = args.transport.name(), topic = %args.topic, "points service starting");
     let served = service::serve(addr, app, shutdown.clone()).await;
     // Stop receiving; the messages in hand are finished and acked before `run` returns.

@@ -1,6 +1,8 @@
 //! What both services share: configuration, logs, metrics, health, shutdown.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -190,23 +192,153 @@ pub fn spawn_gauges(
 struct OpsState {
     pool: PgPool,
     metrics: PrometheusHandle,
+    broker: BrokerReady,
 }
 
-/// `/health` (the database answers) and `/metrics` (Prometheus text format).
+/// Whether the service's broker is reachable (its topic declared): set by
+/// [`BrokerReady::watch`]; always true on the built-in queue, whose broker is the database.
+#[derive(Clone, Default)]
+pub struct BrokerReady(Arc<AtomicBool>);
+
+impl BrokerReady {
+    /// Ready from the start (the built-in queue).
+    pub fn ready() -> Self {
+        let ready = BrokerReady::default();
+        ready.0.store(true, Ordering::Relaxed);
+        ready
+    }
+
+    /// Declares the topic until it works, with exponential backoff (250 ms to 30 s, jittered)
+    /// and one warning per failure streak; then marks the broker ready. The service starts
+    /// and serves `/health/live` meanwhile; `/health/ready` answers 503 until then.
+    pub fn watch<F, Fut>(declare: F, shutdown: CancellationToken) -> Self
+    where
+        F: Fn() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = pgbox::Result<()>> + Send,
+    {
+        let ready = BrokerReady::default();
+        let flag = ready.0.clone();
+        tokio::spawn(async move {
+            let mut failures = 0u32;
+            loop {
+                match declare().await {
+                    Ok(()) => {
+                        if failures > 0 {
+                            tracing::info!(failures, "broker reachable again; ready");
+                        }
+                        flag.store(true, Ordering::Relaxed);
+                        return;
+                    }
+                    Err(e) => {
+                        failures += 1;
+                        let delay = Duration::from_millis(250)
+                            .saturating_mul(1 << failures.min(7))
+                            .min(Duration::from_secs(30))
+                            .mul_f64(0.5 + fastrand::f64() / 2.0);
+                        if failures == 1 {
+                            tracing::warn!(error = %e, "broker unreachable; not ready, retrying with backoff");
+                        } else {
+                            tracing::debug!(error = %e, failures, ?delay, "broker still unreachable");
+                        }
+                        tokio::select! {
+                            _ = tokio::time::sleep(delay) => {}
+                            _ = shutdown.cancelled() => return,
+                        }
+                    }
+                }
+            }
+        });
+        ready
+    }
+
+    /// [`watch`](Self::watch) declaring `topic` on `broker`.
+    pub fn watch_topic<B: DeclareTopic>(
+        broker: &B,
+        topic: &str,
+        shutdown: CancellationToken,
+    ) -> Self {
+        let (broker, topic) = (broker.clone(), topic.to_owned());
+        Self::watch(
+            move || {
+                let (broker, topic) = (broker.clone(), topic.clone());
+                async move { broker.declare(&topic).await }
+            },
+            shutdown,
+        )
+    }
+
+    fn is_ready(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// A broker client that can declare a topic (the readiness probe of the services).
+pub trait DeclareTopic: Clone + Send + Sync + 'static {
+    /// Declares `topic` (idempotent).
+    fn declare(&self, topic: &str) -> impl std::future::Future<Output = pgbox::Result<()>> + Send;
+}
+
+impl DeclareTopic for pgbox::transport::rabbitmq::RabbitMq {
+    async fn declare(&self, topic: &str) -> pgbox::Result<()> {
+        self.declare_topic(topic).await
+    }
+}
+
+impl DeclareTopic for pgbox::transport::nats::Nats {
+    async fn declare(&self, topic: &str) -> pgbox::Result<()> {
+        self.declare_topic(topic).await
+    }
+}
+
+/// `/health/live` (the process runs: 200), `/health/ready` (the database answers and the
+/// broker is reachable: 200, else 503 with a JSON body naming what is down), `/health` (the
+/// same as ready) and `/metrics` (Prometheus text format). As Kubernetes probes expect: a
+/// dead broker makes the service unready (no traffic), never dead (no restart loop).
 pub fn ops_routes<S: Clone + Send + Sync + 'static>(
     pool: PgPool,
     metrics: PrometheusHandle,
+    broker: BrokerReady,
 ) -> Router<S> {
     Router::new()
-        .route("/health", get(health))
+        .route("/health", get(ready))
+        .route("/health/ready", get(ready))
+        .route("/health/live", get(live))
         .route("/metrics", get(render_metrics))
-        .with_state(OpsState { pool, metrics })
+        .with_state(OpsState {
+            pool,
+            metrics,
+            broker,
+        })
 }
 
-async fn health(State(ops): State<OpsState>) -> impl IntoResponse {
-    match sqlx::query("SELECT 1").execute(&ops.pool).await {
-        Ok(_) => (StatusCode::OK, "ok".to_owned()),
-        Err(e) => (StatusCode::SERVICE_UNAVAILABLE, format!("database: {e}")),
+async fn live() -> impl IntoResponse {
+    (
+        StatusCode::OK,
+        axum::Json(serde_json::json!({ "live": true })),
+    )
+}
+
+async fn ready(State(ops): State<OpsState>) -> impl IntoResponse {
+    let mut down = serde_json::Map::new();
+    if let Err(e) = sqlx::query("SELECT 1").execute(&ops.pool).await {
+        down.insert("database".into(), serde_json::Value::String(e.to_string()));
+    }
+    if !ops.broker.is_ready() {
+        down.insert(
+            "broker".into(),
+            serde_json::Value::String("unreachable (retrying)".into()),
+        );
+    }
+    if down.is_empty() {
+        (
+            StatusCode::OK,
+            axum::Json(serde_json::json!({ "ready": true })),
+        )
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            axum::Json(serde_json::json!({ "ready": false, "down": down })),
+        )
     }
 }
 
