@@ -424,7 +424,13 @@ async fn a_dead_broker_makes_a_service_unready_not_dead() {
             .local_addr()
             .unwrap();
         let mut child = Command::new(example_path("payment_services"))
-            .args([name, "--listen", &addr.to_string(), "--transport", transport])
+            .args([
+                name,
+                "--listen",
+                &addr.to_string(),
+                "--transport",
+                transport,
+            ])
             .env("DATABASE_URL", &url)
             .env("BROKER_URL", broker)
             .env("RUST_LOG", "warn")
@@ -438,7 +444,10 @@ async fn a_dead_broker_makes_a_service_unready_not_dead() {
             if let Some(status) = child.try_wait().unwrap() {
                 panic!("{name} exited with a dead broker: {status}");
             }
-            assert!(Instant::now() < deadline, "{name} never served /health/live");
+            assert!(
+                Instant::now() < deadline,
+                "{name} never served /health/live"
+            );
             tokio::time::sleep(Duration::from_millis(50)).await;
         };
         assert_eq!(live.status, 200, "{name}");
