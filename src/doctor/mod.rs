@@ -1,0 +1,647 @@
+//! Health checks with advice: what `pgbox doctor` runs.
+//!
+//! [`check`] (or a configured [`Doctor`]) inspects one pgbox schema and the server around it
+//! and returns a [`Report`]: one [`Finding`] per problem, or one `ok` finding per check when
+//! there is none. Every finding has a [`Severity`], a stable machine [`Code`], a message that
+//! says what was found (with the numbers), and advice that says what to do.
+//!
+//! ```no_run
+//! # use std::time::Duration;
+//! # async fn f(pool: sqlx::PgPool) -> pgbox::Result<()> {
+//! use pgbox::doctor::{Doctor, Severity};
+//!
+//! let report = Doctor::new()
+//!     .schema("pgbox")?
+//!     .xmin_age_warn(Duration::from_secs(60))
+//!     .check(&pool)
+//!     .await?;
+//! for finding in report.findings.iter().filter(|f| f.severity > Severity::Ok) {
+//!     eprintln!("{} {}: {}\n  {}", finding.severity, finding.code, finding.message, finding.advice);
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! The checks, in report order:
+//!
+//! - **Migrations** ([`Check::Migrations`]): the history in `<schema>.pgbox_migrations` (written
+//!   by `pgbox::migrate` and by the [`Migrator::to_sql`] script alike) against the migrations
+//!   embedded in this build: pending ones, a history this build's migrator would refuse
+//!   (an edited migration, a gap), and a schema newer than this build (a warning).
+//! - **Tables and indexes** ([`Check::Indexes`]): every table and index pgbox's applied
+//!   migrations create is present, valid and ready (`pg_index.indisvalid`, `indisready`); the
+//!   expected set is a static list per migration version, so an index a later migration adds is
+//!   expected only once that migration is applied. Invalid leftovers of a failed
+//!   `CREATE INDEX CONCURRENTLY` on pgbox's tables are reported too.
+//! - **Bloat** ([`Check::Bloat`]): dead rows per table (`pg_stat_user_tables`) and the size of
+//!   each table and B-tree index against an estimate of the size its live rows need (from
+//!   `pg_class`, `pg_stats` and the block size). These are **estimates**, not `pgstattuple`
+//!   measurements (no extension is needed); the main fork only, TOAST excluded.
+//! - **The xmin horizon** ([`Check::XminHorizon`]), the first cause of queue bloat: VACUUM
+//!   cannot remove a row version that some snapshot may still see, so one old transaction
+//!   makes every deleted outbox and queue row stay. The oldest transactions of this database
+//!   holding an xid or a snapshot (`pg_stat_activity`), prepared transactions
+//!   (`pg_prepared_xacts`), replication slots (`pg_replication_slots.xmin`, and `catalog_xmin`
+//!   of an inactive slot of this database), and standbys' `hot_standby_feedback` (walsenders'
+//!   `backend_xmin`). Sessions are judged by age in time, slots and walsenders by age in
+//!   transaction ids (they have no start time). A role without `pg_monitor` (or
+//!   `pg_read_all_stats`) cannot see other roles' sessions; the `ok` finding then says how
+//!   many were hidden.
+//! - **The notification queue** ([`Check::NotificationQueue`]): `pg_notification_queue_usage()`.
+//!   When the queue is full, every transaction that notifies fails at commit.
+//! - **Dead letters** ([`Check::DeadLetters`]): the outbox's and the built-in queue's, counted up
+//!   to [`DEAD_LETTER_COUNT_CAP`] each.
+//!
+//! **Heartbeats**: pgbox's relays and consumers record no heartbeat in the database today, so
+//! the doctor cannot tell whether they are running and reports nothing about them;
+//! `pgbox status` (the age of the oldest pending message) is the signal to watch.
+//!
+//! **Cost.** Catalog and statistics views, `LIMIT`ed or index-backed lookups: nothing counts
+//! the outbox, the queue or the inbox. The checks run in one read-only transaction with a
+//! statement and lock timeout ([`Doctor::statement_timeout`]), so a table locked by a long
+//! `ALTER` or `VACUUM FULL` makes the doctor fail fast instead of waiting behind it.
+//!
+//! [`Migrator::to_sql`]: crate::Migrator::to_sql
+
+mod backlog;
+mod bloat;
+mod format;
+mod horizon;
+mod schema;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::time::Duration;
+
+use serde::ser::{Serialize, SerializeStruct, Serializer};
+use serde_json::{Value, json};
+use sqlx::{AssertSqlSafe, PgConnection, PgPool, Row};
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+use crate::error::{Error, Result};
+use crate::ident::Identifier;
+use crate::migrate::{DEFAULT_SCHEMA, HISTORY_TABLE, Migrator};
+use crate::status::DEAD_LETTER_COUNT_CAP;
+
+// The versions, names and checksums this build would apply.
+use crate::migrate::embedded;
+
+/// How serious a [`Finding`] is. Ordered: `Ok < Warning < Critical`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Severity {
+    /// Nothing to do.
+    Ok,
+    /// Degrading, or about to: act soon.
+    Warning,
+    /// Broken, or about to be: act now.
+    Critical,
+}
+
+impl Severity {
+    /// `ok`, `warning` or `critical`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Severity::Ok => "ok",
+            Severity::Warning => "warning",
+            Severity::Critical => "critical",
+        }
+    }
+}
+
+/// Which check produced a [`Finding`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum Check {
+    /// Applied migrations against this build's (`migrations`).
+    Migrations,
+    /// pgbox's tables and indexes present and valid (`indexes`).
+    Indexes,
+    /// Dead rows and estimated table and index bloat (`bloat`).
+    Bloat,
+    /// What holds back the xmin horizon (`xmin_horizon`).
+    XminHorizon,
+    /// `pg_notification_queue_usage()` (`notification_queue`).
+    NotificationQueue,
+    /// Dead letters waiting (`dead_letters`).
+    DeadLetters,
+    /// Partitions of the time-partitioned inbox created ahead (`inbox_partitions`; only in
+    /// schemas that use it).
+    InboxPartitions,
+    /// Rows under a lease keep lease mode's invariants (`inbox_leases`): a lease has a
+    /// fencing token, and a key under a lease has no outcome and no rejection yet.
+    InboxLeases,
+}
+
+impl Check {
+    /// The check's stable name (in parentheses above).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Check::Migrations => "migrations",
+            Check::Indexes => "indexes",
+            Check::Bloat => "bloat",
+            Check::XminHorizon => "xmin_horizon",
+            Check::NotificationQueue => "notification_queue",
+            Check::DeadLetters => "dead_letters",
+            Check::InboxPartitions => "inbox_partitions",
+            Check::InboxLeases => "inbox_leases",
+        }
+    }
+}
+
+/// What a [`Finding`] is about: a stable machine code (its [`Code::as_str`], in parentheses
+/// below, is what `pgbox doctor --json` prints). Codes are never renamed; new ones may be
+/// added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[non_exhaustive]
+pub enum Code {
+    /// Every migration of this build is applied (`migrations_current`; ok).
+    MigrationsCurrent,
+    /// The schema has no pgbox migration history (`not_migrated`; critical).
+    NotMigrated,
+    /// Migrations of this build newer than the schema's are not applied
+    /// (`migrations_pending`; critical).
+    MigrationsPending,
+    /// The history differs from this build's migrations (an applied migration whose name or
+    /// checksum differs, or one of this build's migrations older than the newest applied one
+    /// that was never applied): this build's migrator refuses the schema
+    /// (`migration_diverged`; critical).
+    MigrationDiverged,
+    /// The schema has migrations this build does not know: it is newer than this binary
+    /// (`schema_newer_than_binary`; warning).
+    SchemaNewerThanBinary,
+    /// Every expected table and index is present and valid (`indexes_valid`; ok).
+    IndexesValid,
+    /// A table the applied migrations create is missing (`missing_table`; critical).
+    MissingTable,
+    /// An index the applied migrations create is missing (`missing_index`; critical).
+    MissingIndex,
+    /// An index is invalid or not ready (`invalid_index`; critical for pgbox's own indexes, a
+    /// warning for another invalid index on pgbox's tables).
+    InvalidIndex,
+    /// No table or index is over the bloat thresholds (`bloat_low`; ok).
+    BloatLow,
+    /// Many dead rows in a table (`dead_tuples`; warning).
+    DeadTuples,
+    /// A table is much larger than its live rows need, by estimate (`table_bloat`; warning).
+    TableBloat,
+    /// An index is much larger than its entries need, by estimate (`index_bloat`; warning).
+    IndexBloat,
+    /// Nothing holds the xmin horizon back beyond the thresholds (`xmin_horizon_ok`; ok).
+    XminHorizonOk,
+    /// A transaction of this database has held an xid or snapshot for long
+    /// (`long_transaction`; warning or critical).
+    LongTransaction,
+    /// A prepared (two-phase) transaction of this database is old
+    /// (`prepared_transaction`; warning or critical).
+    PreparedTransaction,
+    /// A replication slot holds back the xmin horizon (`replication_slot_xmin`; warning or
+    /// critical).
+    ReplicationSlotXmin,
+    /// A standby's `hot_standby_feedback` holds back the xmin horizon
+    /// (`standby_feedback_xmin`; warning or critical).
+    StandbyFeedbackXmin,
+    /// The notification queue is nearly empty (`notification_queue_ok`; ok).
+    NotificationQueueOk,
+    /// The notification queue is filling up (`notification_queue_filling`; warning or
+    /// critical).
+    NotificationQueueFilling,
+    /// No dead letters (`no_dead_letters`; ok).
+    NoDeadLetters,
+    /// Outbox dead letters are waiting (`outbox_dead_letters`; warning).
+    OutboxDeadLetters,
+    /// Dead letters of the built-in queue are waiting (`queue_dead_letters`; warning).
+    QueueDeadLetters,
+    /// The partitioned inbox has partitions ahead (`inbox_partitions_ok`; ok).
+    InboxPartitionsOk,
+    /// The partitioned inbox is running out of partitions (`inbox_partitions_running_out`;
+    /// warning with less than one partition ahead, critical when none covers now: every
+    /// claim fails).
+    InboxPartitionsRunningOut,
+    /// Every row under a lease has its token and no outcome (`inbox_leases_consistent`; ok).
+    InboxLeasesConsistent,
+    /// A row under a lease lacks its token or already has an outcome or a rejection
+    /// (`inbox_lease_inconsistent`; critical): something other than pgbox's lease statements
+    /// wrote it.
+    InboxLeaseInconsistent,
+}
+
+impl Code {
+    /// The stable machine code, e.g. `missing_index`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Code::MigrationsCurrent => "migrations_current",
+            Code::NotMigrated => "not_migrated",
+            Code::MigrationsPending => "migrations_pending",
+            Code::MigrationDiverged => "migration_diverged",
+            Code::SchemaNewerThanBinary => "schema_newer_than_binary",
+            Code::IndexesValid => "indexes_valid",
+            Code::MissingTable => "missing_table",
+            Code::MissingIndex => "missing_index",
+            Code::InvalidIndex => "invalid_index",
+            Code::BloatLow => "bloat_low",
+            Code::DeadTuples => "dead_tuples",
+            Code::TableBloat => "table_bloat",
+            Code::IndexBloat => "index_bloat",
+            Code::XminHorizonOk => "xmin_horizon_ok",
+            Code::LongTransaction => "long_transaction",
+            Code::PreparedTransaction => "prepared_transaction",
+            Code::ReplicationSlotXmin => "replication_slot_xmin",
+            Code::StandbyFeedbackXmin => "standby_feedback_xmin",
+            Code::NotificationQueueOk => "notification_queue_ok",
+            Code::NotificationQueueFilling => "notification_queue_filling",
+            Code::NoDeadLetters => "no_dead_letters",
+            Code::OutboxDeadLetters => "outbox_dead_letters",
+            Code::QueueDeadLetters => "queue_dead_letters",
+            Code::InboxPartitionsOk => "inbox_partitions_ok",
+            Code::InboxPartitionsRunningOut => "inbox_partitions_running_out",
+            Code::InboxLeasesConsistent => "inbox_leases_consistent",
+            Code::InboxLeaseInconsistent => "inbox_lease_inconsistent",
+        }
+    }
+
+    /// The check this code belongs to.
+    pub fn check(self) -> Check {
+        match self {
+            Code::MigrationsCurrent
+            | Code::NotMigrated
+            | Code::MigrationsPending
+            | Code::MigrationDiverged
+            | Code::SchemaNewerThanBinary => Check::Migrations,
+            Code::IndexesValid | Code::MissingTable | Code::MissingIndex | Code::InvalidIndex => {
+                Check::Indexes
+            }
+            Code::BloatLow | Code::DeadTuples | Code::TableBloat | Code::IndexBloat => Check::Bloat,
+            Code::XminHorizonOk
+            | Code::LongTransaction
+            | Code::PreparedTransaction
+            | Code::ReplicationSlotXmin
+            | Code::StandbyFeedbackXmin => Check::XminHorizon,
+            Code::NotificationQueueOk | Code::NotificationQueueFilling => Check::NotificationQueue,
+            Code::NoDeadLetters | Code::OutboxDeadLetters | Code::QueueDeadLetters => {
+                Check::DeadLetters
+            }
+            Code::InboxPartitionsOk | Code::InboxPartitionsRunningOut => Check::InboxPartitions,
+            Code::InboxLeasesConsistent | Code::InboxLeaseInconsistent => Check::InboxLeases,
+        }
+    }
+}
+
+/// Shown and serialized as their stable names (`as_str`).
+macro_rules! named_by_as_str {
+    ($($t:ty),*) => {$(
+        impl fmt::Display for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl Serialize for $t {
+            fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+                s.serialize_str(self.as_str())
+            }
+        }
+    )*};
+}
+
+named_by_as_str!(Severity, Check, Code);
+
+/// One thing the doctor found.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Finding {
+    /// How serious it is.
+    pub severity: Severity,
+    /// What it is about (stable).
+    pub code: Code,
+    /// What it names, when it names one thing: an index or table name, `pid 1234`, a slot
+    /// name, a migration (`V8__outbox_published`).
+    pub subject: Option<String>,
+    /// What was found, with the numbers.
+    pub message: String,
+    /// What to do about it.
+    pub advice: String,
+    /// The numbers behind the message, as a JSON object (e.g. `pid`, `age_seconds`,
+    /// `table`, `bytes`): for scripts and dashboards. Keys are added, never renamed.
+    pub details: Value,
+}
+
+impl Finding {
+    /// The check that produced it.
+    pub fn check(&self) -> Check {
+        self.code.check()
+    }
+
+    fn new(severity: Severity, code: Code, message: String, advice: String) -> Self {
+        Finding {
+            severity,
+            code,
+            subject: None,
+            message,
+            advice,
+            details: json!({}),
+        }
+    }
+
+    fn subject(mut self, subject: impl Into<String>) -> Self {
+        self.subject = Some(subject.into());
+        self
+    }
+
+    fn details(mut self, details: Value) -> Self {
+        self.details = details;
+        self
+    }
+}
+
+impl Serialize for Finding {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut st = s.serialize_struct("Finding", 7)?;
+        st.serialize_field("severity", &self.severity)?;
+        st.serialize_field("check", &self.check())?;
+        st.serialize_field("code", &self.code)?;
+        st.serialize_field("subject", &self.subject)?;
+        st.serialize_field("message", &self.message)?;
+        st.serialize_field("advice", &self.advice)?;
+        st.serialize_field("details", &self.details)?;
+        st.end()
+    }
+}
+
+/// What [`check`] found: every check's findings, in check order.
+///
+/// Serializes (serde) as `{"schema", "taken_at", "status", "findings": [{"severity",
+/// "check", "code", "subject", "message", "advice", "details"}]}`, `status` being
+/// [`Report::severity`].
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Report {
+    /// The pgbox schema checked.
+    pub schema: String,
+    /// When the checks ran (database clock).
+    pub taken_at: OffsetDateTime,
+    /// The findings: problems, or one `ok` finding per check that found none.
+    pub findings: Vec<Finding>,
+}
+
+impl Report {
+    /// The worst severity found ([`Severity::Ok`] when there are no findings).
+    pub fn severity(&self) -> Severity {
+        self.findings
+            .iter()
+            .map(|f| f.severity)
+            .max()
+            .unwrap_or(Severity::Ok)
+    }
+
+    /// Whether every finding is ok.
+    pub fn is_ok(&self) -> bool {
+        self.severity() == Severity::Ok
+    }
+
+    /// How many findings have this severity.
+    pub fn count(&self, severity: Severity) -> usize {
+        self.findings
+            .iter()
+            .filter(|f| f.severity == severity)
+            .count()
+    }
+
+    /// The findings with this code.
+    pub fn with_code(&self, code: Code) -> impl Iterator<Item = &Finding> {
+        self.findings.iter().filter(move |f| f.code == code)
+    }
+
+    /// Whether the schema has no pgbox migration history at all ([`Code::NotMigrated`]).
+    pub fn not_migrated(&self) -> bool {
+        self.with_code(Code::NotMigrated).next().is_some()
+    }
+}
+
+impl Serialize for Report {
+    fn serialize<S: Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        let mut st = s.serialize_struct("Report", 4)?;
+        st.serialize_field("schema", &self.schema)?;
+        st.serialize_field(
+            "taken_at",
+            &self.taken_at.format(&Rfc3339).unwrap_or_default(),
+        )?;
+        st.serialize_field("status", &self.severity())?;
+        st.serialize_field("findings", &self.findings)?;
+        st.end()
+    }
+}
+
+/// Checks the pgbox tables in `schema` with the default thresholds ([`Doctor::new`]).
+pub async fn check(pool: &PgPool, schema: &str) -> Result<Report> {
+    Doctor::new().schema(schema)?.check(pool).await
+}
+
+/// The doctor, with its thresholds. Every setter documents its default.
+#[derive(Debug, Clone)]
+pub struct Doctor {
+    schema: Identifier,
+    xmin_age_warn: Duration,
+    xmin_age_critical: Duration,
+    xid_age_warn: i64,
+    xid_age_critical: i64,
+    notification_queue_warn: f64,
+    notification_queue_critical: f64,
+    dead_rows_warn: i64,
+    dead_ratio_warn: f64,
+    bloat_min_bytes: i64,
+    bloat_ratio_warn: f64,
+    statement_timeout: Duration,
+}
+
+impl Default for Doctor {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Doctor {
+    /// A doctor for the default schema ([`DEFAULT_SCHEMA`]) with the default thresholds.
+    pub fn new() -> Self {
+        Doctor {
+            schema: Identifier::pgbox_schema(DEFAULT_SCHEMA).expect("default schema is valid"),
+            xmin_age_warn: Duration::from_secs(5 * 60),
+            xmin_age_critical: Duration::from_secs(60 * 60),
+            xid_age_warn: 1_000_000,
+            xid_age_critical: 100_000_000,
+            notification_queue_warn: 0.5,
+            notification_queue_critical: 0.9,
+            dead_rows_warn: 100_000,
+            dead_ratio_warn: 0.5,
+            bloat_min_bytes: 32 << 20,
+            bloat_ratio_warn: 0.5,
+            statement_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Checks `schema` instead of [`DEFAULT_SCHEMA`]. The name is validated like
+    /// [`Migrator::schema`]'s.
+    pub fn schema(mut self, schema: &str) -> Result<Self> {
+        self.schema = Identifier::pgbox_schema(schema)?;
+        Ok(self)
+    }
+
+    /// A transaction (or prepared transaction) of this database that has held an xid or a
+    /// snapshot this long is a warning. Default 5 minutes.
+    pub fn xmin_age_warn(mut self, age: Duration) -> Self {
+        self.xmin_age_warn = age;
+        self
+    }
+
+    /// ... and this long, critical. Default 1 hour. When below the warning age, this one wins.
+    pub fn xmin_age_critical(mut self, age: Duration) -> Self {
+        self.xmin_age_critical = age;
+        self
+    }
+
+    /// A replication slot or standby feedback whose xmin is this many transaction ids old is
+    /// a warning (an inactive slot holding an xmin always is). Default 1,000,000.
+    pub fn xid_age_warn(mut self, xids: i64) -> Self {
+        self.xid_age_warn = xids;
+        self
+    }
+
+    /// ... and this many, critical. Default 100,000,000 (half of PostgreSQL's default
+    /// `autovacuum_freeze_max_age`).
+    pub fn xid_age_critical(mut self, xids: i64) -> Self {
+        self.xid_age_critical = xids;
+        self
+    }
+
+    /// `pg_notification_queue_usage()` at or above this fraction is a warning. Default 0.5.
+    pub fn notification_queue_warn(mut self, fraction: f64) -> Self {
+        self.notification_queue_warn = fraction;
+        self
+    }
+
+    /// ... and at or above this one, critical. Default 0.9.
+    pub fn notification_queue_critical(mut self, fraction: f64) -> Self {
+        self.notification_queue_critical = fraction;
+        self
+    }
+
+    /// A table with at least this many dead rows (by `pg_stat_user_tables`)... Default
+    /// 100,000.
+    pub fn dead_rows_warn(mut self, rows: i64) -> Self {
+        self.dead_rows_warn = rows;
+        self
+    }
+
+    /// ... making up at least this fraction of its rows, is a warning. Default 0.5.
+    pub fn dead_ratio_warn(mut self, fraction: f64) -> Self {
+        self.dead_ratio_warn = fraction;
+        self
+    }
+
+    /// Tables and indexes smaller than this are never reported as bloated. Default 32 MiB.
+    pub fn bloat_min_bytes(mut self, bytes: i64) -> Self {
+        self.bloat_min_bytes = bytes;
+        self
+    }
+
+    /// A table or index whose estimated wasted share of its size is at least this fraction
+    /// is a warning. Default 0.5.
+    pub fn bloat_ratio_warn(mut self, fraction: f64) -> Self {
+        self.bloat_ratio_warn = fraction;
+        self
+    }
+
+    /// Bounds each statement of the check, and each lock wait (then an error). Default 10 s.
+    pub fn statement_timeout(mut self, timeout: Duration) -> Self {
+        self.statement_timeout = timeout;
+        self
+    }
+
+    fn validate(&self) -> Result<()> {
+        for (name, v) in [
+            ("notification_queue_warn", self.notification_queue_warn),
+            (
+                "notification_queue_critical",
+                self.notification_queue_critical,
+            ),
+            ("dead_ratio_warn", self.dead_ratio_warn),
+            ("bloat_ratio_warn", self.bloat_ratio_warn),
+        ] {
+            if !(0.0..=1.0).contains(&v) {
+                return Err(Error::InvalidConfig(format!(
+                    "doctor: {name} must be a fraction between 0 and 1, got {v}"
+                )));
+            }
+        }
+        if self.statement_timeout < Duration::from_millis(1) {
+            return Err(Error::InvalidConfig(
+                "doctor: statement_timeout must be at least 1 ms".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs every check. A schema with no pgbox migration history gives a report with the
+    /// single critical finding [`Code::NotMigrated`] (see [`Report::not_migrated`]). Errors
+    /// are the database's (connection, timeouts) and an invalid configuration.
+    pub async fn check(&self, pool: &PgPool) -> Result<Report> {
+        self.validate()?;
+        let schema = self.schema.as_str().to_owned();
+        // The same test the CLI's other commands make: a history table with rows.
+        let applied = Migrator::new().schema(&schema)?.applied(pool).await?;
+        if applied.is_empty() {
+            let taken_at = sqlx::query_scalar("SELECT now()").fetch_one(pool).await?;
+            let finding = Finding::new(
+                Severity::Critical,
+                Code::NotMigrated,
+                format!(
+                    "schema {} has no pgbox migration history ({HISTORY_TABLE} is missing or empty)",
+                    self.schema
+                ),
+                format!(
+                    "Run `pgbox migrate --schema {schema}` (or `pgbox::migrate` at start-up), or \
+                     apply `pgbox migrate --print-sql --schema {schema}` with your own tool. If \
+                     your services use another schema, pass it with --schema."
+                ),
+            )
+            .subject(schema.clone());
+            return Ok(Report {
+                schema,
+                taken_at,
+                findings: vec![finding],
+            });
+        }
+
+        let mut tx = pool.begin().await?;
+        let ms = self.statement_timeout.as_millis().min(i32::MAX as u128);
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "SET TRANSACTION READ ONLY; SET LOCAL statement_timeout = {ms}; \
+             SET LOCAL lock_timeout = {ms}"
+        )))
+        .execute(&mut *tx)
+        .await?;
+        let taken_at: OffsetDateTime = sqlx::query_scalar("SELECT now()")
+            .fetch_one(&mut *tx)
+            .await?;
+
+        let (mut findings, versions) = self.check_migrations(&mut tx).await?;
+        let (index_findings, tables) = self.check_indexes(&mut tx, &versions).await?;
+        findings.extend(index_findings);
+        let (xmin_findings, horizon_held) = self.check_xmin_horizon(&mut tx).await?;
+        findings.extend(self.check_bloat(&mut tx, &tables, horizon_held).await?);
+        findings.extend(xmin_findings);
+        findings.push(self.check_notification_queue(&mut tx).await?);
+        findings.extend(self.check_dead_letters(&mut tx, &tables).await?);
+        if versions.contains(&10) {
+            findings.extend(self.check_inbox_partitions(&mut tx).await?);
+        }
+        if versions.contains(&7) {
+            findings.push(self.check_inbox_leases(&mut tx).await?);
+        }
+        tx.commit().await?;
+        Ok(Report {
+            schema,
+            taken_at,
+            findings,
+        })
+    }
+}
