@@ -256,9 +256,10 @@ impl JanitorBuilder {
         let inbox_ok = |what: &str, retention: Retention| match retention {
             Retention::After(age) if age.is_zero() || age < self.min_retention => {
                 Err(Error::InvalidConfig(format!(
-                    "{what} {age:?} is below the minimum of {:?} (min_retention): a key purged \
-                     before its last redelivery is processed again",
-                    self.min_retention
+                    "{what} {} is below {} (the retention floor, min_retention): a key \
+                     purged before its last redelivery is processed again",
+                    duration_words(age),
+                    duration_words(self.min_retention)
                 )))
             }
             _ => Ok(()),
@@ -1086,6 +1087,31 @@ async fn check_held(conn: &mut PgConnection, key: i32) -> Result<bool> {
         .await?)
 }
 
+/// A retention in words for refusals (`1 day`, `12 hours`, `1 hour 30 minutes`): people read
+/// these, and `86400s` has to be worked out. Whole seconds, or milliseconds below one.
+fn duration_words(d: Duration) -> String {
+    let mut secs = d.as_secs();
+    if secs == 0 {
+        return format!("{} ms", d.as_millis());
+    }
+    let mut parts = Vec::new();
+    for (unit, size) in [
+        ("day", 86_400),
+        ("hour", 3600),
+        ("minute", 60),
+        ("second", 1),
+    ] {
+        let n = secs / size;
+        secs %= size;
+        match n {
+            0 => {}
+            1 => parts.push(format!("1 {unit}")),
+            n => parts.push(format!("{n} {unit}s")),
+        }
+    }
+    parts.join(" ")
+}
+
 /// The lock connection's `application_name`: how operators find the holder in
 /// `pg_stat_activity`. PostgreSQL keeps 63 bytes of it.
 fn application_name(instance: &str) -> String {
@@ -1121,5 +1147,18 @@ mod tests {
     fn application_names_fit_the_server_limit() {
         assert_eq!(application_name("a"), "pgbox-janitor a");
         assert_eq!(application_name(&"x".repeat(100)).len(), 63);
+    }
+
+    #[test]
+    fn retentions_are_written_in_words() {
+        let secs = Duration::from_secs;
+        assert_eq!(duration_words(secs(86_400)), "1 day");
+        assert_eq!(duration_words(secs(3600)), "1 hour");
+        assert_eq!(
+            duration_words(secs(2 * 86_400 + 12 * 3600)),
+            "2 days 12 hours"
+        );
+        assert_eq!(duration_words(secs(90)), "1 minute 30 seconds");
+        assert_eq!(duration_words(Duration::from_millis(250)), "250 ms");
     }
 }

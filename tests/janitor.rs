@@ -286,6 +286,8 @@ async fn retention_below_the_minimum_and_other_bad_settings_are_refused() {
         "1 h default retention",
     );
     assert!(msg.contains("min_retention"), "{msg}");
+    // In words, not `3600s` and `86400s`.
+    assert!(msg.contains("1 hour is below 1 day"), "{msg}");
     refused(
         Janitor::builder(pool.clone()).consumer_retention("points", Duration::from_secs(12 * 3600)),
         "12 h override",

@@ -218,6 +218,31 @@ fn parse_age(s: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("{s:?}: too large"))
 }
 
+/// A duration in words for messages: `1 day`, `1 day 12 hours`, `90 minutes` is
+/// `1 hour 30 minutes`. Whole seconds; the flags take nothing finer.
+fn human_age(d: Duration) -> String {
+    let mut secs = d.as_secs();
+    if secs == 0 {
+        return "0 seconds".into();
+    }
+    let mut parts = Vec::new();
+    for (unit, size) in [
+        ("day", 86_400),
+        ("hour", 3600),
+        ("minute", 60),
+        ("second", 1),
+    ] {
+        let n = secs / size;
+        secs %= size;
+        match n {
+            0 => {}
+            1 => parts.push(format!("1 {unit}")),
+            n => parts.push(format!("{n} {unit}s")),
+        }
+    }
+    parts.join(" ")
+}
+
 /// A duration as the CLI's flags write it, in the largest unit that divides it: `1d`, `12h`.
 fn age_text(d: Duration) -> String {
     let secs = d.as_secs();
@@ -619,24 +644,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 ));
             }
             let pool = connect(cli.database_url.as_deref()).await?;
-            if let Err(not_migrated) = ensure_schema(&pool, schema).await {
-                // A health check's consumers read stdout: say what was found there too.
-                print(
-                    json_mode,
-                    json!({
-                        "schema": schema,
-                        "migrated": false,
-                        "findings": [{
-                            "severity": "critical",
-                            "code": "not_migrated",
-                            "message": not_migrated.message,
-                        }],
-                        "exit_code": not_migrated.code,
-                    }),
-                    || format!("critical  not_migrated  {}\n", not_migrated.message),
-                );
-                return Err(not_migrated);
-            }
+            // No `ensure_schema` here: on an unmigrated schema the doctor reports it as a
+            // finding (`not_migrated`, exit 4), so a health check reading stdout gets the same
+            // report shape whatever it found.
             let report = Doctor::new()
                 .schema(schema)?
                 .xmin_age_warn(xmin_age_warn)
@@ -645,8 +655,15 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 .await?;
             let code = doctor_exit_code(&report);
             let mut value = serde_json::to_value(&report).expect("json");
+            value["migrated"] = json!(!report.not_migrated());
             value["exit_code"] = json!(code);
             print(json_mode, value, || doctor_text(&report));
+            if report.not_migrated() {
+                return Err(fail(
+                    code,
+                    format!("schema {schema:?} has no pgbox tables (run `pgbox migrate`)"),
+                ));
+            }
             if code != 0 {
                 let (critical, warnings) = (
                     report.count(Severity::Critical),
@@ -784,10 +801,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 return Err(fail(
                     6,
                     format!(
-                        "refusing to purge rows younger than {} (--min-retention, the \
-                         redelivery window): a message redelivered after its row is gone is \
-                         processed again; pass --force to override",
-                        age_text(min_retention)
+                        "refusing to purge rows younger than {} (the retention floor, \
+                         --min-retention {}): --older-than {} is below it, and a message \
+                         redelivered after its row is gone is processed again; pass --force \
+                         to override",
+                        human_age(min_retention),
+                        age_text(min_retention),
+                        human_age(older_than)
                     ),
                 ));
             }
@@ -814,8 +834,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 json!({ "deleted": deleted, "total": total }),
                 || {
                     format!(
-                        "deleted {total} inbox rows older than {}s\n",
-                        older_than.as_secs()
+                        "deleted {total} inbox rows older than {}\n",
+                        human_age(older_than)
                     )
                 },
             );
@@ -824,26 +844,70 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     Ok(())
 }
 
+/// An argument error as one JSON object: `error` (clap's message, its continuation lines
+/// joined), `usage` and, when clap has one, `tip`; `exit_code` 2 as without `--json`.
+fn usage_error_json(e: &clap::Error) -> Value {
+    // The plain rendering (`Display` drops clap's styling): paragraphs of the error, a tip,
+    // the usage line, the `--help` hint.
+    let text = e.to_string();
+    let (mut message, mut usage, mut tip) = (None, None, None);
+    for paragraph in text.split("\n\n").map(str::trim) {
+        if let Some(u) = paragraph.strip_prefix("Usage:") {
+            usage = Some(u.trim().to_owned());
+        } else if let Some(t) = paragraph.strip_prefix("tip:") {
+            tip = Some(t.trim().to_owned());
+        } else if message.is_none() && !paragraph.is_empty() {
+            let joined: Vec<&str> = paragraph.lines().map(str::trim).collect();
+            message = Some(joined.join(" ").trim_start_matches("error: ").to_owned());
+        }
+    }
+    // A (sub)command given without its subcommand or arguments: clap prints that command's
+    // help, whose first paragraph is its description, not an error.
+    if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+        let command: Vec<&str> = usage
+            .as_deref()
+            .unwrap_or("pgbox")
+            .split_whitespace()
+            .take_while(|w| !w.starts_with(['[', '<']))
+            .collect();
+        let what = if usage.as_deref().is_some_and(|u| u.contains("<COMMAND>")) {
+            "a subcommand"
+        } else {
+            "arguments"
+        };
+        message = Some(format!(
+            "'{}' requires {what} but none was provided",
+            command.join(" ")
+        ));
+    }
+    let mut out = json!({
+        "error": message.unwrap_or_else(|| "bad usage".into()),
+        "exit_code": 2,
+    });
+    if let Some(usage) = usage {
+        out["usage"] = json!(usage);
+    }
+    if let Some(tip) = tip {
+        out["tip"] = json!(tip);
+    }
+    out
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
             // `--json` covers argument errors too: a script gets JSON whatever went wrong.
-            let wants_json = std::env::args_os().any(|a| a == "--json");
+            // (Looked for in the raw arguments: parsing is what failed.)
+            let wants_json = std::env::args_os()
+                .any(|a| a == "--json" || a.to_str().is_some_and(|a| a.starts_with("--json=")));
             let is_usage_error = !matches!(
                 e.kind(),
                 clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion
             );
             if wants_json && is_usage_error {
-                let text = e.to_string();
-                let message = text
-                    .lines()
-                    .find(|l| !l.trim().is_empty())
-                    .unwrap_or("bad usage")
-                    .trim_start_matches("error: ")
-                    .to_owned();
-                eprintln!("{}", json!({ "error": message, "exit_code": 2 }));
+                eprintln!("{}", usage_error_json(&e));
                 return ExitCode::from(2);
             }
             e.exit();
