@@ -467,3 +467,119 @@ async fn a_dead_broker_makes_a_service_unready_not_dead() {
         let _ = child.wait();
     }
 }
+
+/// What an operator reads while the broker is down: the points service starts, is live and
+/// unready, says so once per component (not a warning per 250 ms poll), logs plain text to a
+/// pipe (no `NO_COLOR` needed), names each migration once, stops cleanly on SIGTERM, and a
+/// restart raises no "already exists, skipping" NOTICEs from its idempotent set-up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_broker_is_reported_once_per_outage_in_plain_logs() {
+    let db = TestDb::empty().await;
+    // A local port nothing listens on: bound, then released.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let broker = format!("amqp://guest:guest@127.0.0.1:{closed}/%2f");
+
+    let first = run_points_briefly(&db.url(), &broker, Duration::from_secs(3)).await;
+    assert!(
+        !first.contains('\u{1b}'),
+        "colour codes in a pipe:\n{first}"
+    );
+    assert!(!first.contains("skipping"), "NOTICEs:\n{first}");
+    assert_eq!(
+        first.matches("V1__inbox").count(),
+        1,
+        "each migration once:\n{first}"
+    );
+    assert_eq!(
+        first.matches("pgbox migrations applied").count(),
+        1,
+        "{first}"
+    );
+    // Two components notice the outage (readiness and the consumer): one warning each, then
+    // backoff. Polling every 250 ms would have logged a dozen in these 3 s.
+    let warnings = first.lines().filter(|l| l.contains(" WARN ")).count();
+    assert!(
+        (1..=4).contains(&warnings),
+        "{warnings} warnings in 3 s:\n{first}"
+    );
+
+    let restart = run_points_briefly(&db.url(), &broker, Duration::ZERO).await;
+    assert!(
+        !restart.contains("skipping"),
+        "NOTICEs on restart:\n{restart}"
+    );
+    assert!(!restart.contains("applying migration"), "{restart}");
+}
+
+/// Starts `points` on RabbitMQ at `broker` (down), checks live 200 and ready 503 naming the
+/// broker, waits `linger`, stops it with SIGTERM (it must exit 0) and returns its stderr.
+async fn run_points_briefly(url: &str, broker: &str, linger: Duration) -> String {
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut child = Command::new(example_path("payment_services"))
+        .args(["points", "--listen", &addr.to_string()])
+        .args(["--transport", "rabbitmq"])
+        .env("DATABASE_URL", url)
+        .env("BROKER_URL", broker)
+        .env("RUST_LOG", "info")
+        // Plain text must come from stderr not being a terminal, not from NO_COLOR.
+        .env_remove("NO_COLOR")
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let live = loop {
+        if let Ok(r) = http::request(addr, "GET", "/health/live", &[], None, TIMEOUT).await {
+            break r;
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("points exited with a dead broker: {status}");
+        }
+        assert!(
+            Instant::now() < deadline,
+            "points never served /health/live"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(live.status, 200);
+    let ready = http::request(addr, "GET", "/health/ready", &[], None, TIMEOUT)
+        .await
+        .unwrap();
+    assert_eq!(ready.status, 503, "{}", ready.text());
+    let body = ready.json().unwrap();
+    assert_eq!(body["ready"], false, "{body}");
+    assert!(body["down"]["broker"].is_string(), "{body}");
+    assert!(body["down"]["database"].is_null(), "{body}");
+    tokio::time::sleep(linger).await;
+
+    let pid = child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let out = tokio::time::timeout(
+        Duration::from_secs(30),
+        tokio::task::spawn_blocking(move || child.wait_with_output()),
+    )
+    .await
+    .expect("points did not stop in 30 s after SIGTERM")
+    .unwrap()
+    .unwrap();
+    let logs = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        out.status.success(),
+        "points exited with {}:\n{logs}",
+        out.status
+    );
+    logs
+}

@@ -10,8 +10,12 @@
 //! inbox that makes `POST /orders/{id}/pay` idempotent by `Idempotency-Key`); `points` owns
 //! `points` (ledger, accounts) and `points_pgbox` (its inbox). With `--transport postgres`
 //! (the default) the messages go through the built-in queue in schema `broker`.
-//! Both services serve `/health` and `/metrics` (Prometheus) and stop gracefully on SIGTERM
-//! or Ctrl-C.
+//! Both services need `DATABASE_URL` (the demo finds or makes a database itself), serve
+//! `/health/live` (200 while the process runs), `/health/ready` (503 naming what is down,
+//! the database or the broker, until both answer; `/health` is the same) and `/metrics`
+//! (Prometheus), start even when their broker is down (they retry it with backoff), and stop
+//! gracefully on SIGTERM or Ctrl-C. Their logs go to stderr, coloured only on a terminal and
+//! never with `NO_COLOR` set.
 
 #[path = "../support/demo_db.rs"]
 mod demo_db;

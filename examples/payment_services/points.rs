@@ -21,8 +21,11 @@ const BROKER_SCHEMA: &str = crate::payments::BROKER_SCHEMA;
 /// Points per paid order.
 pub const POINTS_PER_ORDER: i64 = 30;
 
+/// Idempotent, run at every start: `IF NOT EXISTS` answers a restart with an "already exists,
+/// skipping" NOTICE per object, which sqlx logs at info; quieted for this transaction only.
 const SETUP: &str = "
 BEGIN;
+SET LOCAL client_min_messages = warning;
 SELECT pg_advisory_xact_lock(hashtext('points-service-setup'));
 CREATE SCHEMA IF NOT EXISTS points;
 CREATE TABLE IF NOT EXISTS points.ledger (

@@ -223,8 +223,12 @@ impl BrokerReady {
             loop {
                 match declare().await {
                     Ok(()) => {
+                        // One line per change of state: unreachable (the warning below), then
+                        // ready.
                         if failures > 0 {
                             tracing::info!(failures, "broker reachable again; ready");
+                        } else {
+                            tracing::info!("broker reachable; ready");
                         }
                         flag.store(true, Ordering::Relaxed);
                         return;
@@ -318,10 +322,25 @@ async fn live() -> impl IntoResponse {
     )
 }
 
+/// How long `/health/ready` waits for the database: below the usual probe timeouts (a
+/// Kubernetes probe gives up after 1 s by default, plus its period), so a database that does
+/// not answer reads as down rather than as a probe that hangs for the pool's 10 s.
+const READY_DATABASE_TIMEOUT: Duration = Duration::from_millis(900);
+
 async fn ready(State(ops): State<OpsState>) -> impl IntoResponse {
     let mut down = serde_json::Map::new();
-    if let Err(e) = sqlx::query("SELECT 1").execute(&ops.pool).await {
-        down.insert("database".into(), serde_json::Value::String(e.to_string()));
+    let answered = tokio::time::timeout(
+        READY_DATABASE_TIMEOUT,
+        sqlx::query("SELECT 1").execute(&ops.pool),
+    )
+    .await;
+    let database = match answered {
+        Ok(Ok(_)) => None,
+        Ok(Err(e)) => Some(e.to_string()),
+        Err(_) => Some(format!("no answer within {READY_DATABASE_TIMEOUT:?}")),
+    };
+    if let Some(error) = database {
+        down.insert("database".into(), serde_json::Value::String(error));
     }
     if !ops.broker.is_ready() {
         down.insert(
