@@ -22,6 +22,7 @@ mod migrate;
 #[cfg(feature = "opentelemetry")]
 mod otel;
 mod outbox;
+mod pooler;
 mod relay;
 mod retry;
 mod state;
@@ -54,6 +55,7 @@ pub use crate::outbox::{
     DEFAULT_MAX_MESSAGE_BYTES, Envelope, InTransaction, MAX_HEADER_NAME_BYTES,
     MAX_MESSAGE_BYTES_LIMIT, MAX_TOPIC_BYTES, Message, Outbox, TRACEPARENT,
 };
+pub use crate::pooler::Pooler;
 pub use crate::relay::{
     DeadLetter, DeadLetters, DrainReport, Relay, RelayBuilder, RoundReport, WakeUp,
 };

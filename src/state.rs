@@ -268,6 +268,7 @@ impl<S: StateMachine> StateTable<S> {
             args.add(&self.graph.predecessors[to_index])
                 .map_err(sqlx::Error::Encode)?;
             let row = sqlx::query_with(AssertSqlSafe(sql.clone()), args)
+                .persistent(conn.persistent())
                 .fetch_one(conn.connection())
                 .await;
             if row.is_err() {
@@ -329,6 +330,7 @@ impl<S: StateMachine> StateTable<S> {
         let mut args = PgArguments::default();
         args.add(id).map_err(sqlx::Error::Encode)?;
         let value = sqlx::query_scalar_with(AssertSqlSafe(sql), args)
+            .persistent(conn.persistent())
             .fetch_optional(conn.connection())
             .await;
         if value.is_err() {

@@ -119,6 +119,7 @@ impl VersionedTable {
             id = self.id
         );
         let read = sqlx::query_scalar_with(AssertSqlSafe(sql), id_args)
+            .persistent(conn.persistent())
             .fetch_optional(conn.connection())
             .await;
         if read.is_err() {
@@ -219,6 +220,7 @@ impl VersionedUpdate<'_> {
             assignments = self.assignments,
         );
         let row = sqlx::query_with(AssertSqlSafe(sql), self.args)
+            .persistent(conn.persistent())
             .fetch_one(conn.connection())
             .await;
         if row.is_err() {

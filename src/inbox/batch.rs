@@ -44,6 +44,7 @@ impl Inbox {
             // keys no partition (and no record of the plain inbox) holds.
             let claimed: Vec<String> =
                 sqlx::query_scalar(AssertSqlSafe(self.inner.sql.claim_batch.clone()))
+                    .persistent(self.inner.persistent())
                     .bind(&self.inner.consumer)
                     .bind(&key_strs)
                     .bind(&message_ids)
@@ -59,6 +60,7 @@ impl Inbox {
         let plain = {
             let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
             let inserted = sqlx::query(AssertSqlSafe(self.inner.sql.claim_batch_plain.clone()))
+                .persistent(self.inner.persistent())
                 .bind(&self.inner.consumer)
                 .bind(&key_strs)
                 .bind(&message_ids)
@@ -84,6 +86,7 @@ impl Inbox {
         } else {
             let claimed: Vec<String> =
                 sqlx::query_scalar(AssertSqlSafe(self.inner.sql.claim_batch.clone()))
+                    .persistent(self.inner.persistent())
                     .bind(&self.inner.consumer)
                     .bind(&key_strs)
                     .bind(&message_ids)
@@ -96,6 +99,7 @@ impl Inbox {
             // ack its message before its effect happened. The caller retries.
             let unsettled: Option<String> =
                 sqlx::query_scalar(AssertSqlSafe(self.inner.sql.batch_unsettled.clone()))
+                    .persistent(self.inner.persistent())
                     .bind(&self.inner.consumer)
                     .bind(&key_strs)
                     .bind(&claimed)

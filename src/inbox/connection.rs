@@ -9,6 +9,8 @@ use futures_util::{FutureExt, StreamExt};
 use sqlx::postgres::{PgArguments, PgQueryResult, PgRow, PgStatement, PgTypeInfo};
 use sqlx::{Either, Execute, Executor, PgConnection, Postgres, SqlStr};
 
+use crate::pooler::Pooler;
+
 /// The claim's transaction, as a handler sees it. Use it like a `&mut PgConnection`:
 /// `sqlx::query(…).execute(&mut *conn)`, or pass `conn` (or `&mut *conn`) where a
 /// `&mut PgConnection` is expected.
@@ -39,14 +41,17 @@ pub struct HandlerConnection<'c> {
     failed: bool,
     /// The raw connection was handed out; what happened on it is unknown.
     unwatched: bool,
+    /// Behind a transaction pooler: every statement goes unnamed.
+    unnamed: bool,
 }
 
 impl<'c> HandlerConnection<'c> {
-    pub(crate) fn new(conn: &'c mut PgConnection) -> Self {
+    pub(crate) fn new(conn: &'c mut PgConnection, pooler: Pooler) -> Self {
         HandlerConnection {
             conn,
             failed: false,
             unwatched: false,
+            unnamed: !pooler.persistent(),
         }
     }
 
@@ -104,7 +109,7 @@ impl<'c> Executor<'c> for &'c mut HandlerConnection<'_> {
         E: 'q + Execute<'q, Postgres>,
     {
         let failed = &mut self.failed;
-        match Screened::new(query) {
+        match Screened::new(query, self.unnamed) {
             Ok(query) => (&mut *self.conn)
                 .fetch_many(query)
                 .inspect(move |r| {
@@ -129,7 +134,7 @@ impl<'c> Executor<'c> for &'c mut HandlerConnection<'_> {
         E: 'q + Execute<'q, Postgres>,
     {
         let failed = &mut self.failed;
-        match Screened::new(query) {
+        match Screened::new(query, self.unnamed) {
             Ok(query) => (&mut *self.conn)
                 .fetch_optional(query)
                 .inspect(move |r| {
@@ -195,6 +200,13 @@ pub trait ConnectionLike: sealed::Sealed + Send {
     /// That statement failed (inside a transaction, the transaction is aborted).
     #[doc(hidden)]
     fn statement_failed(&mut self) {}
+    /// Whether statements on it may be named and cached (not behind a transaction pooler,
+    /// as far as the connection knows: the handler's connection knows its inbox's
+    /// [`Pooler`](crate::Pooler)).
+    #[doc(hidden)]
+    fn persistent(&self) -> bool {
+        true
+    }
 }
 
 mod sealed {
@@ -230,6 +242,9 @@ impl ConnectionLike for HandlerConnection<'_> {
     fn statement_failed(&mut self) {
         self.failed = true;
     }
+    fn persistent(&self) -> bool {
+        !self.unnamed
+    }
 }
 
 /// A handler's query, taken apart to read its SQL before it is sent, and put back together.
@@ -243,9 +258,9 @@ struct Screened {
 impl Screened {
     /// The query, unless it would end the claim's transaction: then the error the handler
     /// gets instead of running it.
-    fn new<'q, E: Execute<'q, Postgres>>(mut query: E) -> Result<Self, sqlx::Error> {
+    fn new<'q, E: Execute<'q, Postgres>>(mut query: E, unnamed: bool) -> Result<Self, sqlx::Error> {
         let arguments = Some(query.take_arguments());
-        let persistent = query.persistent();
+        let persistent = query.persistent() && !unnamed;
         let statement = query.statement().cloned();
         let sql = query.sql();
         if let Some(keyword) = transaction_control(sql.as_str()) {

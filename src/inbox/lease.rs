@@ -246,14 +246,17 @@ impl Inbox {
                     "lease mode is not available on the partitioned inbox; use a plain-inbox schema for consumers with external effects".into(),
                 ));
             }
+            let mut unit = self.inner.pooler.unit(pool).await?;
             let row = sqlx::query(AssertSqlSafe(self.inner.lease_sql.lease.clone()))
+                .persistent(self.inner.persistent())
                 .bind(&self.inner.consumer)
                 .bind(key.as_str())
                 .bind(key.message_id())
                 .bind(ttl_us)
-                .fetch_optional(pool)
+                .fetch_optional(&mut *unit)
                 .await
                 .map_err(|e| super::partitions::layout_error(e.into()))?;
+            unit.finish().await?;
             let row =
                 row.ok_or_else(|| self.unreadable(key.as_str(), "the lease call returned no row"))?;
             self.decode_lease(&row, key.as_str())
@@ -477,13 +480,16 @@ impl Lease {
     }
 
     async fn complete_json(&self, pool: &PgPool, json: Option<serde_json::Value>) -> Result<()> {
+        let mut unit = self.inbox.inner.pooler.unit(pool).await?;
         let row = sqlx::query(AssertSqlSafe(self.inbox.inner.lease_sql.complete.clone()))
+            .persistent(self.inbox.inner.persistent())
             .bind(self.inbox.consumer())
             .bind(&self.key)
             .bind(self.token.0)
             .bind(json.map(sqlx::types::Json))
-            .fetch_one(pool)
+            .fetch_one(&mut *unit)
             .await?;
+        unit.finish().await?;
         let done: i64 = row.try_get(0)?;
         let current: Option<i64> = row.try_get(1)?;
         let consuming: Option<bool> = row.try_get(2)?;
@@ -506,12 +512,15 @@ impl Lease {
     /// Gives the key up after a failed effect, so that the next delivery leases it again.
     /// One statement; [`Error::LeaseLost`] if the lease was no longer this token's.
     pub async fn release(&self, pool: &PgPool) -> Result<()> {
+        let mut unit = self.inbox.inner.pooler.unit(pool).await?;
         let row = sqlx::query(AssertSqlSafe(self.inbox.inner.lease_sql.release.clone()))
+            .persistent(self.inbox.inner.persistent())
             .bind(self.inbox.consumer())
             .bind(&self.key)
             .bind(self.token.0)
-            .fetch_one(pool)
+            .fetch_one(&mut *unit)
             .await?;
+        unit.finish().await?;
         let done: i64 = row.try_get(0)?;
         if done == 1 {
             tracing::info!(
@@ -537,13 +546,16 @@ impl Lease {
     /// this token's and can be extended.
     pub async fn extend(&mut self, pool: &PgPool, ttl: Duration) -> Result<OffsetDateTime> {
         let ttl_us = ttl_micros(ttl)?;
+        let mut unit = self.inbox.inner.pooler.unit(pool).await?;
         let row = sqlx::query(AssertSqlSafe(self.inbox.inner.lease_sql.extend.clone()))
+            .persistent(self.inbox.inner.persistent())
             .bind(self.inbox.consumer())
             .bind(&self.key)
             .bind(self.token.0)
             .bind(ttl_us)
-            .fetch_one(pool)
+            .fetch_one(&mut *unit)
             .await?;
+        unit.finish().await?;
         let expires_at: Option<OffsetDateTime> = row.try_get(0)?;
         match expires_at {
             Some(expires_at) => {

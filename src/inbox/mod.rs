@@ -42,6 +42,7 @@ pub use self::sequence::{GapPolicy, Sequenced};
 use crate::error::{Error, Result};
 use crate::ident::DEFAULT_SCHEMA;
 use crate::ident::Identifier;
+use crate::pooler::Pooler;
 
 /// How long a claim waits behind an uncommitted claim of the same key by another transaction.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -92,8 +93,17 @@ struct Inner {
     gap_policy: GapPolicy,
     verify_transaction: bool,
     partitioned: bool,
+    pooler: Pooler,
     sql: Statements,
     lease_sql: lease::LeaseStatements,
+}
+
+impl Inner {
+    /// Whether sqlx may name and cache this inbox's statements (not behind a transaction
+    /// pooler).
+    fn persistent(&self) -> bool {
+        self.pooler.persistent()
+    }
 }
 
 /// SQL built once per inbox, with the schema validated and quoted.
@@ -277,9 +287,20 @@ pub struct InboxBuilder {
     gap_policy: GapPolicy,
     verify_transaction: bool,
     partitioned: bool,
+    pooler: Pooler,
 }
 
 impl InboxBuilder {
+    /// What stands between this inbox and PostgreSQL (default [`Pooler::None`]). Behind a
+    /// pooler in transaction mode, set [`Pooler::Transaction`]: the inbox's statements, and
+    /// the handler's statements sent through its [`HandlerConnection`], are then sent unnamed
+    /// (a pooler in transaction mode cannot keep a named statement between transactions), and
+    /// lease mode runs each of its steps in a transaction of its own.
+    pub fn pooler(mut self, pooler: Pooler) -> Self {
+        self.pooler = pooler;
+        self
+    }
+
     /// Whether this inbox uses the time-partitioned table (default `false`): set it in a
     /// schema switched with [`Migrator::partitioned_inbox`](crate::Migrator::partitioned_inbox).
     /// A mismatch either way fails every claim with [`Error::InboxLayout`], never
@@ -352,6 +373,7 @@ impl InboxBuilder {
                 gap_policy: self.gap_policy,
                 verify_transaction: self.verify_transaction,
                 partitioned: self.partitioned,
+                pooler: self.pooler,
             }),
         })
     }
@@ -421,6 +443,7 @@ impl Inbox {
             gap_policy: GapPolicy::Wait,
             verify_transaction: true,
             partitioned: false,
+            pooler: Pooler::None,
         }
     }
 
@@ -495,7 +518,7 @@ impl Inbox {
                 Claim::Duplicate(duplicate) => return Ok(Outcome::Duplicate(duplicate)),
                 Claim::InProgress => return Ok(Outcome::InProgress),
             };
-            let (verdict, needs_check) = run_handler(tx, handler).await?;
+            let (verdict, needs_check) = run_handler(tx, self.inner.pooler, handler).await?;
             let (outcome, check_owed) = self
                 .record_verdict(tx, &claimed, verdict, needs_check)
                 .await?;
@@ -560,6 +583,7 @@ impl Inbox {
         let key = key.into();
         key.validate()?;
         let row = sqlx::query(AssertSqlSafe(self.inner.sql.read.clone()))
+            .persistent(self.inner.persistent())
             .bind(&self.inner.consumer)
             .bind(key.as_str())
             .fetch_optional(executor)
@@ -602,6 +626,7 @@ impl Inbox {
             Some(_) => sql.claim_bounded.clone(),
         };
         let mut query = sqlx::query(AssertSqlSafe(statement))
+            .persistent(self.inner.persistent())
             .bind(&self.inner.consumer)
             .bind(key.as_str())
             .bind(key.message_id());
@@ -636,6 +661,7 @@ impl Inbox {
             // waited, after our statement's snapshot). A new statement sees it under READ
             // COMMITTED; under REPEATABLE READ the INSERT already raised a serialization error.
             None => sqlx::query(AssertSqlSafe(sql.read.clone()))
+                .persistent(self.inner.persistent())
                 .bind(&self.inner.consumer)
                 .bind(key.as_str())
                 .fetch_optional(&mut *conn)
@@ -653,6 +679,7 @@ impl Inbox {
         if in_progress == Some(true)
             && let Some(take_expired_lease) = &sql.take_expired_lease
             && let Some(taken) = sqlx::query(AssertSqlSafe(take_expired_lease.clone()))
+                .persistent(self.inner.persistent())
                 .bind(&self.inner.consumer)
                 .bind(key.as_str())
                 .bind(key.message_id())
@@ -751,6 +778,7 @@ impl Inbox {
         json: serde_json::Value,
     ) -> Result<()> {
         let done = sqlx::query(AssertSqlSafe(self.inner.sql.store_outcome.clone()))
+            .persistent(self.inner.persistent())
             .bind(&self.inner.consumer)
             .bind(&claimed.key)
             .bind(sqlx::types::Json(json))
@@ -778,6 +806,7 @@ impl Inbox {
             "pgbox liveness check: the handler used the raw connection, or a statement failed"
         );
         let same: Option<bool> = sqlx::query_scalar(AssertSqlSafe(self.inner.sql.verify.clone()))
+            .persistent(self.inner.persistent())
             .bind(&claimed.xact)
             .fetch_one(conn)
             .await?;
@@ -810,6 +839,7 @@ impl Inbox {
         // text cannot hold NUL; keep the reason readable instead of failing the rejection.
         let reason = reason.replace('\0', "\\0");
         let done = sqlx::query(AssertSqlSafe(self.inner.sql.reject.clone()))
+            .persistent(self.inner.persistent())
             .bind(&self.inner.consumer)
             .bind(key)
             .bind(&reason)
@@ -888,12 +918,13 @@ fn handler_ended(e: Error) -> Error {
 /// value and whether the transaction may have been aborted behind the handler's back.
 pub(crate) async fn run_handler<V, E, F>(
     conn: &mut PgConnection,
+    pooler: Pooler,
     handler: F,
 ) -> Result<(V, bool), E>
 where
     F: AsyncFnOnce(&mut HandlerConnection<'_>) -> Result<V, E>,
 {
-    let mut watched = HandlerConnection::new(&mut *conn);
+    let mut watched = HandlerConnection::new(&mut *conn, pooler);
     let result = AssertUnwindSafe(handler(&mut watched)).catch_unwind().await;
     let needs_check = watched.needs_check();
     match result {

@@ -94,8 +94,9 @@ impl Inbox {
             }
             // The watermark UPDATE right after doubles as the liveness check, and names the
             // transaction that locked the watermark: no row means the handler ended it.
-            let (value, _) = run_handler(tx, handler).await?;
+            let (value, _) = run_handler(tx, self.inner.pooler, handler).await?;
             let advanced = sqlx::query(AssertSqlSafe(self.inner.sql.advance_watermark.clone()))
+                .persistent(self.inner.persistent())
                 .bind(&self.inner.consumer)
                 .bind(entity.as_str())
                 .bind(seq)
@@ -123,6 +124,7 @@ impl Inbox {
         let lock = async |conn: &mut PgConnection| -> Result<Option<(i64, String)>> {
             Ok(
                 sqlx::query_as(AssertSqlSafe(self.inner.sql.lock_watermark.clone()))
+                    .persistent(self.inner.persistent())
                     .bind(&self.inner.consumer)
                     .bind(entity)
                     .fetch_optional(conn)
@@ -135,6 +137,7 @@ impl Inbox {
         // First message for this entity. A concurrent first delivery makes this insert wait
         // and then do nothing; either way the row exists afterwards.
         sqlx::query(AssertSqlSafe(self.inner.sql.create_watermark.clone()))
+            .persistent(self.inner.persistent())
             .bind(&self.inner.consumer)
             .bind(entity)
             .execute(&mut *conn)

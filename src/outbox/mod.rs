@@ -8,6 +8,8 @@ use std::sync::Arc;
 
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, Postgres, Transaction};
+
+use crate::pooler::Pooler;
 use tracing::Instrument;
 use uuid::Uuid;
 
@@ -60,6 +62,7 @@ pub struct Outbox {
     insert_one: Arc<str>,
     insert_one_keyed: Arc<str>,
     max_message_bytes: usize,
+    pooler: Pooler,
 }
 
 /// Bytes one enqueue statement may carry in all: a quarter of PostgreSQL's 1 GiB protocol
@@ -81,6 +84,18 @@ impl Outbox {
     /// An outbox in `schema` (validated, then always quoted).
     pub fn with_schema(schema: &str) -> Result<Self> {
         Ok(Self::build(Identifier::pgbox_schema(schema)?))
+    }
+
+    /// What stands between this outbox and PostgreSQL (default [`Pooler::None`]). Behind a
+    /// pooler in transaction mode, set [`Pooler::Transaction`]: enqueues are then sent as
+    /// unnamed statements.
+    pub fn pooler(mut self, pooler: Pooler) -> Self {
+        self.pooler = pooler;
+        self
+    }
+
+    fn persistent(&self) -> bool {
+        self.pooler.persistent()
     }
 
     fn build(schema: Identifier) -> Self {
@@ -132,6 +147,7 @@ impl Outbox {
             insert_one: insert_one.into(),
             insert_one_keyed: insert_one_keyed.into(),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
+            pooler: Pooler::None,
         }
     }
 
@@ -171,6 +187,7 @@ impl Outbox {
             None => self.insert_one.clone(),
         };
         let mut query = sqlx::query(AssertSqlSafe(sql))
+            .persistent(self.persistent())
             .bind(m.id)
             .bind(m.topic)
             .bind(m.payload)
@@ -229,6 +246,7 @@ impl Outbox {
         }
         let span = tracing::debug_span!("pgbox.outbox.enqueue", messages = n);
         let done = sqlx::query(AssertSqlSafe(self.insert.clone()))
+            .persistent(self.persistent())
             .bind(&ids)
             .bind(&topics)
             .bind(&keys)

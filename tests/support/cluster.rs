@@ -81,6 +81,11 @@ impl Cluster {
         self.pg_ctl(&["-m", "immediate", "restart"]);
     }
 
+    /// The server's port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     /// The cluster's directory (its data, socket and server log live here).
     pub fn dir(&self) -> &std::path::Path {
         &self.dir

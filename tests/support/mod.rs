@@ -4,6 +4,7 @@
 pub mod brokers;
 pub mod cluster;
 pub mod local_pg;
+pub mod pooler;
 
 use std::str::FromStr;
 use std::time::Duration;

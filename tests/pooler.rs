@@ -1,0 +1,332 @@
+//! pgbox behind PgBouncer in transaction mode (Debian's 1.18, which does not track prepared
+//! statements): a private cluster, a private pooler, every component through it.
+
+mod support;
+
+use std::time::Duration;
+
+use sqlx::postgres::PgPoolOptions;
+use support::cluster::Cluster;
+use support::pooler::PgBouncer;
+
+async fn pooled(url: &str, max: u32) -> sqlx::PgPool {
+    PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(url)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sqlx_behind_the_pooler() {
+    let cluster = Cluster::start();
+    let bouncer = PgBouncer::start(&cluster, 2);
+    let direct = pooled(&cluster.url("postgres"), 2).await;
+    sqlx::raw_sql("CREATE TABLE t (k int primary key, v text)")
+        .execute(&direct)
+        .await
+        .unwrap();
+    let mut round = 0;
+    for (persistent, in_tx) in [(true, true), (false, true), (false, false), (true, false)] {
+        round += 1;
+        let pool = pooled(&bouncer.url("postgres"), 16).await;
+        let mut tasks = Vec::new();
+        for t in 0..16 {
+            let pool = pool.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut errors = Vec::new();
+                for i in 0..100 {
+                    let k = round * 1_000_000 + t * 1000 + i;
+                    let mut tx = if in_tx {
+                        Some(pool.begin().await.unwrap())
+                    } else {
+                        None
+                    };
+                    macro_rules! run {
+                        ($q:expr, $what:literal) => {{
+                            let r = match tx.as_mut() {
+                                Some(tx) => $q.execute(&mut **tx).await,
+                                None => $q.execute(&pool).await,
+                            };
+                            if let Err(e) = r {
+                                errors.push(format!("{}: {e}", $what));
+                            }
+                        }};
+                    }
+                    run!(
+                        sqlx::query("INSERT INTO t VALUES ($1, $2)")
+                            .bind(k)
+                            .bind("a")
+                            .persistent(persistent),
+                        "insert"
+                    );
+                    run!(
+                        sqlx::query("SELECT count(*) FROM t WHERE k >= $1")
+                            .bind(k)
+                            .persistent(persistent),
+                        "select"
+                    );
+                    run!(
+                        sqlx::query("UPDATE t SET v = $2 WHERE k = $1")
+                            .bind(k)
+                            .bind("b")
+                            .persistent(persistent),
+                        "update"
+                    );
+                    if let Some(tx) = tx.take() {
+                        let _ = tx.commit().await;
+                    }
+                }
+                errors
+            }));
+        }
+        let mut all = Vec::new();
+        for t in tasks {
+            all.extend(t.await.unwrap());
+        }
+        let mut kinds = std::collections::BTreeMap::<String, usize>::new();
+        for e in &all {
+            *kinds
+                .entry(
+                    e.replace(|c: char| c.is_ascii_digit(), "")
+                        .chars()
+                        .take(70)
+                        .collect(),
+                )
+                .or_default() += 1;
+        }
+        let wrong: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM t WHERE k >= $1 AND k < $2 AND v <> 'b'")
+                .bind(round * 1_000_000)
+                .bind((round + 1) * 1_000_000)
+                .fetch_one(&direct)
+                .await
+                .unwrap();
+        eprintln!(
+            "persistent={persistent} in_tx={in_tx}: {} errors, {wrong} rows not updated: {kinds:#?}",
+            all.len()
+        );
+        if !persistent && in_tx {
+            assert!(
+                all.is_empty() && wrong == 0,
+                "unnamed statements in transactions must run cleanly: {kinds:#?}"
+            );
+        } else {
+            // The premise of pgbox's Pooler::Transaction: anything else breaks here.
+            assert!(
+                !all.is_empty(),
+                "persistent={persistent} in_tx={in_tx} ran cleanly: is the pooler in transaction mode?"
+            );
+        }
+    }
+}
+
+/// Keys, deliveries per key and concurrent tasks of the inbox workload.
+const KEYS: usize = 200;
+const DELIVERIES: usize = 3;
+const TASKS: usize = 16;
+
+/// The inbox workload through the pooler: every delivery of every key through `process`,
+/// `process_and_commit`, `claim_batch`, lease mode and `lookup`, with an outbox enqueue and a
+/// user's own statement (default: named) in the handler. Returns the errors seen.
+async fn inbox_workload(pool: &sqlx::PgPool, pooler: pgbox::Pooler, consumer: &str) -> Vec<String> {
+    let inbox = pgbox::Inbox::builder(consumer)
+        .pooler(pooler)
+        .build()
+        .unwrap();
+    let outbox = pgbox::Outbox::new().pooler(pooler);
+    let mut tasks = Vec::new();
+    for t in 0..TASKS {
+        let (pool, inbox, outbox, consumer) = (
+            pool.clone(),
+            inbox.clone(),
+            outbox.clone(),
+            consumer.to_owned(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut errors = Vec::new();
+            for d in 0..(KEYS * DELIVERIES / TASKS) {
+                let key = format!("k{}", (t * 7 + d * 13) % KEYS);
+                let effect =
+                    async |conn: &mut pgbox::HandlerConnection<'_>| -> Result<(), pgbox::Error> {
+                        sqlx::query("INSERT INTO effects (consumer, key) VALUES ($1, $2)")
+                            .bind(&consumer)
+                            .bind(&key)
+                            .execute(&mut *conn)
+                            .await?;
+                        Ok(())
+                    };
+                let result: Result<(), pgbox::Error> = async {
+                    match d % 4 {
+                        0 => {
+                            let mut tx = pool.begin().await?;
+                            inbox.process(&mut tx, key.as_str(), effect).await?;
+                            outbox
+                                .enqueue(
+                                    &mut tx,
+                                    pgbox::Message::json("pooled", &serde_json::json!({"k": key}))?
+                                        .ordering_key(key.clone()),
+                                )
+                                .await?;
+                            tx.commit().await?;
+                        }
+                        1 => {
+                            inbox
+                                .process_and_commit(&pool, key.as_str(), effect)
+                                .await?;
+                        }
+                        2 => {
+                            let mut tx = pool.begin().await?;
+                            let duplicate = inbox.lookup(&mut *tx, key.as_str()).await?;
+                            let claimed = inbox.claim_batch(&mut tx, [key.as_str()]).await?;
+                            assert_eq!(claimed.len(), 1);
+                            if claimed[0] {
+                                assert!(duplicate.is_none());
+                                sqlx::query("INSERT INTO effects (consumer, key) VALUES ($1, $2)")
+                                    .bind(&consumer)
+                                    .bind(&key)
+                                    .persistent(pooler == pgbox::Pooler::None)
+                                    .execute(&mut *tx)
+                                    .await?;
+                            }
+                            tx.commit().await?;
+                        }
+                        _ => match inbox
+                            .lease(&pool, key.as_str(), Duration::from_secs(30))
+                            .await?
+                        {
+                            pgbox::LeaseAttempt::Leased(lease) => {
+                                let mut tx = pool.begin().await?;
+                                sqlx::query("INSERT INTO effects (consumer, key) VALUES ($1, $2)")
+                                    .bind(&consumer)
+                                    .bind(&key)
+                                    .persistent(pooler == pgbox::Pooler::None)
+                                    .execute(&mut *tx)
+                                    .await?;
+                                tx.commit().await?;
+                                lease.complete(&pool, &()).await?;
+                            }
+                            _ => {}
+                        },
+                    }
+                    Ok(())
+                }
+                .await;
+                if let Err(e) = result {
+                    errors.push(e.to_string());
+                }
+            }
+            errors
+        }));
+    }
+    let mut errors = Vec::new();
+    for t in tasks {
+        errors.extend(t.await.unwrap());
+    }
+    errors
+}
+
+/// Every key's effect once, every key recorded once, for `consumer`.
+async fn assert_exactly_once(direct: &sqlx::PgPool, consumer: &str) {
+    let (effects, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT key) FROM effects WHERE consumer = $1")
+            .bind(consumer)
+            .fetch_one(direct)
+            .await
+            .unwrap();
+    let recorded: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.inbox WHERE consumer = $1")
+        .bind(consumer)
+        .fetch_one(direct)
+        .await
+        .unwrap();
+    assert_eq!(effects, distinct, "{consumer}: a key's effect ran twice");
+    let delivered: std::collections::BTreeSet<usize> = (0..TASKS)
+        .flat_map(|t| (0..(KEYS * DELIVERIES / TASKS)).map(move |d| (t * 7 + d * 13) % KEYS))
+        .collect();
+    assert_eq!(
+        recorded,
+        delivered.len() as i64,
+        "{consumer}: every key recorded once"
+    );
+    assert_eq!(
+        distinct,
+        delivered.len() as i64,
+        "{consumer}: every key's effect ran"
+    );
+}
+
+/// The server log's ERROR lines, except the one pgbox causes on purpose: `claim_batch` tries
+/// a plain INSERT first (a third cheaper than `ON CONFLICT`) in a savepoint, and a batch with
+/// a duplicate logs its unique violation before the conflict-tolerant statement decides.
+fn error_lines(log: &str) -> Vec<&str> {
+    let lines: Vec<&str> = log.lines().collect();
+    let mut errors = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if !line.contains("ERROR:") {
+            continue;
+        }
+        let statement = lines[i + 1..]
+            .iter()
+            .take(3)
+            .find(|l| l.contains("STATEMENT:"));
+        let batch_duplicate = line.contains("inbox_pkey")
+            && statement.is_some_and(|s| s.contains("FROM unnest($2::text[], $3::text[])"));
+        if !batch_duplicate {
+            errors.push(*line);
+        }
+    }
+    errors
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn inbox_and_outbox_through_the_pooler() {
+    let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
+    let bouncer = PgBouncer::start(&cluster, 4);
+    let direct = pooled(&cluster.url("postgres"), 2).await;
+    pgbox::migrate(&direct).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE effects (consumer text, key text)")
+        .execute(&direct)
+        .await
+        .unwrap();
+    let pool = pooled(&bouncer.url("postgres"), TASKS as u32).await;
+
+    // The control: pgbox as configured for a direct connection goes wrong through it.
+    let errors = inbox_workload(&pool, pgbox::Pooler::None, "control").await;
+    eprintln!(
+        "Pooler::None: {} errors, e.g. {:?}",
+        errors.len(),
+        errors.first()
+    );
+    assert!(
+        !errors.is_empty(),
+        "named statements ran cleanly through the pooler"
+    );
+
+    // With Pooler::Transaction: no error at all, exactly once, and a clean server log. (A
+    // new client pool: sqlx reuses a named statement its connection cached, persistent or
+    // not, so a pool that ever ran named statements behind the pooler stays unsafe.)
+    pool.close().await;
+    let pool = pooled(&bouncer.url("postgres"), TASKS as u32).await;
+    let log_before = cluster.log().len();
+    let errors = inbox_workload(&pool, pgbox::Pooler::Transaction, "pooled").await;
+    assert!(
+        errors.is_empty(),
+        "{} errors through the pooler: {:?}",
+        errors.len(),
+        &errors[..errors.len().min(5)]
+    );
+    assert_exactly_once(&direct, "pooled").await;
+    let log = cluster.log();
+    let new_errors = error_lines(&log[log_before..]);
+    assert!(
+        new_errors.is_empty(),
+        "ERROR lines in the server log: {new_errors:?}"
+    );
+    let enqueued: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox WHERE topic = 'pooled'")
+            .fetch_one(&direct)
+            .await
+            .unwrap();
+    assert!(enqueued > 0);
+}
