@@ -441,7 +441,10 @@ impl<S: Subscriber> Consumer<S> {
             // timeout expired just after the commit): one autocommit read settles it, without
             // a transaction. `None` or an error: take the normal path, which decides.
             if attempt > 1
-                && let Ok(Some(_)) = self.inbox.lookup(&self.pool, Key::new(key.as_str())).await
+                && let Ok(Some(_)) = self
+                    .inbox
+                    .lookup_on_pool(&self.pool, Key::new(key.as_str()))
+                    .await
             {
                 if let Err(e) = self.source.ack(&delivery).await {
                     tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");

@@ -271,6 +271,18 @@ pub enum Error {
         reason: String,
     },
 
+    /// A component that needs a session of its own (a session advisory lock, `LISTEN`) was
+    /// configured to reach PostgreSQL only through a pooler in transaction mode
+    /// ([`Pooler::Transaction`](crate::Pooler::Transaction)), which would hand that session's
+    /// state to other clients' transactions. Give it a direct connection.
+    #[error("{component} needs a direct (session) connection to PostgreSQL: {reason}")]
+    SessionRequired {
+        /// The component ("janitor", ...).
+        component: &'static str,
+        /// What it holds across transactions, and how to give it a session.
+        reason: String,
+    },
+
     /// Applying migrations failed.
     #[error("migration failed: {0}")]
     Migration(#[source] Box<refinery_core::Error>),

@@ -53,6 +53,7 @@ use crate::error::{DbErrorKind, Error, Result};
 use crate::ident::DEFAULT_SCHEMA;
 use crate::ident::Identifier;
 use crate::inbox::Inbox;
+use crate::pooler::Pooler;
 
 /// Advisory-lock class of the janitor lock (two-key form: `pg_advisory_lock(LOCK_CLASS,
 /// key)`, with a key derived from the schema name). The two-key form never collides with the
@@ -119,9 +120,20 @@ pub struct JanitorBuilder {
     outbox_dead_letter_retention: Retention,
     queue_dead_letter_retention: Retention,
     refresh_gauges: bool,
+    pooler: Pooler,
 }
 
 impl JanitorBuilder {
+    /// What stands between the janitor's pool and PostgreSQL (default [`Pooler::None`]). The
+    /// janitor elects one instance per schema with a session advisory lock, which a pooler in
+    /// transaction mode would hand to other clients: with [`Pooler::Transaction`],
+    /// [`build`](Self::build) refuses with [`Error::SessionRequired`]. Give the janitor a pool
+    /// of direct connections (it needs one connection, and a second while it works).
+    pub fn pooler(mut self, pooler: Pooler) -> Self {
+        self.pooler = pooler;
+        self
+    }
+
     /// The pgbox schema (default `pgbox`). Janitors of different schemas never wait for each
     /// other.
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
@@ -239,6 +251,15 @@ impl JanitorBuilder {
     /// Validates the settings: the schema name, consumer names, sizes, and every inbox
     /// retention against [`min_retention`](Self::min_retention).
     pub fn build(self) -> Result<Janitor> {
+        if !self.pooler.keeps_sessions() {
+            return Err(Error::SessionRequired {
+                component: "janitor",
+                reason: "it elects one instance per schema with a session advisory lock, which a \
+                         pooler in transaction mode would hand to another client's transaction; \
+                         build the janitor on a pool of direct connections"
+                    .to_owned(),
+            });
+        }
         let schema = Identifier::pgbox_schema(&self.schema)?;
         let invalid = |msg: String| Err(Error::InvalidConfig(msg));
         if self.batch_size == 0 || self.batch_size > MAX_BATCH_SIZE {
@@ -544,6 +565,7 @@ impl Janitor {
             outbox_dead_letter_retention: Retention::Forever,
             queue_dead_letter_retention: Retention::Forever,
             refresh_gauges: true,
+            pooler: Pooler::None,
         }
     }
 

@@ -198,13 +198,17 @@ impl Migrator {
     }
 
     /// The migrations already applied to this schema, oldest first (empty if none).
+    ///
+    /// Safe through a pooler in transaction mode: one transaction, unnamed statements.
     pub async fn applied(&self, pool: &PgPool) -> Result<Vec<AppliedMigration>> {
+        let mut tx = pool.begin().await?;
         let exists: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = $1 AND tablename = $2)",
         )
+        .persistent(false)
         .bind(self.schema.as_str())
         .bind(HISTORY_TABLE)
-        .fetch_one(pool)
+        .fetch_one(&mut *tx)
         .await?;
         if !exists {
             return Ok(Vec::new());
@@ -213,7 +217,11 @@ impl Migrator {
             "SELECT version, name FROM {} ORDER BY version",
             self.history_table()
         );
-        let rows = sqlx::query(AssertSqlSafe(sql)).fetch_all(pool).await?;
+        let rows = sqlx::query(AssertSqlSafe(sql))
+            .persistent(false)
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
         rows.iter()
             .map(|r| {
                 Ok(AppliedMigration {

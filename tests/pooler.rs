@@ -330,3 +330,166 @@ async fn inbox_and_outbox_through_the_pooler() {
             .unwrap();
     assert!(enqueued > 0);
 }
+
+/// Producers, the relay, the built-in queue and the consumer runner, all through the pooler
+/// (the relay's wake-up on a direct session pool, the consumers polling), with the pooler
+/// killed and restarted once mid-run: every message takes effect exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn pipeline_through_the_pooler() {
+    use pgbox::transport::PgQueue;
+    use pgbox::{Consumer, Envelope, HandlerConnection, Inbox, Message, Outbox, Pooler, Relay};
+    use tokio_util::sync::CancellationToken;
+
+    const PRODUCERS: usize = 4;
+    const PER_PRODUCER: usize = 100;
+    let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
+    let mut bouncer = PgBouncer::start(&cluster, 4);
+    let direct = pooled(&cluster.url("postgres"), 3).await;
+    pgbox::migrate(&direct).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE effects (id text)")
+        .execute(&direct)
+        .await
+        .unwrap();
+    let pool = pooled(&bouncer.url("postgres"), 12).await;
+    let log_before = cluster.log().len();
+
+    let shutdown = CancellationToken::new();
+    let queue = PgQueue::new(pool.clone()).pooler(Pooler::Transaction);
+    let relay = Relay::builder(pool.clone(), queue.clone())
+        .pooler(Pooler::Transaction)
+        .session_pool(direct.clone())
+        .poll_interval(Duration::from_millis(100))
+        .build()
+        .unwrap();
+    let relay_task = tokio::spawn({
+        let s = shutdown.clone();
+        async move { relay.run(s).await }
+    });
+    let consumer = Consumer::builder(
+        pool.clone(),
+        queue,
+        "pooled",
+        Inbox::builder("runner")
+            .pooler(Pooler::Transaction)
+            .build()
+            .unwrap(),
+    )
+    .backoff(pgbox::RetryPolicy::new().base_delay(Duration::from_millis(20)))
+    .poll_interval(Duration::from_millis(50))
+    // The business key (the payload), not the message id: a producer's retry after a commit
+    // whose answer was lost enqueues the same order under a new id.
+    .key(|e: &Envelope| String::from_utf8_lossy(&e.payload).into_owned())
+    .build()
+    .unwrap();
+    let consumer_task = tokio::spawn({
+        let s = shutdown.clone();
+        async move {
+            consumer
+                .run(
+                    async |e: &Envelope, conn: &mut HandlerConnection<'_>| {
+                        sqlx::query("INSERT INTO effects VALUES ($1)")
+                            .bind(String::from_utf8_lossy(&e.payload).into_owned())
+                            .execute(&mut *conn)
+                            .await?;
+                        Ok::<_, pgbox::Error>(())
+                    },
+                    s,
+                )
+                .await
+        }
+    });
+
+    let outbox = Outbox::new().pooler(Pooler::Transaction);
+    let mut producers = Vec::new();
+    for p in 0..PRODUCERS {
+        let (pool, outbox) = (pool.clone(), outbox.clone());
+        producers.push(tokio::spawn(async move {
+            for i in 0..PER_PRODUCER {
+                let id = format!("p{p}-m{i}");
+                // A producer retries its transaction until it commits (the pooler restarts
+                // under it once); a commit whose answer was lost may enqueue twice, which the
+                // consumer's inbox absorbs (the key is the payload, not the message id).
+                for attempt in 0.. {
+                    assert!(attempt < 100, "producer {p} cannot commit");
+                    let result: Result<(), pgbox::Error> = async {
+                        let mut tx = pool.begin().await?;
+                        outbox
+                            .enqueue(
+                                &mut tx,
+                                Message::bytes("pooled", id.clone().into_bytes())
+                                    .ordering_key(format!("key-{}", i % 20)),
+                            )
+                            .await?;
+                        tx.commit().await?;
+                        Ok(())
+                    }
+                    .await;
+                    match result {
+                        Ok(()) => break,
+                        Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                    }
+                }
+            }
+        }));
+        if p == PRODUCERS / 2 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            tokio::task::block_in_place(|| bouncer.kill_and_restart());
+        }
+    }
+    for p in producers {
+        p.await.unwrap();
+    }
+    let expected = (PRODUCERS * PER_PRODUCER) as i64;
+    let started = std::time::Instant::now();
+    let distinct = loop {
+        let distinct: i64 = sqlx::query_scalar("SELECT count(DISTINCT id) FROM effects")
+            .fetch_one(&direct)
+            .await
+            .unwrap();
+        if distinct == expected || started.elapsed() > Duration::from_secs(60) {
+            break distinct;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    shutdown.cancel();
+    relay_task.await.unwrap().unwrap();
+    let stats = consumer_task.await.unwrap().unwrap();
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(&direct)
+        .await
+        .unwrap();
+    eprintln!("through the pooler: {stats:?}");
+    assert_eq!(distinct, expected, "every message took effect ({stats:?})");
+    assert_eq!(
+        effects, expected,
+        "no message took effect twice ({stats:?})"
+    );
+    let log = cluster.log();
+    let prepared_errors: Vec<&str> = error_lines(&log[log_before..])
+        .into_iter()
+        .filter(|l| l.contains("prepared statement") || l.contains("bind message"))
+        .collect();
+    assert!(prepared_errors.is_empty(), "{prepared_errors:?}");
+
+    // The doctor through the pooler, twice (a second run meets server connections the first
+    // one used).
+    for _ in 0..2 {
+        let report = pgbox::doctor::check(&pool, "pgbox").await.unwrap();
+        assert!(!report.not_migrated());
+    }
+    // The janitor refuses a transaction pooler at build time.
+    let refused = pgbox::janitor::Janitor::builder(pool.clone())
+        .pooler(Pooler::Transaction)
+        .build()
+        .unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            pgbox::Error::SessionRequired {
+                component: "janitor",
+                ..
+            }
+        ),
+        "{refused}"
+    );
+}

@@ -10,6 +10,7 @@ impl Doctor {
         conn: &mut PgConnection,
     ) -> Result<Finding> {
         let usage: f64 = sqlx::query_scalar("SELECT pg_notification_queue_usage()")
+            .persistent(false)
             .fetch_one(&mut *conn)
             .await?;
         let severity = if usage >= self.notification_queue_critical {
@@ -60,6 +61,7 @@ impl Doctor {
                     max(r_to) \
              FROM {s}.inbox_partitions()"
         )))
+        .persistent(false)
         .fetch_one(&mut *conn)
         .await?;
         let Some(wanted): Option<i32> = row.try_get(0)? else {
@@ -113,6 +115,7 @@ impl Doctor {
              WHERE lease_expires_at IS NOT NULL \
                AND (lease_token IS NULL OR outcome IS NOT NULL OR rejection IS NOT NULL)"
         )))
+        .persistent(false)
         .fetch_one(&mut *conn)
         .await?;
         let broken: i64 = row.try_get(0)?;
@@ -176,6 +179,7 @@ impl Doctor {
                            FROM {s}.{table} ORDER BY seq LIMIT 1), \
                         (SELECT topic FROM {s}.{table} ORDER BY seq LIMIT 1)"
             )))
+            .persistent(false)
             .bind(DEAD_LETTER_COUNT_CAP)
             .fetch_one(&mut *conn)
             .await?;

@@ -29,6 +29,7 @@ impl Doctor {
              WHERE n.nspname = $1 AND c.relname = ANY($2) AND c.relkind IN ('r', 'p') \
              ORDER BY 1",
         )
+        .persistent(false)
         .bind(s.as_str())
         .bind(&names)
         .fetch_all(&mut *conn)
@@ -53,6 +54,7 @@ impl Doctor {
                AND i.indisvalid \
              ORDER BY 2, 1",
         )
+        .persistent(false)
         .bind(s.as_str())
         .bind(&names)
         .fetch_all(&mut *conn)

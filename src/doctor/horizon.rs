@@ -46,12 +46,14 @@ impl Doctor {
                AND backend_type NOT IN ('autovacuum worker', 'walsender') \
              ORDER BY xact_start NULLS LAST LIMIT 20",
         )
+        .persistent(false)
         .fetch_all(&mut *conn)
         .await?;
         let hidden: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity \
              WHERE datname = current_database() AND query = '<insufficient privilege>'",
         )
+        .persistent(false)
         .fetch_one(&mut *conn)
         .await?;
         let mut oldest = Value::Null;
@@ -149,6 +151,7 @@ impl Doctor {
              FROM pg_prepared_xacts WHERE database = current_database() \
              ORDER BY prepared LIMIT 5",
         )
+        .persistent(false)
         .fetch_all(&mut *conn)
         .await?;
         let mut prepared_count = 0;
@@ -198,6 +201,7 @@ impl Doctor {
                 OR (catalog_xmin IS NOT NULL AND NOT active AND database = current_database()) \
              ORDER BY greatest(age(xmin), age(catalog_xmin)) DESC LIMIT 5",
         )
+        .persistent(false)
         .fetch_all(&mut *conn)
         .await?;
         for row in &slots {
@@ -265,6 +269,7 @@ impl Doctor {
              WHERE backend_type = 'walsender' AND backend_xmin IS NOT NULL \
              ORDER BY age(backend_xmin) DESC LIMIT 5",
         )
+        .persistent(false)
         .fetch_all(&mut *conn)
         .await?;
         for row in &walsenders {

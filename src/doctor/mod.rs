@@ -589,7 +589,12 @@ impl Doctor {
         // The same test the CLI's other commands make: a history table with rows.
         let applied = Migrator::new().schema(&schema)?.applied(pool).await?;
         if applied.is_empty() {
-            let taken_at = sqlx::query_scalar("SELECT now()").fetch_one(pool).await?;
+            let mut tx = pool.begin().await?;
+            let taken_at = sqlx::query_scalar("SELECT now()")
+                .persistent(false)
+                .fetch_one(&mut *tx)
+                .await?;
+            tx.commit().await?;
             let finding = Finding::new(
                 Severity::Critical,
                 Code::NotMigrated,
@@ -620,6 +625,7 @@ impl Doctor {
         .execute(&mut *tx)
         .await?;
         let taken_at: OffsetDateTime = sqlx::query_scalar("SELECT now()")
+            .persistent(false)
             .fetch_one(&mut *tx)
             .await?;
 

@@ -12,6 +12,7 @@ impl Doctor {
         let rows = sqlx::query(AssertSqlSafe(format!(
             "SELECT version, name, checksum FROM {s}.\"{HISTORY_TABLE}\" ORDER BY version"
         )))
+        .persistent(false)
         .fetch_all(&mut *conn)
         .await?;
         let mut applied = BTreeMap::new();
@@ -170,6 +171,7 @@ impl Doctor {
              JOIN pg_namespace n ON n.oid = c.relnamespace \
              WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')",
         )
+        .persistent(false)
         .bind(s.as_str())
         .fetch_all(&mut *conn)
         .await?
@@ -183,6 +185,7 @@ impl Doctor {
              JOIN pg_namespace n ON n.oid = t.relnamespace \
              WHERE n.nspname = $1",
         )
+        .persistent(false)
         .bind(s.as_str())
         .fetch_all(&mut *conn)
         .await?;

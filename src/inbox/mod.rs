@@ -572,6 +572,10 @@ impl Inbox {
     /// without opening a transaction. `None` proves nothing (the key may be claimed an instant
     /// later): process the message through [`process`](Self::process), which decides.
     /// The [`Consumer`](crate::Consumer) runner does this for every redelivery.
+    ///
+    /// Behind a pooler in transaction mode ([`Pooler::Transaction`]), pass a transaction,
+    /// never the pool: an autocommit statement with parameters can be split across two
+    /// server connections there.
     pub async fn lookup<'e, X>(
         &self,
         executor: X,
@@ -602,6 +606,19 @@ impl Inbox {
             "pgbox duplicate found by lookup"
         );
         Ok(Some(duplicate))
+    }
+
+    /// [`lookup`](Self::lookup) on a pool, in a transaction of its own behind a transaction
+    /// pooler (the consumer runner's redelivery check).
+    pub(crate) async fn lookup_on_pool(
+        &self,
+        pool: &sqlx::PgPool,
+        key: Key<'_>,
+    ) -> Result<Option<Duplicate>> {
+        let mut unit = self.inner.pooler.unit(pool).await?;
+        let found = self.lookup(&mut *unit, key).await?;
+        unit.finish().await?;
+        Ok(found)
     }
 
     async fn claim_validated(&self, conn: &mut PgConnection, key: &Key<'_>) -> Result<Claim> {

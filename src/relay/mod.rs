@@ -31,6 +31,7 @@ use crate::error::{Error, Result};
 use crate::ident::DEFAULT_SCHEMA;
 use crate::ident::Identifier;
 use crate::outbox::{ASLEEP_LOCK_CLASS, Envelope};
+use crate::pooler::Pooler;
 use crate::retry::RetryPolicy;
 use crate::telemetry;
 use crate::transport::{PublishError, Publisher};
@@ -60,9 +61,30 @@ pub struct RelayBuilder<P> {
     poll_interval: Duration,
     wake_up: WakeUp,
     keep_published: bool,
+    pooler: Pooler,
+    session_pool: Option<PgPool>,
 }
 
 impl<P: Publisher> RelayBuilder<P> {
+    /// What stands between the relay's pool and PostgreSQL (default [`Pooler::None`]).
+    ///
+    /// With [`Pooler::Transaction`] the relay's statements go unnamed, and its wake-up (a
+    /// `LISTEN` and a session advisory lock it sleeps under) needs a direct connection: give
+    /// one with [`session_pool`](Self::session_pool), or the relay polls (as
+    /// [`WakeUp::Poll`]), logging so once at start. It never takes the session lock through
+    /// the pooler, which would hand it to another client's transaction.
+    pub fn pooler(mut self, pooler: Pooler) -> Self {
+        self.pooler = pooler;
+        self
+    }
+
+    /// A pool of direct (session) connections for the wake-up's `LISTEN` connection, when the
+    /// relay's own pool goes through a pooler in transaction mode. One connection is used.
+    pub fn session_pool(mut self, pool: PgPool) -> Self {
+        self.session_pool = Some(pool);
+        self
+    }
+
     /// The pgbox schema (default `pgbox`).
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
         self.schema = schema.into();
@@ -127,7 +149,27 @@ impl<P: Publisher> RelayBuilder<P> {
             ));
         }
         let sql = Statements::new(&schema, self.keep_published, self.batch_size);
+        let mut wake_up = self.wake_up;
+        let listen_pool = match (self.pooler.keeps_sessions(), self.session_pool) {
+            (_, Some(session)) => session,
+            (true, None) => self.pool.clone(),
+            (false, None) => {
+                if wake_up == WakeUp::Notify {
+                    tracing::info!(
+                        "pgbox relay behind a transaction pooler without a session pool: \
+                         polling every {:?} (LISTEN and the relay's session lock need a direct \
+                         connection: RelayBuilder::session_pool)",
+                        self.poll_interval
+                    );
+                }
+                wake_up = WakeUp::Poll;
+                self.pool.clone()
+            }
+        };
         Ok(Relay {
+            listen_pool,
+            persistent: self.pooler.persistent(),
+            pooler: self.pooler,
             pool: self.pool,
             publisher: Arc::new(self.publisher),
             schema,
@@ -135,7 +177,7 @@ impl<P: Publisher> RelayBuilder<P> {
             max_attempts: self.max_attempts,
             backoff: self.backoff,
             poll_interval: self.poll_interval,
-            wake_up: self.wake_up,
+            wake_up,
             sql: Arc::new(sql),
         })
     }
@@ -283,6 +325,13 @@ pub struct RoundReport {
 #[derive(Debug)]
 pub struct Relay<P> {
     pool: PgPool,
+    /// Where the wake-up's LISTEN connection comes from (the relay's pool unless a session
+    /// pool was given).
+    listen_pool: PgPool,
+    /// What stands between its pool and PostgreSQL.
+    pooler: Pooler,
+    /// Whether its statements may be named (not behind a transaction pooler).
+    persistent: bool,
     publisher: Arc<P>,
     schema: Identifier,
     batch_size: usize,
@@ -308,6 +357,8 @@ impl<P: Publisher> Relay<P> {
             poll_interval: Duration::from_secs(1),
             wake_up: WakeUp::Notify,
             keep_published: false,
+            pooler: Pooler::None,
+            session_pool: None,
         }
     }
 
@@ -326,7 +377,7 @@ impl<P: Publisher> Relay<P> {
                 return Ok(());
             }
             if self.wake_up == WakeUp::Notify && listener.is_none() {
-                match crate::listen::listen(&self.pool, &self.channel()).await {
+                match crate::listen::listen(&self.listen_pool, &self.channel()).await {
                     Ok(l) => listener = Some(l),
                     Err(e) => tracing::warn!(error = %e, "pgbox relay cannot LISTEN; polling"),
                 }
@@ -467,14 +518,18 @@ impl<P: Publisher> Relay<P> {
                 if round.claimed > 0 {
                     continue;
                 }
+                let mut unit = self.pooler.unit(&self.pool).await?;
                 let next_due: Option<f64> =
                     sqlx::query_scalar(AssertSqlSafe(self.sql.next_due.clone()))
-                        .fetch_one(&self.pool)
+                        .persistent(self.persistent)
+                        .fetch_one(&mut *unit)
                         .await?;
                 let Some(seconds) = next_due else {
                     let held: i64 = sqlx::query_scalar(AssertSqlSafe(self.sql.held.clone()))
-                        .fetch_one(&self.pool)
+                        .persistent(self.persistent)
+                        .fetch_one(&mut *unit)
                         .await?;
+                    unit.finish().await?;
                     total.held = usize::try_from(held).unwrap_or(usize::MAX);
                     tracing::info!(
                         held = total.held,
@@ -485,6 +540,7 @@ impl<P: Publisher> Relay<P> {
                     );
                     return Ok(total);
                 };
+                unit.finish().await?;
                 // Due now but not claimable: another relay has it; look again shortly.
                 let wait = Duration::from_secs_f64(seconds.max(0.0))
                     .clamp(Duration::from_millis(5), self.poll_interval);
@@ -517,6 +573,7 @@ impl<P: Publisher> Relay<P> {
         async {
             let mut tx = self.pool.begin_with(PINNED_BEGIN).await?;
             let keyed: bool = sqlx::query_scalar(AssertSqlSafe(self.sql.keyed_lock.clone()))
+                .persistent(self.persistent)
                 .fetch_one(&mut *tx)
                 .await?;
             let claim = if keyed {
@@ -525,6 +582,7 @@ impl<P: Publisher> Relay<P> {
                 &self.sql.claim_unkeyed
             };
             let rows = sqlx::query(AssertSqlSafe(claim.clone()))
+                .persistent(self.persistent)
                 .fetch_all(&mut *tx)
                 .await?;
             let mut report = RoundReport {
@@ -575,6 +633,7 @@ impl<P: Publisher> Relay<P> {
             }
             if !done.is_empty() {
                 sqlx::query(AssertSqlSafe(self.sql.done.clone()))
+                    .persistent(self.persistent)
                     .bind(&done)
                     .execute(&mut *tx)
                     .await?;
@@ -585,6 +644,7 @@ impl<P: Publisher> Relay<P> {
                 let (errors, delays): (Vec<String>, Vec<f64>) = rest.into_iter().unzip();
                 report.retried = seqs.len();
                 sqlx::query(AssertSqlSafe(self.sql.retry.clone()))
+                    .persistent(self.persistent)
                     .bind(&seqs)
                     .bind(&errors)
                     .bind(&delays)
@@ -595,6 +655,7 @@ impl<P: Publisher> Relay<P> {
                 let (seqs, errors): (Vec<i64>, Vec<String>) = dead.into_iter().unzip();
                 report.dead_lettered = seqs.len();
                 sqlx::query(AssertSqlSafe(self.sql.dead.clone()))
+                    .persistent(self.persistent)
                     .bind(&seqs)
                     .bind(&errors)
                     .execute(&mut *tx)

@@ -15,6 +15,7 @@ use crate::error::{Error, Result};
 use crate::ident::Identifier;
 use crate::migrate::DEFAULT_SCHEMA;
 use crate::outbox::Envelope;
+use crate::pooler::Pooler;
 
 /// A message received from a [`PgQueue`]. Ack it, nack it, or dead-letter it; if the
 /// consumer dies instead, it becomes visible again after the visibility timeout.
@@ -38,6 +39,8 @@ pub struct Delivery {
 pub struct PgQueue {
     pool: PgPool,
     inner: Arc<Statements>,
+    pooler: Pooler,
+    session_pool: Option<PgPool>,
 }
 
 #[derive(Debug)]
@@ -96,7 +99,25 @@ impl PgQueue {
         PgQueue {
             pool,
             inner: Arc::new(inner),
+            pooler: Pooler::None,
+            session_pool: None,
         }
+    }
+
+    /// What stands between the queue's pool and PostgreSQL (default [`Pooler::None`]). With
+    /// [`Pooler::Transaction`], every statement goes unnamed and in a transaction of its own,
+    /// and a consumer's wake-up (`LISTEN`) needs a direct connection: give one with
+    /// [`session_pool`](Self::session_pool), or consumers poll.
+    pub fn pooler(mut self, pooler: Pooler) -> Self {
+        self.pooler = pooler;
+        self
+    }
+
+    /// A pool of direct (session) connections for consumers' `LISTEN`, when the queue's own
+    /// pool goes through a pooler in transaction mode.
+    pub fn session_pool(mut self, pool: PgPool) -> Self {
+        self.session_pool = Some(pool);
+        self
     }
 
     /// The pool the queue lives in.
@@ -116,12 +137,15 @@ impl PgQueue {
         max: usize,
         visibility: Duration,
     ) -> Result<Vec<Delivery>> {
+        let mut unit = self.pooler.unit(&self.pool).await?;
         let rows = sqlx::query(AssertSqlSafe(self.inner.receive.clone()))
+            .persistent(self.pooler.persistent())
             .bind(topic)
             .bind(i64::try_from(max).unwrap_or(i64::MAX))
             .bind(visibility.as_secs_f64())
-            .fetch_all(&self.pool)
+            .fetch_all(&mut *unit)
             .await?;
+        unit.finish().await?;
         let mut deliveries = rows
             .iter()
             .map(decode_delivery)
@@ -133,24 +157,30 @@ impl PgQueue {
     /// Deletes a delivered message. `false` if this delivery is stale (the message was
     /// redelivered since, or already acked).
     pub async fn ack(&self, delivery: &Delivery) -> Result<bool> {
+        let mut unit = self.pooler.unit(&self.pool).await?;
         let done = sqlx::query(AssertSqlSafe(self.inner.ack.clone()))
+            .persistent(self.pooler.persistent())
             .bind(delivery.queue_seq)
             .bind(delivery.delivery)
-            .execute(&self.pool)
+            .execute(&mut *unit)
             .await?;
+        unit.finish().await?;
         tracing::debug!(message_id = %delivery.envelope.id, "pgbox queue ack");
         Ok(done.rows_affected() == 1)
     }
 
     /// Makes the message visible again after `delay`, recording `error`.
     pub async fn nack(&self, delivery: &Delivery, delay: Duration, error: &str) -> Result<bool> {
+        let mut unit = self.pooler.unit(&self.pool).await?;
         let done = sqlx::query(AssertSqlSafe(self.inner.nack.clone()))
+            .persistent(self.pooler.persistent())
             .bind(delivery.queue_seq)
             .bind(delivery.delivery)
             .bind(delay.as_secs_f64())
             .bind(error.replace('\0', "\\0"))
-            .execute(&self.pool)
+            .execute(&mut *unit)
             .await?;
+        unit.finish().await?;
         tracing::info!(message_id = %delivery.envelope.id, ?delay, error, "pgbox queue nack; will redeliver");
         Ok(done.rows_affected() == 1)
     }
@@ -166,12 +196,15 @@ impl PgQueue {
     /// Moves the message to `queue_dead_letters`. Until it is replayed or discarded (see
     /// [`QueueDeadLetters`]), later messages of its ordering key are not delivered.
     pub async fn dead_letter(&self, delivery: &Delivery, error: &str) -> Result<bool> {
+        let mut unit = self.pooler.unit(&self.pool).await?;
         let done = sqlx::query(AssertSqlSafe(self.inner.dead_letter.clone()))
+            .persistent(self.pooler.persistent())
             .bind(delivery.queue_seq)
             .bind(delivery.delivery)
             .bind(error.replace('\0', "\\0"))
-            .execute(&self.pool)
+            .execute(&mut *unit)
             .await?;
+        unit.finish().await?;
         tracing::warn!(message_id = %delivery.envelope.id, deliveries = delivery.delivery, error, "pgbox queue message dead-lettered");
         Ok(done.rows_affected() == 1)
     }
@@ -192,7 +225,9 @@ impl Publisher for PgQueue {
         let result: Result<()> = async {
             let chunks = chunk_by_bytes(batch, MAX_STATEMENT_BYTES);
             if let [only] = chunks.as_slice() {
-                return self.insert(&mut *self.pool.acquire().await?, only).await;
+                let mut unit = self.pooler.unit(&self.pool).await?;
+                self.insert(&mut unit, only).await?;
+                return unit.finish().await;
             }
             // Too big for one statement: several, in one transaction, so the batch stays
             // all or nothing.
@@ -235,6 +270,7 @@ fn chunk_by_bytes(batch: &[Envelope], max: usize) -> Vec<&[Envelope]> {
 impl PgQueue {
     async fn insert(&self, conn: &mut sqlx::PgConnection, batch: &[Envelope]) -> Result<()> {
         sqlx::query(AssertSqlSafe(self.inner.publish.clone()))
+            .persistent(self.pooler.persistent())
             .bind(batch.iter().map(|e| e.id).collect::<Vec<_>>())
             .bind(batch.iter().map(|e| e.topic.as_str()).collect::<Vec<_>>())
             .bind(
@@ -296,7 +332,12 @@ impl Subscriber for PgQueue {
     }
 
     fn wake_channel(&self) -> Option<(PgPool, String)> {
-        Some((self.pool.clone(), self.channel()))
+        match (&self.session_pool, self.pooler.keeps_sessions()) {
+            (Some(session), _) => Some((session.clone(), self.channel())),
+            (None, true) => Some((self.pool.clone(), self.channel())),
+            // LISTEN through a transaction pooler hears nothing reliably: poll.
+            (None, false) => None,
+        }
     }
 }
 
