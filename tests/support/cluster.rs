@@ -73,6 +73,12 @@ impl Cluster {
     /// standby's own copy of the settings, taken before, has neither: once promoted, it does
     /// not wait for a standby it does not have).
     pub fn standby_of(primary: &Cluster, sync: bool) -> Cluster {
+        Self::standby_via(primary, sync, primary.port)
+    }
+
+    /// Like [`standby_of`](Self::standby_of), streaming through `upstream_port` on 127.0.0.1
+    /// (a proxy to the primary, which a test can cut to make the standby fall behind).
+    pub fn standby_via(primary: &Cluster, sync: bool, upstream_port: u16) -> Cluster {
         let root = primary.root;
         let dir = new_dir(root);
         local_pg::run(
@@ -87,8 +93,7 @@ impl Cluster {
         let name = format!("standby_{port}");
         // `-R` wrote a primary_conninfo; this later line wins, and names the standby.
         let conninfo = format!(
-            "\nprimary_conninfo = 'host=127.0.0.1 port={} user=postgres application_name={name}'\n",
-            primary.port
+            "\nprimary_conninfo = 'host=127.0.0.1 port={upstream_port} user=postgres application_name={name}'\n"
         );
         let auto_conf = dir.join("data").join("postgresql.auto.conf");
         let mut text = std::fs::read_to_string(&auto_conf).unwrap();
