@@ -622,7 +622,9 @@ async fn a_standby_refuses_writes_retryably_and_works_once_promoted() {
     assert_eq!(report.count(Severity::Critical), 1, "{report:#?}");
 
     // The runner: messages from the primary's queue, the inbox on the standby. Every claim
-    // fails; the handler never runs; the deliveries are nacked, not lost.
+    // fails; the handler never runs; the deliveries are nacked, not lost, and not
+    // dead-lettered either, however many there were: the messages are fine, the database
+    // is not there yet.
     let ran = Arc::new(AtomicU64::new(0));
     let handler = {
         let ran = ran.clone();
@@ -644,7 +646,7 @@ async fn a_standby_refuses_writes_retryably_and_works_once_promoted() {
     .poll_interval(Duration::from_millis(50))
     .backoff(backoff())
     .visibility_timeout(Duration::from_secs(2))
-    .max_deliveries(1000)
+    .max_deliveries(2)
     .build()
     .unwrap();
     let shutdown = CancellationToken::new();
@@ -665,6 +667,12 @@ async fn a_standby_refuses_writes_retryably_and_works_once_promoted() {
     assert_eq!(
         scalar(&primary_pool, "SELECT count(*) FROM pgbox.queue").await,
         20
+    );
+    let deliveries = scalar(&primary_pool, "SELECT max(deliveries)::int8 FROM pgbox.queue").await;
+    assert!(deliveries > 2, "{deliveries} deliveries: {stats:?}");
+    assert_eq!(
+        scalar(&primary_pool, "SELECT count(*) FROM pgbox.queue_dead_letters").await,
+        0
     );
 
     // Promotion. The standby pool's connections were made to a standby; they now write.
