@@ -668,10 +668,18 @@ async fn a_standby_refuses_writes_retryably_and_works_once_promoted() {
         scalar(&primary_pool, "SELECT count(*) FROM pgbox.queue").await,
         20
     );
-    let deliveries = scalar(&primary_pool, "SELECT max(deliveries)::int8 FROM pgbox.queue").await;
+    let deliveries = scalar(
+        &primary_pool,
+        "SELECT max(deliveries)::int8 FROM pgbox.queue",
+    )
+    .await;
     assert!(deliveries > 2, "{deliveries} deliveries: {stats:?}");
     assert_eq!(
-        scalar(&primary_pool, "SELECT count(*) FROM pgbox.queue_dead_letters").await,
+        scalar(
+            &primary_pool,
+            "SELECT count(*) FROM pgbox.queue_dead_letters"
+        )
+        .await,
         0
     );
 
