@@ -19,6 +19,11 @@ pub const FIRST_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 /// - A URL whose scheme is not `postgres://` or `postgresql://` is refused
 ///   ([`Error::InvalidConfig`]); sqlx would otherwise read `mysql://…` or `http://…` as
 ///   PostgreSQL connection settings.
+/// - So are libpq's failover settings, which sqlx does not implement: a list of hosts
+///   (`postgres://db1,db2/app`, which sqlx would look up as one host name) and
+///   `target_session_attrs` other than `any` (which sqlx ignores, so it would connect to a
+///   standby as readily as to the primary). After a failover, clients must reach the new
+///   primary through one address that follows it: see the README's "Failover".
 /// - Nothing listening is reported at once as [`Error::Connect`] with the address ("connection
 ///   refused"), not after the pool's acquire timeout.
 /// - A refused login, a missing database and other server errors keep the server's message
@@ -78,12 +83,43 @@ pub(crate) fn parse_url(url: &str) -> Result<PgConnectOptions> {
             ));
         }
     }
+    refuse_failover_settings(url)?;
     url.parse::<PgConnectOptions>().map_err(|e| {
         Error::InvalidConfig(format!(
             "the database URL cannot be read: {}",
             without_password(&e.to_string(), url)
         ))
     })
+}
+
+/// What sqlx would get wrong about libpq's multi-host failover: refused with what to do instead.
+fn refuse_failover_settings(url: &str) -> Result<()> {
+    const INSTEAD: &str = "Give pgbox one address that always reaches the primary: a virtual \
+                           IP, a DNS name your failover manager moves, or HAProxy or PgBouncer \
+                           routed to the primary (e.g. Patroni's /primary health check).";
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let (before_query, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let authority = before_query.split('/').next().unwrap_or("");
+    let hosts = authority
+        .rsplit_once('@')
+        .map_or(authority, |(_, hosts)| hosts);
+    if hosts.contains(',') {
+        return Err(Error::InvalidConfig(format!(
+            "the database URL lists several hosts ({hosts}): sqlx, which pgbox connects with, \
+             takes one host and has no failover between hosts. {INSTEAD}"
+        )));
+    }
+    for pair in query.split('&') {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if key == "target_session_attrs" && !value.eq_ignore_ascii_case("any") {
+            return Err(Error::InvalidConfig(format!(
+                "the database URL sets target_session_attrs={value}, which sqlx ignores: it \
+                 would connect to a standby as readily as to the primary (where pgbox's writes \
+                 fail with a retryable read-only error). {INSTEAD}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// "user@host:port/database" (or the socket path), never the password.
@@ -149,6 +185,31 @@ mod tests {
             "postgres://u@h/d",
             "postgresql://u:p@h:5433/d",
             "POSTGRES://u@h/d",
+        ] {
+            assert!(parse_url(good).is_ok(), "{good:?} refused");
+        }
+    }
+
+    #[test]
+    fn libpq_failover_settings_are_refused_with_advice() {
+        for bad in [
+            "postgres://app@db1:5432,db2:5432/orders",
+            "postgres://app:pw@db1,db2/orders",
+            "postgres://app@db/orders?target_session_attrs=read-write",
+            "postgres://app@db/orders?sslmode=disable&target_session_attrs=primary",
+        ] {
+            match parse_url(bad) {
+                Err(Error::InvalidConfig(message)) => {
+                    assert!(message.contains("virtual IP"), "{message}");
+                    assert!(!message.contains("pw"), "{message}");
+                }
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+        for good in [
+            "postgres://app@db/orders?target_session_attrs=any",
+            "postgres://a%2Cb@db/orders",
+            "postgres://app@db/orders?options=-c%20search_path%3Da,b",
         ] {
             assert!(parse_url(good).is_ok(), "{good:?} refused");
         }

@@ -11,7 +11,7 @@ use metrics::{Counter, Histogram};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::error::{Error, Result};
+use crate::error::{DbErrorKind, Error, Result};
 use crate::inbox::{HandlerConnection, Inbox, Key, Lease, LeasedRun, Outcome, Verdict};
 use crate::outbox::Envelope;
 use crate::outbox::trace::{TRACEPARENT, with_incoming};
@@ -472,6 +472,12 @@ impl<S: Subscriber> Consumer<S> {
                     metrics.in_progress.increment(1);
                     return self.retry(&delivery, "in progress elsewhere").await;
                 }
+                Err(Failure::Database(e)) if database_away(&e) => {
+                    // Not the message's fault: never dead-lettered for it (a failover would
+                    // otherwise use up its deliveries while the handler never ran).
+                    metrics.handler_errors.increment(1);
+                    return self.retry_while_away(&delivery, &e).await;
+                }
                 Err(e) => {
                     metrics.handler_errors.increment(1);
                     return self.retry(&delivery, &e.to_string()).await;
@@ -591,13 +597,15 @@ impl<S: Subscriber> Consumer<S> {
         .await
     }
 
+    /// One delivery through the inbox. pgbox's own failures (the claim, the commit) stay
+    /// apart from the handler's, so that a database that is away is told from a bad message.
     async fn process<F, E>(
         &self,
         key: &str,
         envelope: &Envelope,
         handler: F,
         metrics: &RunMetrics,
-    ) -> Result<Outcome<()>, E>
+    ) -> Result<Outcome<()>, Failure<E>>
     where
         F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<Verdict<()>, E>,
         E: From<Error>,
@@ -613,11 +621,27 @@ impl<S: Subscriber> Consumer<S> {
                 key,
                 async |conn: &mut HandlerConnection<'_>| {
                     let _timer = metrics.time_handler();
-                    handler(envelope, conn).await
+                    handler(envelope, conn).await.map_err(Failure::Handler)
                 },
             ),
         )
         .await
+    }
+
+    /// The inbox's database refused or lost the delivery's transaction (see
+    /// [`database_away`]): nacked with the backoff, never dead-lettered, however many
+    /// deliveries it has had.
+    async fn retry_while_away(&self, delivery: &S::Delivery, error: &Error) -> Settled {
+        let attempt = self.source.attempt(delivery);
+        let delay = self.backoff.delay_after(attempt.max(1) as u32);
+        tracing::debug!(error = %error, delivery = attempt, "pgbox inbox database unavailable; redelivering later");
+        match self.source.nack(delivery, delay, &error.to_string()).await {
+            Ok(_) => Settled::Retried,
+            Err(e) => {
+                tracing::warn!(error = %e, "pgbox nack failed");
+                Settled::Retried
+            }
+        }
     }
 
     async fn retry(&self, delivery: &S::Delivery, error: &str) -> Settled {
@@ -654,6 +678,37 @@ impl<S: Subscriber> Consumer<S> {
             Settled::Retried
         })
     }
+}
+
+/// A failed delivery: pgbox's (claiming, recording, committing) or the handler's.
+enum Failure<E> {
+    Database(Error),
+    Handler(E),
+}
+
+impl<E> From<Error> for Failure<E> {
+    fn from(e: Error) -> Self {
+        Failure::Database(e)
+    }
+}
+
+impl<E: fmt::Display> fmt::Display for Failure<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Failure::Database(e) => e.fmt(f),
+            Failure::Handler(e) => e.fmt(f),
+        }
+    }
+}
+
+/// The inbox's database cannot take the delivery now, whatever the message: the connection
+/// was lost (a restart, a failover, a network cut), no connection could be had, or the
+/// server only allows reads (a standby). A retry later may succeed.
+fn database_away(e: &Error) -> bool {
+    matches!(
+        e.db_kind(),
+        Some(DbErrorKind::ConnectionLost | DbErrorKind::PoolTimedOut | DbErrorKind::ReadOnly)
+    )
 }
 
 fn count(stats: &mut ConsumerStats, settled: Settled, metrics: &RunMetrics) {

@@ -389,10 +389,11 @@ pub enum DbErrorKind {
     TransactionAborted,
     /// 3F000 / 42P01: the pgbox schema or table does not exist (run the migrations).
     MissingSchema,
-    /// 25006: the server only allows reads: a hot standby (after a failover, the connection
-    /// still points at the old primary, now a standby, or the URL lacks
-    /// `target_session_attrs=read-write`), or `default_transaction_read_only`. The claim fails
-    /// before any handler runs. Retryable: reconnecting may reach the new primary.
+    /// 25006: the server only allows reads: a hot standby (the address clients use points at
+    /// a standby: not yet moved to the promoted one after a failover, or a pool made before a
+    /// promotion), or `default_transaction_read_only`. The claim fails before any handler
+    /// runs. Retryable: the standby may be promoted, the address moved to the new primary.
+    /// (sqlx has no `target_session_attrs`: see the README's "Failover".)
     ReadOnly,
     /// Any other error.
     Other,

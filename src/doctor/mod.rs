@@ -50,6 +50,12 @@
 //!   When the queue is full, every transaction that notifies fails at commit.
 //! - **Dead letters** ([`Check::DeadLetters`]): the outbox's and the built-in queue's, counted up
 //!   to [`DEAD_LETTER_COUNT_CAP`] each.
+//! - **Replication** ([`Check::Replication`]): whether a failover can lose commits pgbox already
+//!   acknowledged. A primary with standbys (`pg_stat_replication`) whose commits do not wait
+//!   for one (`synchronous_standby_names` empty, or `synchronous_commit` not `on`,
+//!   `remote_write` or `remote_apply`) is a warning: a failover loses what the standby had not
+//!   received. A server in recovery (a standby) is critical: pgbox cannot write there. A
+//!   primary without standbys is ok (there is nothing to fail over to).
 //!
 //! **Heartbeats**: pgbox's relays and consumers record no heartbeat in the database today, so
 //! the doctor cannot tell whether they are running and reports nothing about them;
@@ -66,6 +72,7 @@ mod backlog;
 mod bloat;
 mod format;
 mod horizon;
+mod replication;
 mod schema;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -130,6 +137,9 @@ pub enum Check {
     /// Rows under a lease keep lease mode's invariants (`inbox_leases`): a lease has a
     /// fencing token, and a key under a lease has no outcome and no rejection yet.
     InboxLeases,
+    /// Whether a failover can lose acknowledged commits, and whether this server is a
+    /// standby (`replication`).
+    Replication,
 }
 
 impl Check {
@@ -144,6 +154,7 @@ impl Check {
             Check::DeadLetters => "dead_letters",
             Check::InboxPartitions => "inbox_partitions",
             Check::InboxLeases => "inbox_leases",
+            Check::Replication => "replication",
         }
     }
 }
@@ -223,6 +234,16 @@ pub enum Code {
     /// (`inbox_lease_inconsistent`; critical): something other than pgbox's lease statements
     /// wrote it.
     InboxLeaseInconsistent,
+    /// No standby, or commits wait for a synchronous standby: a failover loses no
+    /// acknowledged commit (`replication_ok`; ok).
+    ReplicationOk,
+    /// Standbys stream from this primary but commits do not wait for any of them (or the
+    /// named synchronous standby is not connected, and commits wait): a failover can lose
+    /// acknowledged messages (`async_replication`; warning).
+    AsyncReplication,
+    /// This server is a standby (in recovery): pgbox cannot write here (`standby_server`;
+    /// critical).
+    ServerIsStandby,
 }
 
 impl Code {
@@ -256,6 +277,9 @@ impl Code {
             Code::InboxPartitionsRunningOut => "inbox_partitions_running_out",
             Code::InboxLeasesConsistent => "inbox_leases_consistent",
             Code::InboxLeaseInconsistent => "inbox_lease_inconsistent",
+            Code::ReplicationOk => "replication_ok",
+            Code::AsyncReplication => "async_replication",
+            Code::ServerIsStandby => "standby_server",
         }
     }
 
@@ -282,6 +306,9 @@ impl Code {
             }
             Code::InboxPartitionsOk | Code::InboxPartitionsRunningOut => Check::InboxPartitions,
             Code::InboxLeasesConsistent | Code::InboxLeaseInconsistent => Check::InboxLeases,
+            Code::ReplicationOk | Code::AsyncReplication | Code::ServerIsStandby => {
+                Check::Replication
+            }
         }
     }
 }
@@ -643,6 +670,7 @@ impl Doctor {
         if versions.contains(&7) {
             findings.push(self.check_inbox_leases(&mut tx).await?);
         }
+        findings.push(self.check_replication(&mut tx).await?);
         tx.commit().await?;
         Ok(Report {
             schema,

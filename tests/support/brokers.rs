@@ -237,11 +237,14 @@ fn start(broker: Broker) -> Result<(), String> {
     }
 }
 
-/// A TCP proxy in front of a broker: clients connect to [`Proxy::addr`]; [`Proxy::cut`]
-/// severs every connection made so far (both sides see the socket close), as a network
-/// failure would. New connections keep working.
+/// A TCP proxy in front of a broker (or a PostgreSQL server): clients connect to
+/// [`Proxy::addr`]; [`Proxy::cut`] severs every connection made so far (both sides see the
+/// socket close), as a network failure would. New connections keep working.
+/// [`Proxy::retarget`] sends new connections elsewhere, as a virtual IP, a DNS name or
+/// HAProxy does when a standby is promoted.
 pub struct Proxy {
     addr: SocketAddr,
+    target: Arc<Mutex<SocketAddr>>,
     connections: Arc<Mutex<Vec<AbortHandle>>>,
     accept: AbortHandle,
 }
@@ -252,12 +255,15 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
         let addr = listener.local_addr().expect("proxy address");
         let connections: Arc<Mutex<Vec<AbortHandle>>> = Arc::default();
+        let target = Arc::new(Mutex::new(target));
         let conns = connections.clone();
+        let current = target.clone();
         let accept = tokio::spawn(async move {
             loop {
                 let Ok((mut client, _)) = listener.accept().await else {
                     return;
                 };
+                let target = *current.lock().unwrap();
                 let task = tokio::spawn(async move {
                     if let Ok(mut server) = TcpStream::connect(target).await {
                         let _ = client.set_nodelay(true);
@@ -273,9 +279,15 @@ impl Proxy {
         .abort_handle();
         Proxy {
             addr,
+            target,
             connections,
             accept,
         }
+    }
+
+    /// New connections go to `target` from now on; open ones stay where they are.
+    pub fn retarget(&self, target: SocketAddr) {
+        *self.target.lock().unwrap() = target;
     }
 
     /// Where clients connect.
