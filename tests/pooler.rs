@@ -161,7 +161,7 @@ async fn inbox_workload(pool: &sqlx::PgPool, pooler: pgbox::Pooler, consumer: &s
                     match d % 4 {
                         0 => {
                             let mut tx = pool.begin().await?;
-                            inbox.process(&mut tx, key.as_str(), effect).await?;
+                            let _ = inbox.process(&mut tx, key.as_str(), effect).await?;
                             outbox
                                 .enqueue(
                                     &mut tx,
@@ -172,7 +172,7 @@ async fn inbox_workload(pool: &sqlx::PgPool, pooler: pgbox::Pooler, consumer: &s
                             tx.commit().await?;
                         }
                         1 => {
-                            inbox
+                            let _ = inbox
                                 .process_and_commit(&pool, key.as_str(), effect)
                                 .await?;
                         }
@@ -192,11 +192,11 @@ async fn inbox_workload(pool: &sqlx::PgPool, pooler: pgbox::Pooler, consumer: &s
                             }
                             tx.commit().await?;
                         }
-                        _ => match inbox
-                            .lease(&pool, key.as_str(), Duration::from_secs(30))
-                            .await?
-                        {
-                            pgbox::LeaseAttempt::Leased(lease) => {
+                        _ => {
+                            if let pgbox::LeaseAttempt::Leased(lease) = inbox
+                                .lease(&pool, key.as_str(), Duration::from_secs(30))
+                                .await?
+                            {
                                 let mut tx = pool.begin().await?;
                                 sqlx::query("INSERT INTO effects (consumer, key) VALUES ($1, $2)")
                                     .bind(&consumer)
@@ -207,8 +207,7 @@ async fn inbox_workload(pool: &sqlx::PgPool, pooler: pgbox::Pooler, consumer: &s
                                 tx.commit().await?;
                                 lease.complete(&pool, &()).await?;
                             }
-                            _ => {}
-                        },
+                        }
                     }
                     Ok(())
                 }

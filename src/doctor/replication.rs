@@ -27,6 +27,7 @@ impl Doctor {
                         ORDER BY r.application_name), '') \
              FROM (SELECT 1) one LEFT JOIN pg_stat_replication r ON true",
         )
+        .persistent(false)
         .fetch_one(&mut *conn)
         .await?;
         let in_recovery: bool = row.try_get(0)?;
