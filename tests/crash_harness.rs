@@ -6,6 +6,10 @@
 //!
 //! The cluster is the test's own (a temporary directory, a free port), never the shared
 //! server the other tests use. Every loop is bounded.
+//!
+//! A second run puts a private PgBouncer in transaction mode between every process and the
+//! server (`Pooler::Transaction` everywhere) and kills and restarts the pooler once, instead
+//! of the server.
 
 mod support;
 
@@ -14,15 +18,32 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pgbox::transport::PgQueue;
-use pgbox::{CancellationToken, Consumer, Envelope, Error, Inbox, Message, Outbox, Relay};
+use pgbox::{CancellationToken, Consumer, Envelope, Error, Inbox, Message, Outbox, Pooler, Relay};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, Executor, PgConnection, PgPool};
 use support::cluster::Cluster;
+use support::pooler::PgBouncer;
 
 /// Set in a child process: its role (`producer`, `relay` or `consumer`).
 const ROLE_ENV: &str = "PGBOX_CRASH_ROLE";
 /// Set in a child process: the database it works on.
 const URL_ENV: &str = "PGBOX_CRASH_URL";
+/// Set in a child process that reaches the server through a pooler in transaction mode.
+const POOLER_ENV: &str = "PGBOX_CRASH_POOLER";
+
+/// What the child's URL goes through.
+fn pooler() -> Pooler {
+    if std::env::var(POOLER_ENV).is_ok() {
+        Pooler::Transaction
+    } else {
+        Pooler::None
+    }
+}
+
+/// Whether the child's own statements may be named (not behind the pooler).
+fn named() -> bool {
+    pooler() == Pooler::None
+}
 
 /// Messages the producer writes in all, over `KEYS` ordering keys, `PER_TX` per transaction.
 const TOTAL: i64 = 2_000;
@@ -69,18 +90,20 @@ async fn pool(url: &str, connections: u32) -> PgPool {
 /// after a kill from what committed. Returns when all `TOTAL` are produced.
 async fn produce(url: &str) {
     let pool = pool(url, 2).await;
-    let outbox = Outbox::new();
+    let outbox = Outbox::new().pooler(pooler());
     loop {
         let attempt = async {
+            let mut tx = pool.begin().await?;
             let next: i64 = sqlx::query_scalar("SELECT coalesce(max(n) + 1, 0) FROM produced")
-                .fetch_one(&pool)
+                .persistent(named())
+                .fetch_one(&mut *tx)
                 .await?;
             if next >= TOTAL {
                 return Ok::<bool, Error>(true);
             }
             let last = (next + PER_TX).min(TOTAL);
-            let mut tx = pool.begin().await?;
             sqlx::query("INSERT INTO produced (n) SELECT generate_series($1::bigint, $2 - 1)")
+                .persistent(named())
                 .bind(next)
                 .bind(last)
                 .execute(&mut *tx)
@@ -105,7 +128,8 @@ async fn produce(url: &str) {
 /// A relay into the built-in queue, started again whenever its run fails.
 async fn relay(url: &str) {
     let pool = pool(url, 3).await;
-    let relay = Relay::builder(pool.clone(), PgQueue::new(pool))
+    let relay = Relay::builder(pool.clone(), PgQueue::new(pool).pooler(pooler()))
+        .pooler(pooler())
         .batch_size(50)
         .poll_interval(Duration::from_millis(200))
         .build()
@@ -122,9 +146,12 @@ async fn consume(url: &str) {
     let pool = pool(url, 6).await;
     let consumer = Consumer::builder(
         pool.clone(),
-        PgQueue::new(pool),
+        PgQueue::new(pool).pooler(pooler()),
         TOPIC,
-        Inbox::new("effects").expect("consumer name"),
+        Inbox::builder("effects")
+            .pooler(pooler())
+            .build()
+            .expect("consumer name"),
     )
     .concurrency(4)
     .visibility_timeout(Duration::from_secs(2))
@@ -142,13 +169,16 @@ async fn consume(url: &str) {
                     // or neither, whatever the nested commit did.
                     let mut unit = sqlx::Connection::begin(&mut **conn).await?;
                     sqlx::query("INSERT INTO effects (n, key, message_id) VALUES ($1, $2, $3)")
+                        .persistent(named())
                         .bind(n)
                         .bind(envelope.ordering_key.as_deref())
                         .bind(envelope.id)
                         .execute(&mut *unit)
                         .await
                         .map_err(Error::from)?;
-                    let nested = Inbox::new("followups")?
+                    let nested = Inbox::builder("followups")
+                        .pooler(pooler())
+                        .build()?
                         .process(&mut unit, n.to_string(), async |_| Ok::<(), Error>(()))
                         .await?;
                     if !nested.is_processed() {
@@ -187,16 +217,21 @@ struct Process {
     role: &'static str,
     child: Child,
     kills: u32,
+    pooled: bool,
 }
 
 impl Process {
-    fn spawn(role: &'static str, url: &str, logs: &Path) -> Process {
+    fn spawn(role: &'static str, url: &str, logs: &Path, pooled: bool) -> Process {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(logs.join(format!("{role}.log")))
             .unwrap();
-        let child = Command::new(std::env::current_exe().unwrap())
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        if pooled {
+            command.env(POOLER_ENV, "transaction");
+        }
+        let child = command
             .args(["crash_child", "--exact", "--nocapture", "--test-threads=1"])
             .env(ROLE_ENV, role)
             .env(URL_ENV, url)
@@ -210,6 +245,7 @@ impl Process {
             role,
             child,
             kills: 0,
+            pooled,
         }
     }
 
@@ -218,7 +254,7 @@ impl Process {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
         let kills = self.kills + 1;
-        *self = Process::spawn(self.role, url, logs);
+        *self = Process::spawn(self.role, url, logs, self.pooled);
         self.kills = kills;
     }
 }
@@ -236,8 +272,28 @@ async fn processes_killed_and_postgres_crash_restarted_lose_nothing_double_nothi
     if std::env::var(ROLE_ENV).is_ok() {
         return; // a child runs only `crash_child`
     }
+    harness(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn through_pgbouncer_processes_and_the_pooler_killed_lose_nothing_double_nothing() {
+    if std::env::var(ROLE_ENV).is_ok() {
+        return; // a child runs only `crash_child`
+    }
+    harness(true).await;
+}
+
+/// The chaos run; `through_pooler`: every process through a private PgBouncer in transaction
+/// mode, which is killed and restarted once (the server is not crash-restarted then).
+async fn harness(through_pooler: bool) {
     let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
+    // The checks and the set-up go direct; the processes through the pooler if asked.
     let url = cluster.url("crash");
+    let mut bouncer = through_pooler.then(|| PgBouncer::start(&cluster, 8));
+    let process_url = match &bouncer {
+        Some(b) => b.url("crash"),
+        None => url.clone(),
+    };
     {
         let mut admin = connect(&cluster.url("postgres")).await;
         admin.execute("CREATE DATABASE crash").await.unwrap();
@@ -257,7 +313,7 @@ async fn processes_killed_and_postgres_crash_restarted_lose_nothing_double_nothi
     let logs = cluster.dir().to_path_buf();
     let mut processes: Vec<Process> = ["producer", "relay", "relay", "consumer", "consumer"]
         .into_iter()
-        .map(|role| Process::spawn(role, &url, &logs))
+        .map(|role| Process::spawn(role, &process_url, &logs, through_pooler))
         .collect();
 
     // Chaos for a bounded time: a random process killed every 0.3–1.5 s, the server
@@ -268,17 +324,28 @@ async fn processes_killed_and_postgres_crash_restarted_lose_nothing_double_nothi
     let mut kills = 0;
     while start.elapsed() < chaos {
         tokio::time::sleep(Duration::from_millis(fastrand::u64(300..1_500))).await;
-        if restarts < 3 && start.elapsed() > chaos * (restarts * 3 + 2) / 10 {
+        if let Some(b) = bouncer.as_mut() {
+            if restarts < 1 && start.elapsed() > chaos / 2 {
+                tokio::task::block_in_place(|| b.kill_and_restart());
+                restarts += 1;
+                continue;
+            }
+        } else if restarts < 3 && start.elapsed() > chaos * (restarts * 3 + 2) / 10 {
             let c = &cluster;
             tokio::task::block_in_place(|| c.crash_restart());
             restarts += 1;
-        } else {
-            let i = fastrand::usize(..processes.len());
-            processes[i].kill_and_restart(&url, &logs);
-            kills += 1;
+            continue;
         }
+        let i = fastrand::usize(..processes.len());
+        processes[i].kill_and_restart(&process_url, &logs);
+        kills += 1;
     }
-    eprintln!("chaos over: {kills} processes killed, {restarts} server crash-restarts; draining");
+    let restarted = if through_pooler {
+        "pooler"
+    } else {
+        "server crash-"
+    };
+    eprintln!("chaos over: {kills} processes killed, {restarts} {restarted}restarts; draining");
 
     // Drain: everything produced, published and consumed, within a bound.
     let deadline = Instant::now() + Duration::from_secs(120);
@@ -345,6 +412,17 @@ async fn processes_killed_and_postgres_crash_restarted_lose_nothing_double_nothi
     .unwrap();
     assert_eq!(dead, 0, "nothing dead-lettered");
     assert!(kills >= 10, "only {kills} kills");
-    assert_eq!(restarts, 3);
+    assert_eq!(restarts, if through_pooler { 1 } else { 3 });
+    if through_pooler {
+        let log = cluster.log();
+        let prepared: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("prepared statement") || l.contains("bind message"))
+            .collect();
+        assert!(
+            prepared.is_empty(),
+            "statements broken by the pooler: {prepared:?}"
+        );
+    }
     eprintln!("crash harness: {TOTAL} messages, exactly once, in per-key order");
 }
