@@ -102,3 +102,54 @@ impl DerefMut for Unit {
         }
     }
 }
+
+/// Whether `pool`'s connections share server sessions, the mark of a pooler in transaction
+/// (or statement) mode: one connection sets a session setting to a random value, a second
+/// connection of the pool reads it. A direct connection or a pooler in session mode never
+/// shows the value there; a pooler in transaction mode does whenever it hands the second
+/// connection the server connection the first one just released (PgBouncer reuses the most
+/// recently released one by default). `Some(false)` can be a miss on a busy pooler, `Some(true)`
+/// is never a false alarm. `None`: the pool could not lend a second connection at once.
+///
+/// Both statements use the simple protocol, which any pooler passes through whole; the
+/// setting (`pgbox.pooler_probe`) is reset afterwards and inert.
+pub(crate) async fn shares_sessions(pool: &PgPool) -> Result<Option<bool>> {
+    let marker = uuid::Uuid::now_v7().simple().to_string();
+    let mut first = pool.acquire().await?;
+    // Only [0-9a-f] in the marker: safe as a literal.
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SELECT pg_catalog.set_config('pgbox.pooler_probe', '{marker}', false)"
+    )))
+    .execute(&mut *first)
+    .await?;
+    let can_open = pool.size() < pool.options().get_max_connections();
+    let second = match pool.try_acquire() {
+        Some(conn) => Some(conn),
+        None if can_open => {
+            tokio::time::timeout(std::time::Duration::from_secs(2), pool.acquire())
+                .await
+                .ok()
+                .transpose()?
+        }
+        None => None,
+    };
+    let seen = match second {
+        Some(mut second) => {
+            let row = sqlx::raw_sql(
+                "SELECT pg_catalog.current_setting('pgbox.pooler_probe', true)",
+            )
+            .fetch_optional(&mut *second)
+            .await?;
+            let value: Option<String> = match row {
+                Some(row) => sqlx::Row::try_get(&row, 0)?,
+                None => None,
+            };
+            Some(value.as_deref() == Some(marker.as_str()))
+        }
+        None => None,
+    };
+    sqlx::raw_sql("SELECT pg_catalog.set_config('pgbox.pooler_probe', '', false)")
+        .execute(&mut *first)
+        .await?;
+    Ok(seen)
+}

@@ -72,6 +72,7 @@ mod backlog;
 mod bloat;
 mod format;
 mod horizon;
+mod pooler;
 mod replication;
 mod schema;
 
@@ -140,6 +141,8 @@ pub enum Check {
     /// Whether a failover can lose acknowledged commits, and whether this server is a
     /// standby (`replication`).
     Replication,
+    /// Whether the pool's connections go through a pooler in transaction mode (`pooler`).
+    Pooler,
 }
 
 impl Check {
@@ -155,6 +158,7 @@ impl Check {
             Check::InboxPartitions => "inbox_partitions",
             Check::InboxLeases => "inbox_leases",
             Check::Replication => "replication",
+            Check::Pooler => "pooler",
         }
     }
 }
@@ -244,6 +248,13 @@ pub enum Code {
     /// This server is a standby (in recovery): pgbox cannot write here (`standby_server`;
     /// critical).
     ServerIsStandby,
+    /// Sessions stay with their connections, or the probe could not run (`pooler_ok`; ok).
+    PoolerOk,
+    /// The pool's connections share server sessions: a pooler in transaction mode is in
+    /// between (`transaction_pooler`; warning). pgbox's components need
+    /// [`Pooler::Transaction`](crate::Pooler::Transaction), and the session holders (janitor,
+    /// migrations, LISTEN) a direct connection.
+    TransactionPooler,
 }
 
 impl Code {
@@ -280,6 +291,8 @@ impl Code {
             Code::ReplicationOk => "replication_ok",
             Code::AsyncReplication => "async_replication",
             Code::ServerIsStandby => "standby_server",
+            Code::PoolerOk => "pooler_ok",
+            Code::TransactionPooler => "transaction_pooler",
         }
     }
 
@@ -672,6 +685,7 @@ impl Doctor {
         }
         findings.push(self.check_replication(&mut tx).await?);
         tx.commit().await?;
+        findings.push(self.check_pooler(pool).await?);
         Ok(Report {
             schema,
             taken_at,

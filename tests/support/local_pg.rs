@@ -183,4 +183,23 @@ fn start_cluster(dir: &Path, port: u16) -> Result<(), String> {
         .arg("-l")
         .arg(dir.join("server.log"))
         .args(["-w", "-t", "60", "-o", &options, "start"]))
+    .map_err(|e| {
+        // A server of this directory that runs but does not answer on the port: started in
+        // another network namespace or container, or listening elsewhere.
+        if data.join("postmaster.pid").exists() {
+            let stop = if root {
+                format!("runuser -u postgres -- {}", bindir.join("pg_ctl").display())
+            } else {
+                bindir.join("pg_ctl").display().to_string()
+            };
+            format!(
+                "{e}\na server of {dir:?} is running but 127.0.0.1:{port} does not answer from \
+                 here (was it started in another network namespace or container?); stop it with \
+                 `{stop} -D {} stop`, or set DATABASE_URL",
+                data.display()
+            )
+        } else {
+            e
+        }
+    })
 }
