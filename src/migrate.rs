@@ -47,6 +47,7 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrationReport> {
 pub struct Migrator {
     schema: Identifier,
     partitioning: Option<crate::inbox::InboxPartitioning>,
+    grant_to: Vec<Identifier>,
 }
 
 impl Default for Migrator {
@@ -80,6 +81,7 @@ impl Migrator {
         Migrator {
             schema: Identifier::pgbox_schema(DEFAULT_SCHEMA).expect("default schema is valid"),
             partitioning: None,
+            grant_to: Vec::new(),
         }
     }
 
@@ -104,6 +106,34 @@ impl Migrator {
     pub fn partitioned_inbox(mut self, partitioning: crate::inbox::InboxPartitioning) -> Self {
         self.partitioning = Some(partitioning);
         self
+    }
+
+    /// After the migrations, grants the application role `role` what pgbox's components need
+    /// on this schema, and nothing more: `USAGE` on the schema, per table the
+    /// `SELECT`/`INSERT`/`UPDATE`/`DELETE` the inbox, outbox, relay, built-in queue, janitor
+    /// and doctor run, `USAGE` on lease mode's token sequence, `EXECUTE` on the functions
+    /// they call (see the README's "Least-privilege roles"). No `CREATE`, no ownership, no
+    /// role membership. May be called more than once, for several roles.
+    ///
+    /// The grants are applied on every [`run`](Migrator::run) (and written into
+    /// [`to_sql`](Migrator::to_sql)'s script), whether or not a migration was pending: `GRANT`
+    /// is idempotent, and objects a later migration adds are granted by the run that adds
+    /// them. Run the migrator as the schema's owner (the role that creates pgbox's objects);
+    /// the role must exist.
+    ///
+    /// `role` is validated like a schema name (lowercase ASCII, digits, `_`; quoted in SQL);
+    /// `public` is refused: it would grant every role.
+    pub fn grant_to(mut self, role: &str) -> Result<Self> {
+        let role = crate::grants::role(role)?;
+        if !self.grant_to.contains(&role) {
+            self.grant_to.push(role);
+        }
+        Ok(self)
+    }
+
+    /// The roles [`grant_to`](Migrator::grant_to) named, in order.
+    pub fn grant_roles(&self) -> impl Iterator<Item = &str> {
+        self.grant_to.iter().map(Identifier::as_str)
     }
 
     /// The schema this migrator targets.
@@ -148,7 +178,7 @@ impl Migrator {
             partitioning.validate()?;
         }
         let lock_key = advisory_lock_key(self.schema.as_str());
-        sqlx::query("SELECT pg_advisory_lock($1)")
+        sqlx::query("SELECT pg_catalog.pg_advisory_lock($1)")
             .bind(lock_key)
             .execute(&mut **conn)
             .await?;
@@ -176,11 +206,17 @@ impl Migrator {
             Some(partitioning) => partitioning.apply(conn, &self.schema).await?,
             None => Vec::new(),
         };
+        for role in &self.grant_to {
+            let grants = crate::grants::grant_sql(&self.schema, role);
+            sqlx::raw_sql(AssertSqlSafe(format!("BEGIN;\n{grants}COMMIT;")))
+                .execute(&mut **conn)
+                .await?;
+        }
 
         sqlx::raw_sql("RESET client_min_messages")
             .execute(&mut **conn)
             .await?;
-        sqlx::query("SELECT pg_advisory_unlock($1)")
+        sqlx::query("SELECT pg_catalog.pg_advisory_unlock($1)")
             .bind(lock_key)
             .execute(&mut **conn)
             .await?;
@@ -200,7 +236,7 @@ impl Migrator {
     /// The migrations already applied to this schema, oldest first (empty if none).
     pub async fn applied(&self, pool: &PgPool) -> Result<Vec<AppliedMigration>> {
         let exists: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = $1 AND tablename = $2)",
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = $1 AND tablename = $2)",
         )
         .bind(self.schema.as_str())
         .bind(HISTORY_TABLE)
@@ -245,7 +281,7 @@ impl Migrator {
             "-- pgbox schema {schema}: {n} migration(s). Run once, in one transaction.\n\
              BEGIN;\n\
              -- Waits for a concurrent `pgbox migrate` of this schema, and makes it wait.\n\
-             SELECT pg_advisory_xact_lock({lock});\n\
+             SELECT pg_catalog.pg_advisory_xact_lock({lock});\n\
              CREATE SCHEMA IF NOT EXISTS {schema};\n\
              SET LOCAL search_path TO {schema}, pg_temp;\n\
              -- pgbox's migration history (refinery's layout), so `pgbox migrate` sees what\n\
@@ -262,6 +298,10 @@ impl Migrator {
             out.push('\n');
             out.push_str(&history_row_sql(&history, m));
             out.push('\n');
+        }
+        for role in &self.grant_to {
+            out.push('\n');
+            out.push_str(&crate::grants::grant_sql(&self.schema, role));
         }
         out.push_str("\nCOMMIT;\n");
         out
@@ -290,7 +330,7 @@ fn history_row_sql(history: &str, m: &Migration) -> String {
     format!(
         "INSERT INTO {history} (version, name, applied_on, checksum) VALUES \
          ({version}, {name}, \
-         to_char(clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
+         pg_catalog.to_char(pg_catalog.clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
          '{checksum}');",
         version = m.version(),
         name = sql_literal(m.name()),

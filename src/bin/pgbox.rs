@@ -180,6 +180,9 @@ impl From<Error> for Failure {
         };
         let hint = if code == 4 {
             " (run `pgbox migrate`)"
+        } else if e.db_kind() == Some(DbErrorKind::InsufficientPrivilege) {
+            " (as the schema's owner, run `pgbox migrate --grant-to ROLE`; \
+             `pgbox doctor --role ROLE` lists what is missing)"
         } else {
             ""
         };

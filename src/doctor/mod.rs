@@ -589,7 +589,7 @@ impl Doctor {
         // The same test the CLI's other commands make: a history table with rows.
         let applied = Migrator::new().schema(&schema)?.applied(pool).await?;
         if applied.is_empty() {
-            let taken_at = sqlx::query_scalar("SELECT now()").fetch_one(pool).await?;
+            let taken_at = sqlx::query_scalar("SELECT pg_catalog.now()").fetch_one(pool).await?;
             let finding = Finding::new(
                 Severity::Critical,
                 Code::NotMigrated,
@@ -619,7 +619,7 @@ impl Doctor {
         )))
         .execute(&mut *tx)
         .await?;
-        let taken_at: OffsetDateTime = sqlx::query_scalar("SELECT now()")
+        let taken_at: OffsetDateTime = sqlx::query_scalar("SELECT pg_catalog.now()")
             .fetch_one(&mut *tx)
             .await?;
 
