@@ -50,6 +50,14 @@
 //!   When the queue is full, every transaction that notifies fails at commit.
 //! - **Dead letters** ([`Check::DeadLetters`]): the outbox's and the built-in queue's, counted up
 //!   to [`DEAD_LETTER_COUNT_CAP`] each.
+//! - **Grants** ([`Check::Grants`]): the application role ([`Doctor::application_role`], or the
+//!   role running the doctor) holds every privilege pgbox's components need on the schema
+//!   (`has_schema_privilege`, `has_table_privilege`, `has_sequence_privilege`,
+//!   `has_function_privilege`), the list [`Migrator::grant_to`] grants. A missing one is
+//!   critical: the operations needing it fail with
+//!   [`DbErrorKind::InsufficientPrivilege`](crate::DbErrorKind::InsufficientPrivilege). When
+//!   the role running the doctor lacks one, the checks after this one (which read pgbox's
+//!   tables) are skipped.
 //!
 //! **Heartbeats**: pgbox's relays and consumers record no heartbeat in the database today, so
 //! the doctor cannot tell whether they are running and reports nothing about them;
@@ -65,6 +73,7 @@
 mod backlog;
 mod bloat;
 mod format;
+mod grants;
 mod horizon;
 mod schema;
 
@@ -130,6 +139,8 @@ pub enum Check {
     /// Rows under a lease keep lease mode's invariants (`inbox_leases`): a lease has a
     /// fencing token, and a key under a lease has no outcome and no rejection yet.
     InboxLeases,
+    /// The application role holds every privilege pgbox's components need (`grants`).
+    Grants,
 }
 
 impl Check {
@@ -144,6 +155,7 @@ impl Check {
             Check::DeadLetters => "dead_letters",
             Check::InboxPartitions => "inbox_partitions",
             Check::InboxLeases => "inbox_leases",
+            Check::Grants => "grants",
         }
     }
 }
@@ -223,6 +235,11 @@ pub enum Code {
     /// (`inbox_lease_inconsistent`; critical): something other than pgbox's lease statements
     /// wrote it.
     InboxLeaseInconsistent,
+    /// The application role holds every privilege pgbox needs (`grants_complete`; ok).
+    GrantsComplete,
+    /// The application role lacks a privilege pgbox needs, or does not exist
+    /// (`missing_grant`; critical): the operations needing it fail.
+    MissingGrant,
 }
 
 impl Code {
@@ -256,6 +273,8 @@ impl Code {
             Code::InboxPartitionsRunningOut => "inbox_partitions_running_out",
             Code::InboxLeasesConsistent => "inbox_leases_consistent",
             Code::InboxLeaseInconsistent => "inbox_lease_inconsistent",
+            Code::GrantsComplete => "grants_complete",
+            Code::MissingGrant => "missing_grant",
         }
     }
 
@@ -282,6 +301,7 @@ impl Code {
             }
             Code::InboxPartitionsOk | Code::InboxPartitionsRunningOut => Check::InboxPartitions,
             Code::InboxLeasesConsistent | Code::InboxLeaseInconsistent => Check::InboxLeases,
+            Code::GrantsComplete | Code::MissingGrant => Check::Grants,
         }
     }
 }
@@ -451,6 +471,7 @@ pub struct Doctor {
     bloat_min_bytes: i64,
     bloat_ratio_warn: f64,
     statement_timeout: Duration,
+    application_role: Option<Identifier>,
 }
 
 impl Default for Doctor {
@@ -475,6 +496,7 @@ impl Doctor {
             bloat_min_bytes: 32 << 20,
             bloat_ratio_warn: 0.5,
             statement_timeout: Duration::from_secs(10),
+            application_role: None,
         }
     }
 
@@ -556,6 +578,13 @@ impl Doctor {
         self
     }
 
+    /// Checks the grants of `role` (the role your services connect as) instead of the role
+    /// running the doctor ([`Check::Grants`]). Validated like [`Migrator::grant_to`]'s role.
+    pub fn application_role(mut self, role: &str) -> Result<Self> {
+        self.application_role = Some(crate::grants::role(role)?);
+        Ok(self)
+    }
+
     fn validate(&self) -> Result<()> {
         for (name, v) in [
             ("notification_queue_warn", self.notification_queue_warn),
@@ -587,7 +616,22 @@ impl Doctor {
         self.validate()?;
         let schema = self.schema.as_str().to_owned();
         // The same test the CLI's other commands make: a history table with rows.
-        let applied = Migrator::new().schema(&schema)?.applied(pool).await?;
+        let applied = match Migrator::new().schema(&schema)?.applied(pool).await {
+            // The role running the doctor cannot read the history: report its grants.
+            Err(e) if e.db_kind() == Some(crate::DbErrorKind::InsufficientPrivilege) => {
+                let mut conn = pool.acquire().await?;
+                let findings = self.check_grants(&mut conn, None).await?;
+                let taken_at = sqlx::query_scalar("SELECT pg_catalog.now()")
+                    .fetch_one(&mut *conn)
+                    .await?;
+                return Ok(Report {
+                    schema,
+                    taken_at,
+                    findings,
+                });
+            }
+            other => other?,
+        };
         if applied.is_empty() {
             let taken_at = sqlx::query_scalar("SELECT pg_catalog.now()").fetch_one(pool).await?;
             let finding = Finding::new(
@@ -624,6 +668,26 @@ impl Doctor {
             .await?;
 
         let (mut findings, versions) = self.check_migrations(&mut tx).await?;
+        // Before the checks that read pgbox's tables: as a role lacking their grants, they
+        // would fail on the first one.
+        let grant_findings = self.check_grants(&mut tx, Some(&versions)).await?;
+        let running: String = sqlx::query_scalar("SELECT current_user::text")
+            .fetch_one(&mut *tx)
+            .await?;
+        let running_role_lacks = self
+            .application_role
+            .as_ref()
+            .is_none_or(|r| r.as_str() == running)
+            && grant_findings.iter().any(|f| f.code == Code::MissingGrant);
+        if running_role_lacks {
+            findings.extend(grant_findings);
+            tx.commit().await?;
+            return Ok(Report {
+                schema,
+                taken_at,
+                findings,
+            });
+        }
         let (index_findings, tables) = self.check_indexes(&mut tx, &versions).await?;
         findings.extend(index_findings);
         let (xmin_findings, horizon_held) = self.check_xmin_horizon(&mut tx).await?;
@@ -637,6 +701,7 @@ impl Doctor {
         if versions.contains(&7) {
             findings.push(self.check_inbox_leases(&mut tx).await?);
         }
+        findings.extend(grant_findings);
         tx.commit().await?;
         Ok(Report {
             schema,

@@ -180,13 +180,13 @@ impl Statements {
             verify: "SELECT pg_catalog.pg_current_xact_id_if_assigned() = $1::xid8".into(),
             claim_batch: format!(
                 "INSERT INTO {s}.inbox (consumer, key, message_id) \
-                 SELECT $1, k.key, k.message_id FROM pg_catalog.unnest($2::text[], $3::text[]) AS k(key, message_id) \
+                 SELECT $1, k.key, k.message_id FROM unnest($2::text[], $3::text[]) AS k(key, message_id) \
                  ON CONFLICT (consumer, key) DO NOTHING RETURNING key"
             )
             .into(),
             claim_batch_plain: format!(
                 "INSERT INTO {s}.inbox (consumer, key, message_id) \
-                 SELECT $1, k.key, k.message_id FROM pg_catalog.unnest($2::text[], $3::text[]) AS k(key, message_id)"
+                 SELECT $1, k.key, k.message_id FROM unnest($2::text[], $3::text[]) AS k(key, message_id)"
             )
             .into(),
             // Of the keys a batch did not claim, one that is not positively recorded: under

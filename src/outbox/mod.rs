@@ -90,7 +90,7 @@ impl Outbox {
         // the lock to commit makes seq order equal commit order within a key.
         let insert = format!(
             "WITH msgs AS (\
-               SELECT * FROM pg_catalog.unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[]) \
+               SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[]) \
                  WITH ORDINALITY AS m(message_id, topic, ordering_key, payload, content_type, headers, n)), \
              locks AS (\
                SELECT pg_catalog.count(pg_catalog.pg_advisory_xact_lock({class}, pg_catalog.hashtext(k.topic || pg_catalog.chr(31) || k.ordering_key))) AS n \

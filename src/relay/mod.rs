@@ -218,11 +218,11 @@ impl Statements {
             retry: format!(
                 "UPDATE {s}.outbox AS o SET attempts = o.attempts + 1, last_error = f.error, \
                    available_at = pg_catalog.now() + pg_catalog.make_interval(secs => f.delay) \
-                 FROM pg_catalog.unnest($1::bigint[], $2::text[], $3::float8[]) AS f(seq, error, delay) \
+                 FROM unnest($1::bigint[], $2::text[], $3::float8[]) AS f(seq, error, delay) \
                  WHERE o.seq = f.seq"
             ),
             dead: format!(
-                "WITH moved AS (DELETE FROM {s}.outbox AS o USING pg_catalog.unnest($1::bigint[], $2::text[]) AS f(seq, error) \
+                "WITH moved AS (DELETE FROM {s}.outbox AS o USING unnest($1::bigint[], $2::text[]) AS f(seq, error) \
                    WHERE o.seq = f.seq RETURNING o.*, f.error AS final_error) \
                  INSERT INTO {s}.outbox_dead_letters \
                    (seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, attempts, last_error) \

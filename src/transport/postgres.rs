@@ -72,7 +72,7 @@ impl PgQueue {
         let inner = Statements {
             publish: format!(
                 "INSERT INTO {s}.queue (message_id, topic, ordering_key, payload, content_type, headers, created_at) \
-                 SELECT * FROM pg_catalog.unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::timestamptz[])"
+                 SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[], $7::timestamptz[])"
             ),
             // Head of each key only, and not while the key has a dead letter: a later
             // message of a key waits while an earlier one is in the table (invisible, in
