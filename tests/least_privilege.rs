@@ -675,6 +675,24 @@ async fn a_hostile_search_path_changes_nothing_for_the_partitioned_inbox() {
         .create_ahead()
         .await
         .expect("create ahead under a hostile search_path");
+    // pgbox's helper functions called directly (the claims call them with a pinned path):
+    // pinned too (V13), or written with pg_catalog's names; the lock ids are unchanged.
+    sqlx::query("SELECT pgbox.partitioned_inbox_check_isolation()")
+        .execute(&app)
+        .await
+        .expect("the isolation check under a hostile search_path");
+    let lock_id = "SELECT pgbox.partitioned_inbox_lock_id('billing', 'p-1')";
+    let hostile: i64 = sqlx::query_scalar(lock_id)
+        .fetch_one(&app)
+        .await
+        .expect("the lock id under a hostile search_path");
+    let plain: i64 = sqlx::query_scalar(
+        "SELECT hashtextextended(length('billing')::text || ':' || 'billing' || 'p-1', 7062)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(hostile, plain);
     let report = Doctor::new().check(&app).await.unwrap();
     assert!(report.with_code(Code::GrantsComplete).next().is_some());
     assert_eq!(effects(&db.pool, "p-1").await, 1);
