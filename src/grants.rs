@@ -115,7 +115,9 @@ pub(crate) fn grant_sql(schema: &Identifier, role: &Identifier) -> String {
         ));
     }
     for (function, _) in FUNCTIONS {
-        out.push_str(&format!("GRANT EXECUTE ON FUNCTION {s}.{function} TO {r};\n"));
+        out.push_str(&format!(
+            "GRANT EXECUTE ON FUNCTION {s}.{function} TO {r};\n"
+        ));
     }
     out
 }
@@ -156,7 +158,9 @@ mod tests {
                 let listed = match kind.as_str() {
                     "TABLE" => TABLES.iter().any(|t| t.0 == name),
                     "SEQUENCE" => SEQUENCES.iter().any(|t| t.0 == name),
-                    _ => FUNCTIONS.iter().any(|f| f.0.split('(').next() == Some(&name)),
+                    _ => FUNCTIONS
+                        .iter()
+                        .any(|f| f.0.split('(').next() == Some(&name)),
                 } || NOT_GRANTED.contains(&name.as_str());
                 assert!(
                     listed,
@@ -180,7 +184,14 @@ mod tests {
         );
         assert!(sql.contains("GRANT USAGE ON SCHEMA \"pgbox\" TO \"app\";"));
         for line in sql.lines().filter(|l| l.starts_with("GRANT")) {
-            for never in ["CREATE", "TRUNCATE", "ALL", "TRIGGER", "REFERENCES", "OPTION"] {
+            for never in [
+                "CREATE",
+                "TRUNCATE",
+                "ALL",
+                "TRIGGER",
+                "REFERENCES",
+                "OPTION",
+            ] {
                 assert!(!line.contains(never), "{line}");
             }
         }

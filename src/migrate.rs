@@ -272,6 +272,9 @@ impl Migrator {
     ///
     /// Run it once, on a schema without pgbox tables: it creates them unconditionally, so a
     /// second run fails (and, being one transaction, changes nothing).
+    ///
+    /// With [`grant_to`](Migrator::grant_to), the script ends with the grants, in the same
+    /// transaction.
     pub fn to_sql(&self) -> String {
         let mut migrations = embedded::migrations::runner().get_migrations().clone();
         // In version order: the embedded list follows file names, where V10 sorts before V2.

@@ -97,7 +97,11 @@ pub async fn status(pool: &PgPool, schema: &str) -> Result<Status> {
     }
     let taken_at = match taken_at {
         Some(t) => t,
-        None => sqlx::query_scalar("SELECT pg_catalog.now()").fetch_one(pool).await?,
+        None => {
+            sqlx::query_scalar("SELECT pg_catalog.now()")
+                .fetch_one(pool)
+                .await?
+        }
     };
     Ok(Status {
         topics: out,

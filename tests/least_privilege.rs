@@ -33,7 +33,10 @@ struct TestRole {
 
 impl TestRole {
     async fn create(db: &TestDb) -> TestRole {
-        let name = format!("pgbox_lp_{}", &uuid::Uuid::now_v7().simple().to_string()[16..]);
+        let name = format!(
+            "pgbox_lp_{}",
+            &uuid::Uuid::now_v7().simple().to_string()[16..]
+        );
         let server = support::server_url().await;
         let mut admin = PgConnection::connect(&server).await.expect("connect");
         admin
@@ -251,7 +254,10 @@ async fn run_every_component(owner: &PgPool, app: &PgPool) {
         if n == 2 && left == 0 {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "consumed {n}, left {left}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "consumed {n}, left {left}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     shutdown.cancel();
@@ -271,7 +277,10 @@ async fn run_every_component(owner: &PgPool, app: &PgPool) {
     assert_eq!(purged, 0);
 
     // The doctor, as the app role: its grants are complete.
-    let report = Doctor::new().check(app).await.expect("doctor as the app role");
+    let report = Doctor::new()
+        .check(app)
+        .await
+        .expect("doctor as the app role");
     assert!(
         report.with_code(Code::GrantsComplete).next().is_some(),
         "{report:#?}"
@@ -488,7 +497,10 @@ async fn a_missing_grant_is_a_typed_error_that_loses_nothing() {
         )))
         .await
         .unwrap();
-    let report = Doctor::new().check(&app).await.expect("doctor without usage");
+    let report = Doctor::new()
+        .check(&app)
+        .await
+        .expect("doctor without usage");
     assert!(
         report
             .with_code(Code::MissingGrant)
@@ -502,7 +514,12 @@ async fn a_missing_grant_is_a_typed_error_that_loses_nothing() {
         .run(&db.pool)
         .await
         .unwrap();
-    let report = Doctor::new().application_role(r).unwrap().check(&db.pool).await.unwrap();
+    let report = Doctor::new()
+        .application_role(r)
+        .unwrap()
+        .check(&db.pool)
+        .await
+        .unwrap();
     assert!(report.with_code(Code::MissingGrant).next().is_none());
     // An unknown role is a finding, not an error.
     let report = Doctor::new()
@@ -517,7 +534,12 @@ async fn a_missing_grant_is_a_typed_error_that_loses_nothing() {
 
 #[test]
 fn grant_to_validates_the_role_and_writes_the_grants_into_the_script() {
-    for bad in ["public", "App", "x\"; DROP ROLE postgres; --", "pg_read_all_data"] {
+    for bad in [
+        "public",
+        "App",
+        "x\"; DROP ROLE postgres; --",
+        "pg_read_all_data",
+    ] {
         assert!(Migrator::new().grant_to(bad).is_err(), "{bad}");
         assert!(Doctor::new().application_role(bad).is_err(), "{bad}");
     }
@@ -625,13 +647,19 @@ async fn a_hostile_search_path_changes_nothing() {
 
     run_every_component(&db.pool, &app).await;
 
-    for table in ["inbox", "outbox", "queue", "pgbox_migrations", "pg_class", "pg_locks"] {
-        let n: i64 = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT count(*) FROM evil.{table}"
-        )))
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    for table in [
+        "inbox",
+        "outbox",
+        "queue",
+        "pgbox_migrations",
+        "pg_class",
+        "pg_locks",
+    ] {
+        let n: i64 =
+            sqlx::query_scalar(AssertSqlSafe(format!("SELECT count(*) FROM evil.{table}")))
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
         assert_eq!(n, 0, "evil.{table} was written");
     }
     app.close().await;

@@ -55,12 +55,11 @@ impl Doctor {
                 .details(json!({ "role": role })),
             ]);
         }
-        let superuser: bool = sqlx::query_scalar(
-            "SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = $1",
-        )
-        .bind(&role)
-        .fetch_one(&mut *conn)
-        .await?;
+        let superuser: bool =
+            sqlx::query_scalar("SELECT rolsuper FROM pg_catalog.pg_roles WHERE rolname = $1")
+                .bind(&role)
+                .fetch_one(&mut *conn)
+                .await?;
 
         // (kind, object, privilege) to test.
         let mut wanted: Vec<(&'static str, String, String)> =
@@ -73,11 +72,7 @@ impl Doctor {
             }
         }
         for p in grants::HISTORY_PRIVILEGES {
-            wanted.push((
-                "table",
-                format!("{s}.\"{HISTORY_TABLE}\""),
-                (*p).to_owned(),
-            ));
+            wanted.push(("table", format!("{s}.\"{HISTORY_TABLE}\""), (*p).to_owned()));
         }
         for (sequence, privileges, since) in grants::SEQUENCES {
             if applied(*since) {

@@ -633,7 +633,9 @@ impl Doctor {
             other => other?,
         };
         if applied.is_empty() {
-            let taken_at = sqlx::query_scalar("SELECT pg_catalog.now()").fetch_one(pool).await?;
+            let taken_at = sqlx::query_scalar("SELECT pg_catalog.now()")
+                .fetch_one(pool)
+                .await?;
             let finding = Finding::new(
                 Severity::Critical,
                 Code::NotMigrated,
