@@ -490,6 +490,22 @@ async fn a_missing_grant_is_a_typed_error_that_loses_nothing() {
     assert_eq!(missing[0].subject.as_deref(), Some("\"pgbox\".\"outbox\""));
     let report = Doctor::new().check(&app).await.unwrap();
     assert!(report.with_code(Code::MissingGrant).next().is_some());
+    // The advice's GRANT, run as the owner, is what was missing.
+    let grant = missing[0]
+        .advice
+        .split('`')
+        .find(|s| s.starts_with("GRANT ") && s.ends_with(';'))
+        .expect("a GRANT in the advice")
+        .to_owned();
+    sqlx::raw_sql(AssertSqlSafe(grant))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let report = Doctor::new().check(&app).await.unwrap();
+    assert!(
+        report.with_code(Code::MissingGrant).next().is_none(),
+        "{report:#?}"
+    );
     // Without USAGE on the schema, the doctor as that role still reports (not an error).
     db.pool
         .execute(AssertSqlSafe(format!(
@@ -725,4 +741,70 @@ async fn a_hostile_search_path_changes_nothing_for_the_partitioned_inbox() {
     assert!(report.with_code(Code::GrantsComplete).next().is_some());
     assert_eq!(effects(&db.pool, "p-1").await, 1);
     app.close().await;
+}
+
+fn pgbox_cli(url: &str, args: &[&str]) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_pgbox"))
+        .args(args)
+        .env("DATABASE_URL", url)
+        .env("NO_COLOR", "1")
+        .output()
+        .expect("run pgbox")
+}
+
+#[tokio::test]
+async fn the_cli_grants_and_the_doctor_checks_a_role() {
+    let db = TestDb::empty().await;
+    let role = TestRole::create(&db).await;
+    let r = role.name.as_str();
+    let describe = |o: &std::process::Output| {
+        format!(
+            "exit {:?}\n{}\n{}",
+            o.status.code(),
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    };
+
+    let out = pgbox_cli(&db.url(), &["migrate", "--print-sql", "--grant-to", r]);
+    assert!(out.status.success(), "{}", describe(&out));
+    let sql = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        sql.contains(&format!("GRANT USAGE ON SCHEMA \"pgbox\" TO \"{r}\";")),
+        "{sql}"
+    );
+
+    let out = pgbox_cli(&db.url(), &["migrate", "--grant-to", "Public"]);
+    assert_eq!(out.status.code(), Some(2), "{}", describe(&out));
+
+    let out = pgbox_cli(&db.url(), &["migrate"]);
+    assert!(out.status.success(), "{}", describe(&out));
+    // Not granted yet: critical, exit 8, the missing grants named.
+    let out = pgbox_cli(&db.url(), &["doctor", "--role", r, "--json"]);
+    assert_eq!(out.status.code(), Some(8), "{}", describe(&out));
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let missing = report["findings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| f["code"] == "missing_grant")
+        .count();
+    assert_eq!(missing, 1, "{report:#}"); // no USAGE on the schema: that alone
+    // Granted: every check ok.
+    let out = pgbox_cli(&db.url(), &["migrate", "--grant-to", r]);
+    assert!(out.status.success(), "{}", describe(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("granted role"));
+    let out = pgbox_cli(&db.url(), &["doctor", "--role", r]);
+    assert_eq!(out.status.code(), Some(0), "{}", describe(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("grants_complete"));
+
+    // The CLI as the app role: a refused operation says what to run.
+    let mut url = url::Url::parse(&db.url()).unwrap();
+    url.set_username(r).unwrap();
+    let out = pgbox_cli(url.as_str(), &["migrate"]);
+    assert_eq!(out.status.code(), Some(1), "{}", describe(&out));
+    let text = describe(&out);
+    assert!(text.contains("--grant-to"), "{text}");
+    let out = pgbox_cli(url.as_str(), &["status"]);
+    assert!(out.status.success(), "{}", describe(&out));
 }
