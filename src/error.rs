@@ -395,6 +395,13 @@ pub enum DbErrorKind {
     /// runs. Retryable: the standby may be promoted, the address moved to the new primary.
     /// (sqlx has no `target_session_attrs`: see the README's "Failover".)
     ReadOnly,
+    /// 42501: the role lacks a privilege (a missing `GRANT`: `permission denied for table
+    /// inbox`, `... for schema pgbox`, `... for function inbox_lease`, `must be owner of
+    /// table partitioned_inbox`). The error's message names the object. The statement, and
+    /// with it the transaction (an inbox claim and the handler's effects), is rolled back;
+    /// not retryable: grant what is missing (`pgbox migrate --grant-to ROLE` as the schema's
+    /// owner; `pgbox doctor --role ROLE` lists it).
+    InsufficientPrivilege,
     /// Any other error.
     Other,
 }
@@ -428,6 +435,7 @@ impl DbErrorKind {
             "25P02" => DbErrorKind::TransactionAborted,
             "3F000" | "42P01" => DbErrorKind::MissingSchema,
             "25006" => DbErrorKind::ReadOnly,
+            "42501" => DbErrorKind::InsufficientPrivilege,
             c if c.starts_with("08") => DbErrorKind::ConnectionLost,
             _ => DbErrorKind::Other,
         }
@@ -461,6 +469,9 @@ impl fmt::Display for DbErrorKind {
             DbErrorKind::TransactionAborted => "transaction aborted",
             DbErrorKind::MissingSchema => "missing schema or table",
             DbErrorKind::ReadOnly => "read-only server (a standby?)",
+            DbErrorKind::InsufficientPrivilege => {
+                "insufficient privilege: a GRANT is missing (`pgbox doctor --role ROLE` lists them)"
+            }
             DbErrorKind::Other => "other",
         })
     }
@@ -483,6 +494,7 @@ mod tests {
             ("25P02", DbErrorKind::TransactionAborted, false),
             ("25006", DbErrorKind::ReadOnly, true),
             ("42P01", DbErrorKind::MissingSchema, false),
+            ("42501", DbErrorKind::InsufficientPrivilege, false),
             ("22P02", DbErrorKind::Other, false),
         ];
         for (code, kind, retryable) in cases {

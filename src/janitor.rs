@@ -327,6 +327,7 @@ impl JanitorBuilder {
             queue_dead_letter_retention: self.queue_dead_letter_retention,
             refresh_gauges: self.refresh_gauges,
             session: Mutex::new(None),
+            expiry_warned: std::sync::atomic::AtomicBool::new(false),
         })
     }
 }
@@ -371,6 +372,8 @@ pub struct Janitor {
     refresh_gauges: bool,
     sql: Statements,
     session: Mutex<Option<Session>>,
+    /// The warning that this role cannot expire partitions was logged.
+    expiry_warned: std::sync::atomic::AtomicBool,
 }
 
 /// Whether this instance holds the janitor lock, as a pass found it.
@@ -422,6 +425,11 @@ pub struct PassReport {
     pub partitions_created: Vec<String>,
     /// Partitions of the time-partitioned inbox detached and dropped.
     pub partitions_dropped: Vec<String>,
+    /// Expiry of the time-partitioned inbox was skipped: the janitor's role does not own
+    /// `partitioned_inbox` (an application role; see
+    /// [`InboxPartitions::drop_expired`](crate::InboxPartitions::drop_expired)). Partitions
+    /// are still created ahead. Run the expiry as the owner (`pgbox partitions drop`).
+    pub partitions_expiry_needs_owner: bool,
 }
 
 impl PassReport {
@@ -475,8 +483,8 @@ enum Step<T> {
 }
 
 /// The lock is this session's: checked inside each unit's transaction, before its delete.
-const LOCK_HELD: &str = "SELECT EXISTS (SELECT 1 FROM pg_locks \
-     WHERE locktype = 'advisory' AND pid = pg_backend_pid() AND granted \
+const LOCK_HELD: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_locks \
+     WHERE locktype = 'advisory' AND pid = pg_catalog.pg_backend_pid() AND granted \
        AND classid::bigint = $1 AND objid::bigint = $2 AND objsubid = 2)";
 
 #[derive(Debug)]
@@ -497,7 +505,7 @@ impl Statements {
             format!(
                 "DELETE FROM {s}.{table} WHERE seq = ANY(ARRAY(\
                    SELECT seq FROM {s}.{table} \
-                   WHERE dead_at < now() - make_interval(secs => $1) \
+                   WHERE dead_at < pg_catalog.now() - pg_catalog.make_interval(secs => $1) \
                    ORDER BY dead_at LIMIT $2 FOR UPDATE SKIP LOCKED)) \
                  RETURNING message_id"
             )
@@ -527,7 +535,7 @@ impl Statements {
                 "DELETE FROM {s}.outbox WHERE seq = ANY(ARRAY(\
                    SELECT seq FROM {s}.outbox \
                    WHERE published_at IS NOT NULL \
-                     AND published_at < now() - make_interval(secs => $1) \
+                     AND published_at < pg_catalog.now() - pg_catalog.make_interval(secs => $1) \
                    ORDER BY published_at LIMIT $2 FOR UPDATE SKIP LOCKED))"
             ),
             // Deleting the row is what releases its ordering key (as `discard` does); a
@@ -634,6 +642,16 @@ impl Janitor {
             instance = %self.instance
         );
         async {
+            if crate::pooler::shares_sessions(&self.pool).await? == Some(true) {
+                return Err(Error::SessionRequired {
+                    component: "janitor",
+                    reason: "it elects one instance per schema with a session advisory lock, and \
+                             this pool's connections go through a pooler in transaction mode, \
+                             which would hand that lock to other clients' transactions; build \
+                             the janitor on a pool of direct connections"
+                        .to_owned(),
+                });
+            }
             let mut report = PassReport::default();
             let worked = self.work(&mut report).await;
             if self.refresh_gauges {
@@ -685,7 +703,7 @@ impl Janitor {
                 backend_pid = session.backend_pid,
                 "pgbox janitor releasing the lock"
             );
-            sqlx::query("SELECT pg_advisory_unlock($1, $2)")
+            sqlx::query("SELECT pg_catalog.pg_advisory_unlock($1, $2)")
                 .bind(LOCK_CLASS)
                 .bind(self.key)
                 .execute(&mut session.conn)
@@ -802,6 +820,21 @@ impl Janitor {
         }
         report.partitions_created = partitions.create_ahead().await?;
         if let Some(retention) = self.partition_retention() {
+            if !partitions.can_drop().await? {
+                report.partitions_expiry_needs_owner = true;
+                if !self
+                    .expiry_warned
+                    .swap(true, std::sync::atomic::Ordering::Relaxed)
+                {
+                    tracing::warn!(
+                        schema = self.schema.as_str(),
+                        "pgbox janitor: this role does not own partitioned_inbox, so it creates \
+                         partitions ahead but drops none; run `pgbox partitions drop` as the \
+                         role that ran the migrations"
+                    );
+                }
+                return Ok(());
+            }
             report.partitions_dropped = partitions
                 .drop_expired(retention)
                 .await?
@@ -872,7 +905,7 @@ impl Janitor {
             session.busy = true;
             let tried = tokio::time::timeout(
                 self.op_bound(),
-                sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+                sqlx::query_scalar("SELECT pg_catalog.pg_try_advisory_lock($1, $2)")
                     .bind(LOCK_CLASS)
                     .bind(self.key)
                     .fetch_one(&mut session.conn),
@@ -910,7 +943,7 @@ impl Janitor {
     async fn connect(&self) -> Result<Session> {
         let connect = async {
             let mut conn = PgConnection::connect_with(&self.connect).await?;
-            let backend_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+            let backend_pid: i32 = sqlx::query_scalar("SELECT pg_catalog.pg_backend_pid()")
                 .fetch_one(&mut conn)
                 .await?;
             Ok::<_, Error>(Session {

@@ -11,6 +11,7 @@ mod connect;
 mod consumer;
 pub mod doctor;
 mod error;
+mod grants;
 #[cfg(feature = "axum")]
 pub mod idempotency;
 mod ident;

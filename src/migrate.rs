@@ -47,6 +47,7 @@ pub async fn migrate(pool: &PgPool) -> Result<MigrationReport> {
 pub struct Migrator {
     schema: Identifier,
     partitioning: Option<crate::inbox::InboxPartitioning>,
+    grant_to: Vec<Identifier>,
 }
 
 impl Default for Migrator {
@@ -80,6 +81,7 @@ impl Migrator {
         Migrator {
             schema: Identifier::pgbox_schema(DEFAULT_SCHEMA).expect("default schema is valid"),
             partitioning: None,
+            grant_to: Vec::new(),
         }
     }
 
@@ -106,6 +108,34 @@ impl Migrator {
         self
     }
 
+    /// After the migrations, grants the application role `role` what pgbox's components need
+    /// on this schema, and nothing more: `USAGE` on the schema, per table the
+    /// `SELECT`/`INSERT`/`UPDATE`/`DELETE` the inbox, outbox, relay, built-in queue, janitor
+    /// and doctor run, `USAGE` on lease mode's token sequence, `EXECUTE` on the functions
+    /// they call (see the README's "Least-privilege roles"). No `CREATE`, no ownership, no
+    /// role membership. May be called more than once, for several roles.
+    ///
+    /// The grants are applied on every [`run`](Migrator::run) (and written into
+    /// [`to_sql`](Migrator::to_sql)'s script), whether or not a migration was pending: `GRANT`
+    /// is idempotent, and objects a later migration adds are granted by the run that adds
+    /// them. Run the migrator as the schema's owner (the role that creates pgbox's objects);
+    /// the role must exist.
+    ///
+    /// `role` is validated like a schema name (lowercase ASCII, digits, `_`; quoted in SQL);
+    /// `public` is refused: it would grant every role.
+    pub fn grant_to(mut self, role: &str) -> Result<Self> {
+        let role = crate::grants::role(role)?;
+        if !self.grant_to.contains(&role) {
+            self.grant_to.push(role);
+        }
+        Ok(self)
+    }
+
+    /// The roles [`grant_to`](Migrator::grant_to) named, in order.
+    pub fn grant_roles(&self) -> impl Iterator<Item = &str> {
+        self.grant_to.iter().map(Identifier::as_str)
+    }
+
     /// The schema this migrator targets.
     pub fn schema_name(&self) -> &str {
         self.schema.as_str()
@@ -116,9 +146,23 @@ impl Migrator {
     /// Holds a session advisory lock (derived from the schema name) on one pooled connection
     /// while it works; on any error, or if this future is dropped before it completes, that
     /// connection is closed rather than returned to the pool, which releases the lock.
+    ///
+    /// That lock needs a session of its own: a pool that goes through a pooler in transaction
+    /// mode (found by the doctor's probe, when the pool can lend two connections) is refused
+    /// with [`Error::SessionRequired`] before anything is locked or applied.
     pub async fn run(&self, pool: &PgPool) -> Result<MigrationReport> {
         let span = tracing::info_span!("pgbox.migrate", schema = self.schema.as_str());
         async {
+            if crate::pooler::shares_sessions(pool).await? == Some(true) {
+                return Err(Error::SessionRequired {
+                    component: "migrations",
+                    reason: "they hold a session advisory lock while they apply, and this pool's \
+                             connections go through a pooler in transaction mode, which would \
+                             hand that lock to other clients' transactions; migrate on a direct \
+                             connection (the server's own address)"
+                        .to_owned(),
+                });
+            }
             let mut guard = SessionGuard(Some(pool.acquire().await?));
             let conn = guard.0.as_mut().expect("just set");
             let report = self.run_locked(conn).await?;
@@ -148,7 +192,7 @@ impl Migrator {
             partitioning.validate()?;
         }
         let lock_key = advisory_lock_key(self.schema.as_str());
-        sqlx::query("SELECT pg_advisory_lock($1)")
+        sqlx::query("SELECT pg_catalog.pg_advisory_lock($1)")
             .bind(lock_key)
             .execute(&mut **conn)
             .await?;
@@ -176,11 +220,17 @@ impl Migrator {
             Some(partitioning) => partitioning.apply(conn, &self.schema).await?,
             None => Vec::new(),
         };
+        for role in &self.grant_to {
+            let grants = crate::grants::grant_sql(&self.schema, role);
+            sqlx::raw_sql(AssertSqlSafe(format!("BEGIN;\n{grants}COMMIT;")))
+                .execute(&mut **conn)
+                .await?;
+        }
 
         sqlx::raw_sql("RESET client_min_messages")
             .execute(&mut **conn)
             .await?;
-        sqlx::query("SELECT pg_advisory_unlock($1)")
+        sqlx::query("SELECT pg_catalog.pg_advisory_unlock($1)")
             .bind(lock_key)
             .execute(&mut **conn)
             .await?;
@@ -203,7 +253,7 @@ impl Migrator {
     pub async fn applied(&self, pool: &PgPool) -> Result<Vec<AppliedMigration>> {
         let mut tx = pool.begin().await?;
         let exists: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_tables WHERE schemaname = $1 AND tablename = $2)",
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = $1 AND tablename = $2)",
         )
         .persistent(false)
         .bind(self.schema.as_str())
@@ -244,6 +294,9 @@ impl Migrator {
     ///
     /// Run it once, on a schema without pgbox tables: it creates them unconditionally, so a
     /// second run fails (and, being one transaction, changes nothing).
+    ///
+    /// With [`grant_to`](Migrator::grant_to), the script ends with the grants, in the same
+    /// transaction.
     pub fn to_sql(&self) -> String {
         let mut migrations = embedded::migrations::runner().get_migrations().clone();
         // In version order: the embedded list follows file names, where V10 sorts before V2.
@@ -253,7 +306,7 @@ impl Migrator {
             "-- pgbox schema {schema}: {n} migration(s). Run once, in one transaction.\n\
              BEGIN;\n\
              -- Waits for a concurrent `pgbox migrate` of this schema, and makes it wait.\n\
-             SELECT pg_advisory_xact_lock({lock});\n\
+             SELECT pg_catalog.pg_advisory_xact_lock({lock});\n\
              CREATE SCHEMA IF NOT EXISTS {schema};\n\
              SET LOCAL search_path TO {schema}, pg_temp;\n\
              -- pgbox's migration history (refinery's layout), so `pgbox migrate` sees what\n\
@@ -270,6 +323,10 @@ impl Migrator {
             out.push('\n');
             out.push_str(&history_row_sql(&history, m));
             out.push('\n');
+        }
+        for role in &self.grant_to {
+            out.push('\n');
+            out.push_str(&crate::grants::grant_sql(&self.schema, role));
         }
         out.push_str("\nCOMMIT;\n");
         out
@@ -298,7 +355,7 @@ fn history_row_sql(history: &str, m: &Migration) -> String {
     format!(
         "INSERT INTO {history} (version, name, applied_on, checksum) VALUES \
          ({version}, {name}, \
-         to_char(clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
+         pg_catalog.to_char(pg_catalog.clock_timestamp() AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"'), \
          '{checksum}');",
         version = m.version(),
         name = sql_literal(m.name()),

@@ -125,21 +125,18 @@ pub(crate) async fn shares_sessions(pool: &PgPool) -> Result<Option<bool>> {
     let can_open = pool.size() < pool.options().get_max_connections();
     let second = match pool.try_acquire() {
         Some(conn) => Some(conn),
-        None if can_open => {
-            tokio::time::timeout(std::time::Duration::from_secs(2), pool.acquire())
-                .await
-                .ok()
-                .transpose()?
-        }
+        None if can_open => tokio::time::timeout(std::time::Duration::from_secs(2), pool.acquire())
+            .await
+            .ok()
+            .transpose()?,
         None => None,
     };
     let seen = match second {
         Some(mut second) => {
-            let row = sqlx::raw_sql(
-                "SELECT pg_catalog.current_setting('pgbox.pooler_probe', true)",
-            )
-            .fetch_optional(&mut *second)
-            .await?;
+            let row =
+                sqlx::raw_sql("SELECT pg_catalog.current_setting('pgbox.pooler_probe', true)")
+                    .fetch_optional(&mut *second)
+                    .await?;
             let value: Option<String> = match row {
                 Some(row) => sqlx::Row::try_get(&row, 0)?,
                 None => None,

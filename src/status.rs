@@ -68,13 +68,13 @@ pub async fn status(pool: &PgPool, schema: &str) -> Result<Status> {
         .await?;
     let per_topic = format!(
         "SELECT \
-           (SELECT max(seq) - min(seq) + 1 FROM {s}.outbox WHERE topic = $1 AND published_at IS NULL), \
+           (SELECT pg_catalog.max(seq) - pg_catalog.min(seq) + 1 FROM {s}.outbox WHERE topic = $1 AND published_at IS NULL), \
            (SELECT created_at FROM {s}.outbox WHERE topic = $1 AND published_at IS NULL ORDER BY seq LIMIT 1), \
-           (SELECT count(*) FROM (SELECT 1 FROM {s}.outbox_dead_letters WHERE topic = $1 LIMIT $2) d), \
-           (SELECT max(seq) - min(seq) + 1 FROM {s}.queue WHERE topic = $1), \
+           (SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {s}.outbox_dead_letters WHERE topic = $1 LIMIT $2) d), \
+           (SELECT pg_catalog.max(seq) - pg_catalog.min(seq) + 1 FROM {s}.queue WHERE topic = $1), \
            (SELECT enqueued_at FROM {s}.queue WHERE topic = $1 ORDER BY seq LIMIT 1), \
-           (SELECT count(*) FROM (SELECT 1 FROM {s}.queue_dead_letters WHERE topic = $1 LIMIT $2) d), \
-           now()"
+           (SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {s}.queue_dead_letters WHERE topic = $1 LIMIT $2) d), \
+           pg_catalog.now()"
     );
     let mut out = Vec::with_capacity(topics.len());
     let mut taken_at = None;
@@ -97,7 +97,11 @@ pub async fn status(pool: &PgPool, schema: &str) -> Result<Status> {
     }
     let taken_at = match taken_at {
         Some(t) => t,
-        None => sqlx::query_scalar("SELECT now()").fetch_one(pool).await?,
+        None => {
+            sqlx::query_scalar("SELECT pg_catalog.now()")
+                .fetch_one(pool)
+                .await?
+        }
     };
     Ok(Status {
         topics: out,
@@ -152,13 +156,13 @@ pub async fn inbox_status(pool: &PgPool, schema: &str) -> Result<Vec<ConsumerInb
         .await?;
     let per_consumer = format!(
         "SELECT \
-           (SELECT count(*) FROM (SELECT 1 FROM {s}.inbox WHERE consumer = $1 LIMIT $2) n), \
+           (SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {s}.inbox WHERE consumer = $1 LIMIT $2) n), \
            (SELECT processed_at FROM {s}.inbox WHERE consumer = $1 ORDER BY processed_at LIMIT 1), \
            (SELECT processed_at FROM {s}.inbox WHERE consumer = $1 ORDER BY processed_at DESC LIMIT 1), \
-           (SELECT count(*) FROM (SELECT 1 FROM {s}.inbox \
-              WHERE consumer = $1 AND lease_expires_at > now() LIMIT $3) l), \
-           (SELECT count(*) FROM (SELECT 1 FROM {s}.inbox \
-              WHERE consumer = $1 AND lease_expires_at <= now() LIMIT $3) e), \
+           (SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {s}.inbox \
+              WHERE consumer = $1 AND lease_expires_at > pg_catalog.now() LIMIT $3) l), \
+           (SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {s}.inbox \
+              WHERE consumer = $1 AND lease_expires_at <= pg_catalog.now() LIMIT $3) e), \
            (SELECT lease_expires_at FROM {s}.inbox \
               WHERE consumer = $1 AND lease_expires_at IS NOT NULL ORDER BY lease_expires_at LIMIT 1)"
     );

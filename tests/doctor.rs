@@ -84,7 +84,7 @@ async fn run_advice(db: &TestDb, advice: &str) {
     conn.close().await.unwrap();
 }
 
-const OK_CODES: [Code; 8] = [
+const OK_CODES: [Code; 10] = [
     Code::MigrationsCurrent,
     Code::IndexesValid,
     Code::BloatLow,
@@ -93,6 +93,8 @@ const OK_CODES: [Code; 8] = [
     Code::NoDeadLetters,
     Code::InboxLeasesConsistent,
     Code::ReplicationOk,
+    Code::GrantsComplete,
+    Code::PoolerOk,
 ];
 
 #[tokio::test]
@@ -107,7 +109,7 @@ async fn a_freshly_migrated_schema_is_all_ok_and_exits_0() {
     }
 
     let text = expect_exit(&pgbox_cli(&db.url(), &["doctor"]), EXIT_OK);
-    assert!(text.contains("0 critical, 0 warning(s), 8 ok"), "{text}");
+    assert!(text.contains("0 critical, 0 warning(s), 10 ok"), "{text}");
     assert!(text.contains("migrations_current"), "{text}");
 
     let out = pgbox_cli(&db.url(), &["doctor", "--json"]);

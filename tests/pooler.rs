@@ -475,7 +475,47 @@ async fn pipeline_through_the_pooler() {
     for _ in 0..2 {
         let report = pgbox::doctor::check(&pool, "pgbox").await.unwrap();
         assert!(!report.not_migrated());
+        assert_eq!(
+            report
+                .with_code(pgbox::doctor::Code::TransactionPooler)
+                .count(),
+            1,
+            "the doctor sees the pooler: {report:#?}"
+        );
     }
+    let report = pgbox::doctor::check(&direct, "pgbox").await.unwrap();
+    assert_eq!(
+        report.with_code(pgbox::doctor::Code::PoolerOk).count(),
+        1,
+        "{report:#?}"
+    );
+    // Migrations and the janitor find the pooler at run time, before they lock anything.
+    let refused = pgbox::migrate(&pool).await.unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            pgbox::Error::SessionRequired {
+                component: "migrations",
+                ..
+            }
+        ),
+        "{refused}"
+    );
+    let janitor = pgbox::janitor::Janitor::builder(pool.clone())
+        .build()
+        .unwrap();
+    let refused = janitor.run_once().await.unwrap_err();
+    assert!(
+        matches!(
+            refused,
+            pgbox::Error::SessionRequired {
+                component: "janitor",
+                ..
+            }
+        ),
+        "{refused}"
+    );
+    pgbox::migrate(&direct).await.unwrap();
     // The janitor refuses a transaction pooler at build time.
     let refused = pgbox::janitor::Janitor::builder(pool.clone())
         .pooler(Pooler::Transaction)

@@ -58,6 +58,11 @@ enum Command {
         /// With `--partitioned-inbox`: partitions kept created ahead of the current one.
         #[arg(long, default_value_t = 3, requires = "partitioned_inbox")]
         partitions_ahead: u32,
+        /// After the migrations, grant this application role exactly what pgbox's components
+        /// need (schema usage, table rights, the lease sequence, pgbox's functions; no CREATE,
+        /// no ownership), again on every run. Repeat for several roles. Also in --print-sql.
+        #[arg(long = "grant-to", value_name = "ROLE")]
+        grant_to: Vec<String>,
     },
     /// The time-partitioned inbox's partitions: list them, create them ahead, drop old ones.
     Partitions {
@@ -81,6 +86,10 @@ enum Command {
         /// long is critical.
         #[arg(long, value_parser = parse_age, default_value = "1h")]
         xmin_age_critical: Duration,
+        /// Check the grants of this role (the one your services connect as) instead of the
+        /// role running the doctor.
+        #[arg(long, value_name = "ROLE")]
+        role: Option<String>,
     },
     /// Inspect, replay or discard dead letters: the outbox's, or with `--queue` the built-in
     /// queue's. Either kind holds back later messages of its ordering key until it is
@@ -180,6 +189,9 @@ impl From<Error> for Failure {
         };
         let hint = if code == 4 {
             " (run `pgbox migrate`)"
+        } else if e.db_kind() == Some(DbErrorKind::InsufficientPrivilege) {
+            " (as the schema's owner, run `pgbox migrate --grant-to ROLE`; \
+             `pgbox doctor --role ROLE` lists what is missing)"
         } else {
             ""
         };
@@ -487,9 +499,15 @@ async fn run(cli: Cli) -> Result<(), Failure> {
     let schema = cli.schema.as_str();
     match cli.command {
         Command::Migrate {
-            print_sql: true, ..
+            print_sql: true,
+            grant_to,
+            ..
         } => {
-            let sql = Migrator::new().schema(schema)?.to_sql();
+            let mut migrator = Migrator::new().schema(schema)?;
+            for role in &grant_to {
+                migrator = migrator.grant_to(role)?;
+            }
+            let sql = migrator.to_sql();
             print(json_mode, json!({ "sql": sql }), || sql.clone());
         }
         Command::Migrate {
@@ -497,9 +515,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             partitioned_inbox,
             partition_min_retention,
             partitions_ahead,
+            grant_to,
         } => {
-            let pool = connect(cli.database_url.as_deref()).await?;
             let mut migrator = Migrator::new().schema(schema)?;
+            for role in &grant_to {
+                migrator = migrator.grant_to(role)?;
+            }
+            let pool = connect(cli.database_url.as_deref()).await?;
             if let Some(width) = partitioned_inbox {
                 migrator = migrator.partitioned_inbox(
                     pgbox::InboxPartitioning::every(width)
@@ -519,6 +541,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     "schema": schema,
                     "applied": applied,
                     "partitions_created": report.partitions_created,
+                    "granted_to": grant_to,
                 }),
                 || {
                     let mut out: String = if report.applied.is_empty() {
@@ -532,6 +555,9 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     };
                     for p in &report.partitions_created {
                         out.push_str(&format!("created inbox partition {p}\n"));
+                    }
+                    for role in &grant_to {
+                        out.push_str(&format!("granted role {role:?} what pgbox needs\n"));
                     }
                     out
                 },
@@ -631,6 +657,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Doctor {
             xmin_age_warn,
             xmin_age_critical,
+            role,
         } => {
             if xmin_age_warn > xmin_age_critical {
                 return Err(fail(
@@ -647,12 +674,14 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             // No `ensure_schema` here: on an unmigrated schema the doctor reports it as a
             // finding (`not_migrated`, exit 4), so a health check reading stdout gets the same
             // report shape whatever it found.
-            let report = Doctor::new()
+            let mut doctor = Doctor::new()
                 .schema(schema)?
                 .xmin_age_warn(xmin_age_warn)
-                .xmin_age_critical(xmin_age_critical)
-                .check(&pool)
-                .await?;
+                .xmin_age_critical(xmin_age_critical);
+            if let Some(role) = &role {
+                doctor = doctor.application_role(role)?;
+            }
+            let report = doctor.check(&pool).await?;
             let code = doctor_exit_code(&report);
             let mut value = serde_json::to_value(&report).expect("json");
             value["migrated"] = json!(!report.not_migrated());

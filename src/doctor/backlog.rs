@@ -9,7 +9,7 @@ impl Doctor {
         &self,
         conn: &mut PgConnection,
     ) -> Result<Finding> {
-        let usage: f64 = sqlx::query_scalar("SELECT pg_notification_queue_usage()")
+        let usage: f64 = sqlx::query_scalar("SELECT pg_catalog.pg_notification_queue_usage()")
             .persistent(false)
             .fetch_one(&mut *conn)
             .await?;
@@ -56,9 +56,9 @@ impl Doctor {
         let s = &self.schema;
         let row = sqlx::query(AssertSqlSafe(format!(
             "SELECT (SELECT ahead FROM {s}.inbox_partitioning), \
-                    count(*) FILTER (WHERE r_from > now()), \
-                    coalesce(bool_or(now() >= r_from AND now() < r_to), false), \
-                    max(r_to) \
+                    pg_catalog.count(*) FILTER (WHERE r_from > pg_catalog.now()), \
+                    coalesce(pg_catalog.bool_or(pg_catalog.now() >= r_from AND pg_catalog.now() < r_to), false), \
+                    pg_catalog.max(r_to) \
              FROM {s}.inbox_partitions()"
         )))
         .persistent(false)
@@ -111,7 +111,7 @@ impl Doctor {
     pub(super) async fn check_inbox_leases(&self, conn: &mut PgConnection) -> Result<Finding> {
         let s = &self.schema;
         let row = sqlx::query(AssertSqlSafe(format!(
-            "SELECT count(*), min(consumer || ' / ' || key) FROM {s}.inbox \
+            "SELECT pg_catalog.count(*), pg_catalog.min(consumer || ' / ' || key) FROM {s}.inbox \
              WHERE lease_expires_at IS NOT NULL \
                AND (lease_token IS NULL OR outcome IS NOT NULL OR rejection IS NOT NULL)"
         )))
@@ -174,8 +174,8 @@ impl Doctor {
             }
             checked.push(table);
             let row = sqlx::query(AssertSqlSafe(format!(
-                "SELECT (SELECT count(*) FROM (SELECT 1 FROM {s}.{table} LIMIT $1) d)::int8, \
-                        (SELECT extract(epoch FROM clock_timestamp() - dead_at)::float8 \
+                "SELECT (SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {s}.{table} LIMIT $1) d)::int8, \
+                        (SELECT extract(epoch FROM pg_catalog.clock_timestamp() - dead_at)::float8 \
                            FROM {s}.{table} ORDER BY seq LIMIT 1), \
                         (SELECT topic FROM {s}.{table} ORDER BY seq LIMIT 1)"
             )))

@@ -14,18 +14,18 @@ impl Doctor {
         let s = &self.schema;
         let names: Vec<String> = tables.iter().map(|t| (*t).to_owned()).collect();
         let table_rows = sqlx::query(
-            "SELECT c.relname::text, pg_relation_size(c.oid)::int8, \
+            "SELECT c.relname::text, pg_catalog.pg_relation_size(c.oid)::int8, \
                     coalesce(st.n_live_tup, 0)::int8, coalesce(st.n_dead_tup, 0)::int8, \
-                    extract(epoch FROM clock_timestamp() \
+                    extract(epoch FROM pg_catalog.clock_timestamp() \
                         - greatest(st.last_autovacuum, st.last_vacuum))::float8, \
-                    (SELECT sum(ps.avg_width)::int8 FROM pg_stats ps \
+                    (SELECT pg_catalog.sum(ps.avg_width)::int8 FROM pg_catalog.pg_stats ps \
                        WHERE ps.schemaname = n.nspname AND ps.tablename = c.relname \
                          AND NOT ps.inherited), \
-                    (SELECT count(*) FROM pg_attribute a \
+                    (SELECT pg_catalog.count(*) FROM pg_catalog.pg_attribute a \
                        WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)::int8, \
-                    current_setting('block_size')::int8 \
-             FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace \
-             LEFT JOIN pg_stat_user_tables st ON st.relid = c.oid \
+                    pg_catalog.current_setting('block_size')::int8 \
+             FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             LEFT JOIN pg_catalog.pg_stat_user_tables st ON st.relid = c.oid \
              WHERE n.nspname = $1 AND c.relname = ANY($2) AND c.relkind IN ('r', 'p') \
              ORDER BY 1",
         )
@@ -35,21 +35,21 @@ impl Doctor {
         .fetch_all(&mut *conn)
         .await?;
         let index_rows = sqlx::query(
-            "SELECT ic.relname::text, t.relname::text, pg_relation_size(ic.oid)::int8, \
+            "SELECT ic.relname::text, t.relname::text, pg_catalog.pg_relation_size(ic.oid)::int8, \
                     ic.reltuples::float8, \
-                    (SELECT sum(coalesce(ps.avg_width, \
+                    (SELECT pg_catalog.sum(coalesce(ps.avg_width, \
                                 CASE WHEN a.attlen > 0 THEN a.attlen ELSE 16 END))::int8 \
-                       FROM unnest(i.indkey::int2[]) AS k(attnum) \
-                       JOIN pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
-                       LEFT JOIN pg_stats ps ON ps.schemaname = n.nspname \
+                       FROM pg_catalog.unnest(i.indkey::int2[]) AS k(attnum) \
+                       JOIN pg_catalog.pg_attribute a ON a.attrelid = i.indrelid AND a.attnum = k.attnum \
+                       LEFT JOIN pg_catalog.pg_stats ps ON ps.schemaname = n.nspname \
                             AND ps.tablename = t.relname AND ps.attname = a.attname \
                             AND NOT ps.inherited), \
-                    current_setting('block_size')::int8 \
-             FROM pg_index i \
-             JOIN pg_class ic ON ic.oid = i.indexrelid \
-             JOIN pg_class t ON t.oid = i.indrelid \
-             JOIN pg_namespace n ON n.oid = t.relnamespace \
-             JOIN pg_am am ON am.oid = ic.relam \
+                    pg_catalog.current_setting('block_size')::int8 \
+             FROM pg_catalog.pg_index i \
+             JOIN pg_catalog.pg_class ic ON ic.oid = i.indexrelid \
+             JOIN pg_catalog.pg_class t ON t.oid = i.indrelid \
+             JOIN pg_catalog.pg_namespace n ON n.oid = t.relnamespace \
+             JOIN pg_catalog.pg_am am ON am.oid = ic.relam \
              WHERE n.nspname = $1 AND t.relname = ANY($2) AND am.amname = 'btree' \
                AND i.indisvalid \
              ORDER BY 2, 1",

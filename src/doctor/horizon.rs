@@ -37,11 +37,11 @@ impl Doctor {
         let rows = sqlx::query(
             "SELECT pid, coalesce(application_name, ''), coalesce(state, ''), \
                     coalesce(usename::text, ''), coalesce(host(client_addr), 'local'), \
-                    extract(epoch FROM clock_timestamp() - xact_start)::float8, \
-                    greatest(age(backend_xid), age(backend_xmin))::int8, \
+                    extract(epoch FROM pg_catalog.clock_timestamp() - xact_start)::float8, \
+                    greatest(pg_catalog.age(backend_xid), pg_catalog.age(backend_xmin))::int8, \
                     backend_xid IS NOT NULL \
-             FROM pg_stat_activity \
-             WHERE datname = current_database() AND pid <> pg_backend_pid() \
+             FROM pg_catalog.pg_stat_activity \
+             WHERE datname = pg_catalog.current_database() AND pid <> pg_catalog.pg_backend_pid() \
                AND (backend_xid IS NOT NULL OR backend_xmin IS NOT NULL) \
                AND backend_type NOT IN ('autovacuum worker', 'walsender') \
              ORDER BY xact_start NULLS LAST LIMIT 20",
@@ -50,8 +50,8 @@ impl Doctor {
         .fetch_all(&mut *conn)
         .await?;
         let hidden: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity \
-             WHERE datname = current_database() AND query = '<insufficient privilege>'",
+            "SELECT pg_catalog.count(*) FROM pg_catalog.pg_stat_activity \
+             WHERE datname = pg_catalog.current_database() AND query = '<insufficient privilege>'",
         )
         .persistent(false)
         .fetch_one(&mut *conn)
@@ -97,7 +97,7 @@ impl Doctor {
                 format!(
                     "It is {state}: a long statement, or a session that keeps its \
                      transaction open between statements. See what it runs: `SELECT query, \
-                     query_start FROM pg_stat_activity WHERE pid = {pid};`. Cancel the \
+                     query_start FROM pg_catalog.pg_stat_activity WHERE pid = {pid};`. Cancel the \
                      statement: `SELECT pg_cancel_backend({pid});`, or end the session: \
                      `SELECT pg_terminate_backend({pid});`. Bound such work with \
                      statement_timeout, or run it on a replica without hot_standby_feedback."
@@ -146,9 +146,9 @@ impl Doctor {
         // commits or rolls them back.
         let prepared = sqlx::query(
             "SELECT gid, owner::text, \
-                    extract(epoch FROM clock_timestamp() - prepared)::float8, \
-                    age(transaction)::int8 \
-             FROM pg_prepared_xacts WHERE database = current_database() \
+                    extract(epoch FROM pg_catalog.clock_timestamp() - prepared)::float8, \
+                    pg_catalog.age(transaction)::int8 \
+             FROM pg_catalog.pg_prepared_xacts WHERE database = pg_catalog.current_database() \
              ORDER BY prepared LIMIT 5",
         )
         .persistent(false)
@@ -195,11 +195,11 @@ impl Doctor {
         // when the slot is abandoned.
         let slots = sqlx::query(
             "SELECT slot_name::text, slot_type, active, \
-                    age(xmin)::int8, age(catalog_xmin)::int8, coalesce(database::text, '') \
-             FROM pg_replication_slots \
+                    pg_catalog.age(xmin)::int8, pg_catalog.age(catalog_xmin)::int8, coalesce(database::text, '') \
+             FROM pg_catalog.pg_replication_slots \
              WHERE xmin IS NOT NULL \
-                OR (catalog_xmin IS NOT NULL AND NOT active AND database = current_database()) \
-             ORDER BY greatest(age(xmin), age(catalog_xmin)) DESC LIMIT 5",
+                OR (catalog_xmin IS NOT NULL AND NOT active AND database = pg_catalog.current_database()) \
+             ORDER BY greatest(pg_catalog.age(xmin), pg_catalog.age(catalog_xmin)) DESC LIMIT 5",
         )
         .persistent(false)
         .fetch_all(&mut *conn)
@@ -264,10 +264,10 @@ impl Doctor {
         // Standbys with hot_standby_feedback and no slot: their walsender carries the xmin.
         let walsenders = sqlx::query(
             "SELECT pid, coalesce(application_name, ''), coalesce(host(client_addr), 'local'), \
-                    age(backend_xmin)::int8 \
-             FROM pg_stat_activity \
+                    pg_catalog.age(backend_xmin)::int8 \
+             FROM pg_catalog.pg_stat_activity \
              WHERE backend_type = 'walsender' AND backend_xmin IS NOT NULL \
-             ORDER BY age(backend_xmin) DESC LIMIT 5",
+             ORDER BY pg_catalog.age(backend_xmin) DESC LIMIT 5",
         )
         .persistent(false)
         .fetch_all(&mut *conn)

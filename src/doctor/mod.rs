@@ -56,6 +56,20 @@
 //!   `remote_write` or `remote_apply`) is a warning: a failover loses what the standby had not
 //!   received. A server in recovery (a standby) is critical: pgbox cannot write there. A
 //!   primary without standbys is ok (there is nothing to fail over to).
+//! - **Grants** ([`Check::Grants`]): the application role ([`Doctor::application_role`], or the
+//!   role running the doctor) holds every privilege pgbox's components need on the schema
+//!   (`has_schema_privilege`, `has_table_privilege`, `has_sequence_privilege`,
+//!   `has_function_privilege`), the list [`Migrator::grant_to`] grants. A missing one is
+//!   critical: the operations needing it fail with
+//!   [`DbErrorKind::InsufficientPrivilege`](crate::DbErrorKind::InsufficientPrivilege). When
+//!   the role running the doctor lacks one, the checks after this one (which read pgbox's
+//!   tables) are skipped.
+//! - **Pooler** ([`Check::Pooler`]): whether the pool's connections go through a pooler in
+//!   transaction mode: one connection sets a session setting to a random value, a second one
+//!   reads it; only a pooler handing one client's server session to another shows it there.
+//!   A warning then, with what each component needs (`Pooler::Transaction`, direct
+//!   connections for the janitor, migrations and LISTEN). It can miss on a busy pooler; it
+//!   never raises a false alarm.
 //!
 //! **Heartbeats**: pgbox's relays and consumers record no heartbeat in the database today, so
 //! the doctor cannot tell whether they are running and reports nothing about them;
@@ -71,6 +85,7 @@
 mod backlog;
 mod bloat;
 mod format;
+mod grants;
 mod horizon;
 mod pooler;
 mod replication;
@@ -143,6 +158,8 @@ pub enum Check {
     Replication,
     /// Whether the pool's connections go through a pooler in transaction mode (`pooler`).
     Pooler,
+    /// The application role holds every privilege pgbox's components need (`grants`).
+    Grants,
 }
 
 impl Check {
@@ -159,6 +176,7 @@ impl Check {
             Check::InboxLeases => "inbox_leases",
             Check::Replication => "replication",
             Check::Pooler => "pooler",
+            Check::Grants => "grants",
         }
     }
 }
@@ -255,6 +273,11 @@ pub enum Code {
     /// [`Pooler::Transaction`](crate::Pooler::Transaction), and the session holders (janitor,
     /// migrations, LISTEN) a direct connection.
     TransactionPooler,
+    /// The application role holds every privilege pgbox needs (`grants_complete`; ok).
+    GrantsComplete,
+    /// The application role lacks a privilege pgbox needs, or does not exist
+    /// (`missing_grant`; critical): the operations needing it fail.
+    MissingGrant,
 }
 
 impl Code {
@@ -293,6 +316,8 @@ impl Code {
             Code::ServerIsStandby => "standby_server",
             Code::PoolerOk => "pooler_ok",
             Code::TransactionPooler => "transaction_pooler",
+            Code::GrantsComplete => "grants_complete",
+            Code::MissingGrant => "missing_grant",
         }
     }
 
@@ -322,6 +347,8 @@ impl Code {
             Code::ReplicationOk | Code::AsyncReplication | Code::ServerIsStandby => {
                 Check::Replication
             }
+            Code::GrantsComplete | Code::MissingGrant => Check::Grants,
+            Code::PoolerOk | Code::TransactionPooler => Check::Pooler,
         }
     }
 }
@@ -491,6 +518,7 @@ pub struct Doctor {
     bloat_min_bytes: i64,
     bloat_ratio_warn: f64,
     statement_timeout: Duration,
+    application_role: Option<Identifier>,
 }
 
 impl Default for Doctor {
@@ -515,6 +543,7 @@ impl Doctor {
             bloat_min_bytes: 32 << 20,
             bloat_ratio_warn: 0.5,
             statement_timeout: Duration::from_secs(10),
+            application_role: None,
         }
     }
 
@@ -596,6 +625,13 @@ impl Doctor {
         self
     }
 
+    /// Checks the grants of `role` (the role your services connect as) instead of the role
+    /// running the doctor ([`Check::Grants`]). Validated like [`Migrator::grant_to`]'s role.
+    pub fn application_role(mut self, role: &str) -> Result<Self> {
+        self.application_role = Some(crate::grants::role(role)?);
+        Ok(self)
+    }
+
     fn validate(&self) -> Result<()> {
         for (name, v) in [
             ("notification_queue_warn", self.notification_queue_warn),
@@ -627,10 +663,26 @@ impl Doctor {
         self.validate()?;
         let schema = self.schema.as_str().to_owned();
         // The same test the CLI's other commands make: a history table with rows.
-        let applied = Migrator::new().schema(&schema)?.applied(pool).await?;
+        let applied = match Migrator::new().schema(&schema)?.applied(pool).await {
+            // The role running the doctor cannot read the history: report its grants.
+            Err(e) if e.db_kind() == Some(crate::DbErrorKind::InsufficientPrivilege) => {
+                let mut conn = pool.acquire().await?;
+                let findings = self.check_grants(&mut conn, None).await?;
+                let taken_at = sqlx::query_scalar("SELECT pg_catalog.now()")
+                    .persistent(false)
+                    .fetch_one(&mut *conn)
+                    .await?;
+                return Ok(Report {
+                    schema,
+                    taken_at,
+                    findings,
+                });
+            }
+            other => other?,
+        };
         if applied.is_empty() {
             let mut tx = pool.begin().await?;
-            let taken_at = sqlx::query_scalar("SELECT now()")
+            let taken_at = sqlx::query_scalar("SELECT pg_catalog.now()")
                 .persistent(false)
                 .fetch_one(&mut *tx)
                 .await?;
@@ -664,12 +716,33 @@ impl Doctor {
         )))
         .execute(&mut *tx)
         .await?;
-        let taken_at: OffsetDateTime = sqlx::query_scalar("SELECT now()")
+        let taken_at: OffsetDateTime = sqlx::query_scalar("SELECT pg_catalog.now()")
             .persistent(false)
             .fetch_one(&mut *tx)
             .await?;
 
         let (mut findings, versions) = self.check_migrations(&mut tx).await?;
+        // Before the checks that read pgbox's tables: as a role lacking their grants, they
+        // would fail on the first one.
+        let grant_findings = self.check_grants(&mut tx, Some(&versions)).await?;
+        let running: String = sqlx::query_scalar("SELECT current_user::text")
+            .persistent(false)
+            .fetch_one(&mut *tx)
+            .await?;
+        let running_role_lacks = self
+            .application_role
+            .as_ref()
+            .is_none_or(|r| r.as_str() == running)
+            && grant_findings.iter().any(|f| f.code == Code::MissingGrant);
+        if running_role_lacks {
+            findings.extend(grant_findings);
+            tx.commit().await?;
+            return Ok(Report {
+                schema,
+                taken_at,
+                findings,
+            });
+        }
         let (index_findings, tables) = self.check_indexes(&mut tx, &versions).await?;
         findings.extend(index_findings);
         let (xmin_findings, horizon_held) = self.check_xmin_horizon(&mut tx).await?;
@@ -684,6 +757,7 @@ impl Doctor {
             findings.push(self.check_inbox_leases(&mut tx).await?);
         }
         findings.push(self.check_replication(&mut tx).await?);
+        findings.extend(grant_findings);
         tx.commit().await?;
         findings.push(self.check_pooler(pool).await?);
         Ok(Report {

@@ -34,13 +34,18 @@ impl Doctor {
                 "sessions stay with their connection (a direct connection, or a pooler in \
                  session mode)"
                     .to_owned(),
-                String::new(),
+                "Nothing to do. (The probe can miss a busy pooler in transaction mode: if one \
+                 is in between, configure pgbox for it as the README's \"Behind a pooler in \
+                 transaction mode\" says.)"
+                    .to_owned(),
             ),
             None => Finding::new(
                 Severity::Ok,
                 Code::PoolerOk,
                 "not probed: the pool could not lend a second connection".to_owned(),
-                String::new(),
+                "Give the doctor a pool of at least two connections to probe for a pooler in \
+                 transaction mode."
+                    .to_owned(),
             ),
         }
         .details(details))

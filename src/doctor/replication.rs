@@ -16,16 +16,16 @@ impl Doctor {
         // Without pg_read_all_stats (or pg_monitor), pg_stat_replication still has one row per
         // standby, with everything but the pid NULL: the count holds, sync_state is unknown.
         let row = sqlx::query(
-            "SELECT pg_is_in_recovery(), \
-                    current_setting('synchronous_standby_names'), \
-                    current_setting('synchronous_commit'), \
-                    count(r.pid), \
-                    count(r.pid) FILTER (WHERE r.sync_state IN ('sync', 'quorum')), \
-                    count(r.sync_state), \
-                    coalesce(string_agg(coalesce(r.application_name, '?') || ' (' \
+            "SELECT pg_catalog.pg_is_in_recovery(), \
+                    pg_catalog.current_setting('synchronous_standby_names'), \
+                    pg_catalog.current_setting('synchronous_commit'), \
+                    pg_catalog.count(r.pid), \
+                    pg_catalog.count(r.pid) FILTER (WHERE r.sync_state IN ('sync', 'quorum')), \
+                    pg_catalog.count(r.sync_state), \
+                    coalesce(pg_catalog.string_agg(coalesce(r.application_name, '?') || ' (' \
                         || coalesce(r.sync_state, 'unknown') || ')', ', ' \
                         ORDER BY r.application_name), '') \
-             FROM (SELECT 1) one LEFT JOIN pg_stat_replication r ON true",
+             FROM (SELECT 1) one LEFT JOIN pg_catalog.pg_stat_replication r ON true",
         )
         .persistent(false)
         .fetch_one(&mut *conn)

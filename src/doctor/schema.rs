@@ -167,8 +167,8 @@ impl Doctor {
     ) -> Result<(Vec<Finding>, Vec<&'static str>)> {
         let s = &self.schema;
         let present_tables: BTreeSet<String> = sqlx::query_scalar(
-            "SELECT c.relname::text FROM pg_class c \
-             JOIN pg_namespace n ON n.oid = c.relnamespace \
+            "SELECT c.relname::text FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
              WHERE n.nspname = $1 AND c.relkind IN ('r', 'p')",
         )
         .persistent(false)
@@ -179,10 +179,10 @@ impl Doctor {
         .collect();
         let rows = sqlx::query(
             "SELECT ic.relname::text, t.relname::text, i.indisvalid, i.indisready \
-             FROM pg_index i \
-             JOIN pg_class ic ON ic.oid = i.indexrelid \
-             JOIN pg_class t ON t.oid = i.indrelid \
-             JOIN pg_namespace n ON n.oid = t.relnamespace \
+             FROM pg_catalog.pg_index i \
+             JOIN pg_catalog.pg_class ic ON ic.oid = i.indexrelid \
+             JOIN pg_catalog.pg_class t ON t.oid = i.indrelid \
+             JOIN pg_catalog.pg_namespace n ON n.oid = t.relnamespace \
              WHERE n.nspname = $1",
         )
         .persistent(false)

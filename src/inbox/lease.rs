@@ -165,16 +165,16 @@ impl LeaseStatements {
             .into(),
             complete: format!(
                 "WITH done AS (\
-                   UPDATE {s}.inbox SET outcome = $4, lease_expires_at = NULL, processed_at = now() \
+                   UPDATE {s}.inbox SET outcome = $4, lease_expires_at = NULL, processed_at = pg_catalog.now() \
                    WHERE consumer = $1 AND key = $2 AND lease_token = $3 \
                      AND lease_expires_at IS NOT NULL RETURNING 1) \
-                 SELECT (SELECT count(*) FROM done), i.lease_token, i.lease_expires_at IS NOT NULL \
+                 SELECT (SELECT pg_catalog.count(*) FROM done), i.lease_token, i.lease_expires_at IS NOT NULL \
                  {current}"
             )
             .into(),
             extend: format!(
                 "WITH done AS (\
-                   UPDATE {s}.inbox SET lease_expires_at = clock_timestamp() + $4 * interval '1 microsecond' \
+                   UPDATE {s}.inbox SET lease_expires_at = pg_catalog.clock_timestamp() + $4 * interval '1 microsecond' \
                    WHERE consumer = $1 AND key = $2 AND lease_token = $3 \
                      AND lease_expires_at IS NOT NULL RETURNING lease_expires_at) \
                  SELECT (SELECT lease_expires_at FROM done), i.lease_token {current}"
@@ -185,7 +185,7 @@ impl LeaseStatements {
                    DELETE FROM {s}.inbox \
                    WHERE consumer = $1 AND key = $2 AND lease_token = $3 \
                      AND lease_expires_at IS NOT NULL RETURNING 1) \
-                 SELECT (SELECT count(*) FROM done), i.lease_token {current}"
+                 SELECT (SELECT pg_catalog.count(*) FROM done), i.lease_token {current}"
             )
             .into(),
         }

@@ -141,7 +141,7 @@ impl Statements {
                 "INSERT INTO {s}.inbox (consumer, key, message_id) VALUES ($1, $2, $3) \
                  ON CONFLICT (consumer, key) DO NOTHING \
                  RETURNING true, false, processed_at, message_id, NULL::jsonb, NULL::text, \
-                           pg_current_xact_id()::text"
+                           pg_catalog.pg_current_xact_id()::text"
             )
             .into(),
             claim_bounded: format!("SELECT * FROM {s}.inbox_claim_bounded($1, $2, $3, $4)").into(),
@@ -159,13 +159,13 @@ impl Statements {
             // bounded `Wait` modes stay bounded; a row someone holds stays in progress.
             take_expired_lease: Some(format!(
                 "UPDATE {s}.inbox AS i SET lease_token = NULL, lease_expires_at = NULL, \
-                   processed_at = now(), message_id = $3 \
+                   processed_at = pg_catalog.now(), message_id = $3 \
                  WHERE i.ctid = (SELECT l.ctid FROM {s}.inbox AS l \
                    WHERE l.consumer = $1 AND l.key = $2 \
-                     AND l.lease_expires_at IS NOT NULL AND l.lease_expires_at <= now() \
+                     AND l.lease_expires_at IS NOT NULL AND l.lease_expires_at <= pg_catalog.now() \
                    FOR UPDATE SKIP LOCKED) \
                  RETURNING true, false, i.processed_at, i.message_id, NULL::jsonb, NULL::text, \
-                           pg_current_xact_id()::text"
+                           pg_catalog.pg_current_xact_id()::text"
             )
             .into()),
             // Only the row this transaction claimed, and only from that transaction: $4 is
@@ -174,20 +174,20 @@ impl Statements {
             // token in a read-only transaction from assigning an id just to fail.
             store_outcome: format!(
                 "UPDATE {s}.inbox SET outcome = $3 WHERE consumer = $1 AND key = $2 \
-                 AND pg_current_xact_id_if_assigned() = $4::xid8 \
-                 AND processed_at = now() AND outcome IS NULL AND rejection IS NULL"
+                 AND pg_catalog.pg_current_xact_id_if_assigned() = $4::xid8 \
+                 AND processed_at = pg_catalog.now() AND outcome IS NULL AND rejection IS NULL"
             )
             .into(),
             reject: format!(
                 "UPDATE {s}.inbox SET rejection = $3 WHERE consumer = $1 AND key = $2 \
-                 AND pg_current_xact_id_if_assigned() = $4::xid8 \
-                 AND processed_at = now() AND outcome IS NULL AND rejection IS NULL"
+                 AND pg_catalog.pg_current_xact_id_if_assigned() = $4::xid8 \
+                 AND processed_at = pg_catalog.now() AND outcome IS NULL AND rejection IS NULL"
             )
             .into(),
             // True only in the transaction that claimed: false or NULL once that transaction
             // was ended under the handler (a later one has another id, or none yet), and
             // the "transaction is aborted" error after a swallowed failure.
-            verify: "SELECT pg_current_xact_id_if_assigned() = $1::xid8".into(),
+            verify: "SELECT pg_catalog.pg_current_xact_id_if_assigned() = $1::xid8".into(),
             claim_batch: format!(
                 "INSERT INTO {s}.inbox (consumer, key, message_id) \
                  SELECT $1, k.key, k.message_id FROM unnest($2::text[], $3::text[]) AS k(key, message_id) \
@@ -203,7 +203,7 @@ impl Statements {
             // a lease, or gone (released or purged since the claim statement). Failing
             // closed: only a committed row without a lease may be reported as done.
             batch_unsettled: format!(
-                "SELECT k FROM unnest($2::text[]) AS k \
+                "SELECT k FROM pg_catalog.unnest($2::text[]) AS k \
                  WHERE k <> ALL($3::text[]) AND NOT EXISTS (\
                    SELECT 1 FROM {s}.inbox AS i \
                    WHERE i.consumer = $1 AND i.key = k AND i.lease_expires_at IS NULL) \
@@ -225,8 +225,8 @@ impl Statements {
         let update = |column: &str| {
             format!(
                 "UPDATE {s}.partitioned_inbox SET {column} = $3 WHERE consumer = $1 AND key = $2 \
-                 AND pg_current_xact_id_if_assigned() = $4::xid8 \
-                 AND processed_at = now() AND outcome IS NULL AND rejection IS NULL"
+                 AND pg_catalog.pg_current_xact_id_if_assigned() = $4::xid8 \
+                 AND processed_at = pg_catalog.now() AND outcome IS NULL AND rejection IS NULL"
             )
         };
         Statements {
@@ -260,7 +260,7 @@ fn watermark_sql(schema: &Identifier) -> (Arc<str>, Arc<str>, Arc<str>) {
         format!(
             // The row lock assigns the transaction its id anyway; the advance names it, so a
             // transaction ended under the handler cannot advance the watermark.
-            "SELECT last_seq, pg_current_xact_id()::text FROM {s}.sequence_watermarks \
+            "SELECT last_seq, pg_catalog.pg_current_xact_id()::text FROM {s}.sequence_watermarks \
                  WHERE consumer = $1 AND entity = $2 FOR UPDATE"
         )
         .into(),
@@ -270,8 +270,8 @@ fn watermark_sql(schema: &Identifier) -> (Arc<str>, Arc<str>, Arc<str>) {
         )
         .into(),
         format!(
-            "UPDATE {s}.sequence_watermarks SET last_seq = $3, updated_at = now() \
-                 WHERE consumer = $1 AND entity = $2 AND pg_current_xact_id_if_assigned() = $4::xid8"
+            "UPDATE {s}.sequence_watermarks SET last_seq = $3, updated_at = pg_catalog.now() \
+                 WHERE consumer = $1 AND entity = $2 AND pg_catalog.pg_current_xact_id_if_assigned() = $4::xid8"
         )
         .into(),
     )

@@ -251,8 +251,8 @@ impl InboxPartitions {
         let sql = format!(
             "SELECT p.r_name, p.r_from, p.r_to, c.reltuples::int8 \
              FROM {s}.inbox_partitions() AS p \
-             JOIN pg_class AS c ON c.relname = p.r_name \
-               AND c.relnamespace = (SELECT oid FROM pg_namespace WHERE nspname = $1) \
+             JOIN pg_catalog.pg_class AS c ON c.relname = p.r_name \
+               AND c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = $1) \
              ORDER BY p.r_from",
             s = self.schema.quoted()
         );
@@ -275,9 +275,14 @@ impl InboxPartitions {
 
     /// Creates the partitions missing up to [`InboxPartitioning::ahead`] after the current
     /// one; returns their names. Safe to call from many instances at once.
+    ///
+    /// Works for an application role without `CREATE` or ownership: it calls
+    /// `inbox_partitions_create_ahead()`, a `SECURITY DEFINER` function owned by the role that
+    /// ran the migrations, which takes no argument and runs with a pinned `search_path`. The
+    /// role needs `EXECUTE` on it ([`Migrator::grant_to`](crate::Migrator::grant_to)).
     pub async fn create_ahead(&self) -> Result<Vec<String>> {
         let sql = format!(
-            "SELECT * FROM {}.inbox_partitions_create(now())",
+            "SELECT * FROM {}.inbox_partitions_create_ahead()",
             self.schema.quoted()
         );
         let created: Vec<String> = sqlx::query_scalar(AssertSqlSafe(sql))
@@ -298,8 +303,24 @@ impl InboxPartitions {
     /// database, before anything is dropped. Each partition is detached `CONCURRENTLY`
     /// (claims are never blocked) and then dropped; a detach or drop left half-done by a
     /// crash is finished by the next call.
+    ///
+    /// Needs the owner of `partitioned_inbox` (the role that ran the migrations, or a member
+    /// of it): `DETACH ... CONCURRENTLY` cannot run inside a `SECURITY DEFINER` function.
+    /// Another role gets [`DbErrorKind::InsufficientPrivilege`](crate::DbErrorKind) before
+    /// anything is detached (see [`InboxPartitions::can_drop`]).
     pub async fn drop_expired(&self, retention: Duration) -> Result<Vec<InboxPartition>> {
         let s = self.schema.quoted();
+        // As a role that does not own the table, fail here, with the server's own
+        // insufficient_privilege error, before anything is looked up or detached.
+        if !self.can_drop().await? {
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "DO $$ BEGIN RAISE EXCEPTION 'must be owner of table {s_lit}.partitioned_inbox to drop its partitions' \
+                 USING ERRCODE = '42501', HINT = 'run the expiry (pgbox partitions drop, or the janitor) as the role that ran pgbox''s migrations'; END $$",
+                s_lit = self.schema.as_str()
+            )))
+            .execute(&self.pool)
+            .await?;
+        }
         self.finish_interrupted().await?;
         let expired_sql =
             format!("SELECT * FROM {s}.inbox_partitions_expired($1 * interval '1 microsecond')");
@@ -340,10 +361,24 @@ impl InboxPartitions {
     /// Finishes what an interrupted [`drop_expired`](Self::drop_expired) left: a detach
     /// still pending (finalized), a detached partition not yet dropped (dropped). Only
     /// tables named like pgbox's partitions are touched.
+    /// Whether the connected role may detach and drop partitions: it owns
+    /// `partitioned_inbox`, or is a member of its owner.
+    pub async fn can_drop(&self) -> Result<bool> {
+        let sql = format!(
+            "SELECT pg_catalog.pg_has_role(c.relowner, 'USAGE') FROM pg_catalog.pg_class AS c \
+             WHERE c.oid = '{}.partitioned_inbox'::pg_catalog.regclass",
+            self.schema.quoted()
+        );
+        Ok(sqlx::query_scalar(AssertSqlSafe(sql))
+            .fetch_optional(&self.pool)
+            .await?
+            .unwrap_or(false))
+    }
+
     async fn finish_interrupted(&self) -> Result<()> {
         let s = self.schema.quoted();
         let pending: Vec<String> = sqlx::query_scalar(AssertSqlSafe(format!(
-            "SELECT c.relname::text FROM pg_inherits AS h JOIN pg_class AS c ON c.oid = h.inhrelid \
+            "SELECT c.relname::text FROM pg_catalog.pg_inherits AS h JOIN pg_catalog.pg_class AS c ON c.oid = h.inhrelid \
              WHERE h.inhparent = '{s}.partitioned_inbox'::regclass AND h.inhdetachpending"
         )))
         .fetch_all(&self.pool)
@@ -357,8 +392,8 @@ impl InboxPartitions {
             .await?;
         }
         let detached: Vec<String> = sqlx::query_scalar(
-            "SELECT c.relname::text FROM pg_class AS c \
-             JOIN pg_namespace AS n ON n.oid = c.relnamespace \
+            "SELECT c.relname::text FROM pg_catalog.pg_class AS c \
+             JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace \
              WHERE n.nspname = $1 AND c.relkind = 'r' AND NOT c.relispartition \
                AND c.relname ~ '^partitioned_inbox_p[0-9]{8}t[0-9]{6}$'",
         )

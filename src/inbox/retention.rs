@@ -63,8 +63,8 @@ pub(crate) fn purge_batch_sql(schema: &Identifier) -> String {
     format!(
         "DELETE FROM {schema}.inbox WHERE ctid = ANY(ARRAY(\
            SELECT ctid FROM {schema}.inbox \
-           WHERE processed_at < now() - make_interval(secs => $2) AND consumer = $1 \
-             AND (lease_expires_at IS NULL OR lease_expires_at <= now()) \
+           WHERE processed_at < pg_catalog.now() - pg_catalog.make_interval(secs => $2) AND consumer = $1 \
+             AND (lease_expires_at IS NULL OR lease_expires_at <= pg_catalog.now()) \
            ORDER BY processed_at LIMIT $3 FOR UPDATE SKIP LOCKED))"
     )
 }

@@ -108,7 +108,7 @@ impl Outbox {
                SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[]) \
                  WITH ORDINALITY AS m(message_id, topic, ordering_key, payload, content_type, headers, n)), \
              locks AS (\
-               SELECT count(pg_advisory_xact_lock({class}, hashtext(k.topic || chr(31) || k.ordering_key))) AS n \
+               SELECT pg_catalog.count(pg_catalog.pg_advisory_xact_lock({class}, pg_catalog.hashtext(k.topic || pg_catalog.chr(31) || k.ordering_key))) AS n \
                FROM (SELECT DISTINCT topic, ordering_key FROM msgs WHERE ordering_key IS NOT NULL \
                      ORDER BY topic, ordering_key) AS k) \
              INSERT INTO {schema}.outbox (message_id, topic, ordering_key, payload, content_type, headers) \
@@ -119,8 +119,8 @@ impl Outbox {
         // Notify only when a relay sleeps (see ASLEEP_LOCK_CLASS). The schema is a validated
         // identifier ([a-z0-9_]), so it can stand as a literal.
         let wake = format!(
-            "SELECT pg_notify('{name}.outbox', '') \
-             WHERE NOT pg_try_advisory_xact_lock_shared({asleep}, hashtext('{name}'))",
+            "SELECT pg_catalog.pg_notify('{name}.outbox', '') \
+             WHERE NOT pg_catalog.pg_try_advisory_xact_lock_shared({asleep}, pg_catalog.hashtext('{name}'))",
             name = schema.as_str(),
             asleep = ASLEEP_LOCK_CLASS,
         );
@@ -137,7 +137,7 @@ impl Outbox {
             "WITH inserted AS (\
                INSERT INTO {schema}.outbox (message_id, topic, ordering_key, payload, content_type, headers) \
                SELECT $1::uuid, $2::text, $6::text, $3::bytea, $4::text, $5::jsonb \
-               FROM (SELECT pg_advisory_xact_lock({class}, hashtext($2::text || chr(31) || $6::text))) AS l \
+               FROM (SELECT pg_catalog.pg_advisory_xact_lock({class}, pg_catalog.hashtext($2::text || pg_catalog.chr(31) || $6::text))) AS l \
                RETURNING 1) {wake}",
             class = ENQUEUE_LOCK_CLASS,
         );

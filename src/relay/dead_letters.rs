@@ -65,7 +65,7 @@ impl DeadLetters {
     /// Up to `limit` dead letters, oldest first.
     pub async fn list(&self, limit: i64) -> Result<Vec<DeadLetter>> {
         let sql = format!(
-            "SELECT seq, message_id, topic, ordering_key, headers, octet_length(payload) AS payload_bytes, \
+            "SELECT seq, message_id, topic, ordering_key, headers, pg_catalog.octet_length(payload) AS payload_bytes, \
                     attempts, last_error, created_at, dead_at \
              FROM {}.outbox_dead_letters ORDER BY seq LIMIT $1",
             self.schema
@@ -80,7 +80,7 @@ impl DeadLetters {
     /// One dead letter and its payload, if it exists.
     pub async fn get(&self, id: Uuid) -> Result<Option<(DeadLetter, Vec<u8>)>> {
         let sql = format!(
-            "SELECT seq, message_id, topic, ordering_key, headers, octet_length(payload) AS payload_bytes, \
+            "SELECT seq, message_id, topic, ordering_key, headers, pg_catalog.octet_length(payload) AS payload_bytes, \
                     attempts, last_error, created_at, dead_at, payload \
              FROM {}.outbox_dead_letters WHERE message_id = $1",
             self.schema

@@ -229,10 +229,10 @@ impl Statements {
             claim: format!(
                 "WITH blocked AS MATERIALIZED (\
                    SELECT DISTINCT b.topic, b.ordering_key FROM {s}.outbox AS b \
-                   WHERE b.attempts > 0 AND b.published_at IS NULL AND b.available_at > now()) \
+                   WHERE b.attempts > 0 AND b.published_at IS NULL AND b.available_at > pg_catalog.now()) \
                  SELECT seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, attempts \
                  FROM {s}.outbox AS o \
-                 WHERE o.published_at IS NULL AND (o.attempts = 0 OR o.available_at <= now()) \
+                 WHERE o.published_at IS NULL AND (o.attempts = 0 OR o.available_at <= pg_catalog.now()) \
                    AND (o.ordering_key IS NULL OR (\
                      NOT EXISTS (SELECT 1 FROM blocked AS b \
                        WHERE b.topic = o.topic AND b.ordering_key = o.ordering_key) \
@@ -245,21 +245,21 @@ impl Statements {
                 "SELECT seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, attempts \
                  FROM {s}.outbox AS o \
                  WHERE o.published_at IS NULL AND o.ordering_key IS NULL \
-                   AND (o.attempts = 0 OR o.available_at <= now()) \
+                   AND (o.attempts = 0 OR o.available_at <= pg_catalog.now()) \
                  ORDER BY o.seq LIMIT {batch_size} FOR UPDATE SKIP LOCKED"
             ),
             keyed_lock: format!(
-                "SELECT pg_try_advisory_xact_lock({KEYED_DRAIN_CLASS}, hashtext('{name}'))",
+                "SELECT pg_catalog.pg_try_advisory_xact_lock({KEYED_DRAIN_CLASS}, pg_catalog.hashtext('{name}'))",
                 name = s.as_str()
             ),
             done: if keep_published {
-                format!("UPDATE {s}.outbox SET published_at = now() WHERE seq = ANY($1)")
+                format!("UPDATE {s}.outbox SET published_at = pg_catalog.now() WHERE seq = ANY($1)")
             } else {
                 format!("DELETE FROM {s}.outbox WHERE seq = ANY($1)")
             },
             retry: format!(
                 "UPDATE {s}.outbox AS o SET attempts = o.attempts + 1, last_error = f.error, \
-                   available_at = now() + make_interval(secs => f.delay) \
+                   available_at = pg_catalog.now() + pg_catalog.make_interval(secs => f.delay) \
                  FROM unnest($1::bigint[], $2::text[], $3::float8[]) AS f(seq, error, delay) \
                  WHERE o.seq = f.seq"
             ),
@@ -274,14 +274,14 @@ impl Statements {
             // Messages held behind a dead-lettered message of their key wait for its replay
             // or discard, not for a relay: they do not count as pending.
             next_due: format!(
-                "SELECT extract(epoch FROM min(CASE WHEN o.attempts = 0 THEN now() ELSE o.available_at END) - now())::float8 \
+                "SELECT extract(epoch FROM pg_catalog.min(CASE WHEN o.attempts = 0 THEN pg_catalog.now() ELSE o.available_at END) - pg_catalog.now())::float8 \
                  FROM {s}.outbox AS o \
                  WHERE o.published_at IS NULL \
                    AND (o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {s}.outbox_dead_letters AS d \
                      WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key))"
             ),
             held: format!(
-                "SELECT count(*) FROM {s}.outbox AS o \
+                "SELECT pg_catalog.count(*) FROM {s}.outbox AS o \
                  WHERE o.published_at IS NULL AND o.ordering_key IS NOT NULL \
                    AND EXISTS (SELECT 1 FROM {s}.outbox_dead_letters AS d \
                      WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key)"
@@ -460,11 +460,11 @@ impl<P: Publisher> Relay<P> {
     /// `Ok(false)` if they did not within it.
     async fn fall_asleep(&self, listener: &mut PgListener) -> Result<bool> {
         let timeout = format!("{}ms", self.poll_interval.as_millis().max(1));
-        sqlx::query("SELECT set_config('lock_timeout', $1, false)")
+        sqlx::query("SELECT pg_catalog.set_config('lock_timeout', $1, false)")
             .bind(timeout)
             .execute(&mut *listener)
             .await?;
-        let locked = sqlx::query("SELECT pg_advisory_lock($1, hashtext($2))")
+        let locked = sqlx::query("SELECT pg_catalog.pg_advisory_lock($1, pg_catalog.hashtext($2))")
             .bind(ASLEEP_LOCK_CLASS)
             .bind(self.schema.as_str())
             .execute(&mut *listener)
@@ -487,7 +487,7 @@ impl<P: Publisher> Relay<P> {
 
     /// Releases the asleep lock: producers stop notifying.
     async fn wake(&self, listener: &mut PgListener) -> Result<()> {
-        sqlx::query("SELECT pg_advisory_unlock($1, hashtext($2))")
+        sqlx::query("SELECT pg_catalog.pg_advisory_unlock($1, pg_catalog.hashtext($2))")
             .bind(ASLEEP_LOCK_CLASS)
             .bind(self.schema.as_str())
             .execute(&mut *listener)

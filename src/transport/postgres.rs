@@ -84,7 +84,7 @@ impl PgQueue {
             receive: format!("SELECT {COLUMNS} FROM {s}.queue_receive($1, $2, $3)"),
             ack: format!("DELETE FROM {s}.queue WHERE seq = $1 AND deliveries = $2"),
             nack: format!(
-                "UPDATE {s}.queue SET visible_at = now() + make_interval(secs => $3), last_error = $4 \
+                "UPDATE {s}.queue SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => $3), last_error = $4 \
                  WHERE seq = $1 AND deliveries = $2"
             ),
             dead_letter: format!(
@@ -442,7 +442,7 @@ impl QueueDeadLetters {
                OVERRIDING SYSTEM VALUE \
                SELECT seq, message_id, topic, ordering_key, payload, content_type, headers, created_at FROM moved \
                RETURNING message_id) \
-             SELECT count(DISTINCT message_id) FROM back"
+             SELECT pg_catalog.count(DISTINCT message_id) FROM back"
         );
         let n: i64 = sqlx::query_scalar(AssertSqlSafe(sql))
             .bind(ids)
@@ -477,7 +477,7 @@ impl QueueDeadLetters {
         let s = &self.schema;
         let sql = format!(
             "WITH gone AS (DELETE FROM {s}.queue_dead_letters WHERE message_id = ANY($1) RETURNING message_id) \
-             SELECT count(DISTINCT message_id) FROM gone"
+             SELECT pg_catalog.count(DISTINCT message_id) FROM gone"
         );
         let n: i64 = sqlx::query_scalar(AssertSqlSafe(sql))
             .bind(ids)
