@@ -583,3 +583,146 @@ async fn run_points_briefly(url: &str, broker: &str, linger: Duration) -> String
     );
     logs
 }
+
+/// Readiness follows the broker both ways: `points` on RabbitMQ (through a proxy the test
+/// controls) becomes ready, turns unready (503 naming the broker) when the broker goes away
+/// later, with one warning, and ready again when it is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_turns_503_on_a_later_broker_outage_and_back() {
+    let db = TestDb::empty().await;
+    let rabbit = support::brokers::rabbitmq_url().await;
+    let proxy = support::brokers::Proxy::start(support::brokers::address(&rabbit)).await;
+    let broker = support::brokers::with_address(&rabbit, proxy.addr());
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut child = Command::new(example_path("payment_services"))
+        .args(["points", "--listen", &addr.to_string()])
+        .args(["--transport", "rabbitmq"])
+        .env("DATABASE_URL", db.url())
+        .env("BROKER_URL", &broker)
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let ready_is = async |status: u16, within: Duration| {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok(r) = http::request(addr, "GET", "/health/ready", &[], None, TIMEOUT).await
+                && r.status == status
+            {
+                return r;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "/health/ready never answered {status}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    ready_is(200, Duration::from_secs(30)).await;
+    // The broker goes away: new connections refused, open ones cut.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    proxy.retarget(closed);
+    proxy.cut();
+    let down = ready_is(503, Duration::from_secs(20)).await;
+    let body = down.json().unwrap();
+    assert!(body["down"]["broker"].is_string(), "{body}");
+    assert!(
+        http::request(addr, "GET", "/health/live", &[], None, TIMEOUT)
+            .await
+            .unwrap()
+            .status
+            == 200
+    );
+    // Back.
+    proxy.retarget(support::brokers::address(&rabbit));
+    ready_is(200, Duration::from_secs(40)).await;
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let logs = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        logs.contains("broker unreachable; not ready"),
+        "the outage was logged:\n{logs}"
+    );
+}
+
+/// `payments` with NATS down: the relay's failed rounds say so once per round, not once per
+/// message plus once per batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payments_with_a_dead_broker_warns_once_per_relay_round() {
+    let db = TestDb::empty().await;
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = Command::new(example_path("payment_services"))
+        .args(["payments", "--listen", &addr.to_string()])
+        .args(["--transport", "nats"])
+        .env("DATABASE_URL", db.url())
+        .env("BROKER_URL", format!("nats://127.0.0.1:{closed}"))
+        .env("RUST_LOG", "warn")
+        .stdin(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while http::request(addr, "GET", "/health/live", &[], None, TIMEOUT)
+        .await
+        .is_err()
+    {
+        assert!(
+            Instant::now() < deadline,
+            "payments never served /health/live"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Ten paid orders wait in the outbox for a broker that is not there.
+    for n in 1..=10 {
+        let created = http::request(
+            addr,
+            "POST",
+            "/orders",
+            &[],
+            Some(&json!({ "user_id": 1, "amount": 100 })),
+            TIMEOUT,
+        )
+        .await
+        .unwrap();
+        assert!(created.status < 300, "{}", created.text());
+        let order = created.json().unwrap()["id"].as_i64().unwrap();
+        let paid = http::request(
+            addr,
+            "POST",
+            &format!("/orders/{order}/pay"),
+            &[("Idempotency-Key", &format!("pay-{n}"))],
+            None,
+            TIMEOUT,
+        )
+        .await
+        .unwrap();
+        assert!(paid.status < 300, "{}", paid.text());
+    }
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let _ = child.kill();
+    let out = child.wait_with_output().unwrap();
+    let logs = String::from_utf8_lossy(&out.stderr);
+    let per_message =
+        logs.matches("pgbox nats publish failed").count() + logs.matches("not connected").count();
+    assert_eq!(per_message, 0, "per-message or per-batch warnings:\n{logs}");
+    let rounds = logs.matches("pgbox publish failed; will retry").count();
+    assert!(
+        (1..=6).contains(&rounds),
+        "{rounds} relay warnings in ~3 s for 10 messages:\n{logs}"
+    );
+}

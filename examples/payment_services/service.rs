@@ -195,6 +195,9 @@ struct OpsState {
     broker: BrokerReady,
 }
 
+/// How often a ready service checks its broker again (declaring its topic, idempotent).
+pub const RECHECK: Duration = Duration::from_secs(5);
+
 /// Whether the service's broker is reachable (its topic declared): set by
 /// [`BrokerReady::watch`]; always true on the built-in queue, whose broker is the database.
 #[derive(Clone, Default)]
@@ -209,8 +212,10 @@ impl BrokerReady {
     }
 
     /// Declares the topic until it works, with exponential backoff (250 ms to 30 s, jittered)
-    /// and one warning per failure streak; then marks the broker ready. The service starts
-    /// and serves `/health/live` meanwhile; `/health/ready` answers 503 until then.
+    /// and one warning per failure streak; then marks the broker ready, and checks again
+    /// every [`RECHECK`]: a later outage makes the service unready again (503 on
+    /// `/health/ready`, one warning) until the broker is back (one line). The service starts
+    /// and serves `/health/live` meanwhile.
     pub fn watch<F, Fut>(declare: F, shutdown: CancellationToken) -> Self
     where
         F: Fn() -> Fut + Send + 'static,
@@ -220,35 +225,39 @@ impl BrokerReady {
         let flag = ready.0.clone();
         tokio::spawn(async move {
             let mut failures = 0u32;
+            let mut ever_ready = false;
             loop {
-                match declare().await {
+                let delay = match declare().await {
                     Ok(()) => {
                         // One line per change of state: unreachable (the warning below), then
                         // ready.
                         if failures > 0 {
                             tracing::info!(failures, "broker reachable again; ready");
-                        } else {
+                        } else if !ever_ready {
                             tracing::info!("broker reachable; ready");
                         }
+                        failures = 0;
+                        ever_ready = true;
                         flag.store(true, Ordering::Relaxed);
-                        return;
+                        RECHECK
                     }
                     Err(e) => {
                         failures += 1;
-                        let delay = Duration::from_millis(250)
-                            .saturating_mul(1 << failures.min(7))
-                            .min(Duration::from_secs(30))
-                            .mul_f64(0.5 + fastrand::f64() / 2.0);
+                        flag.store(false, Ordering::Relaxed);
                         if failures == 1 {
                             tracing::warn!(error = %e, "broker unreachable; not ready, retrying with backoff");
                         } else {
-                            tracing::debug!(error = %e, failures, ?delay, "broker still unreachable");
+                            tracing::debug!(error = %e, failures, "broker still unreachable");
                         }
-                        tokio::select! {
-                            _ = tokio::time::sleep(delay) => {}
-                            _ = shutdown.cancelled() => return,
-                        }
+                        Duration::from_millis(250)
+                            .saturating_mul(1 << failures.min(7))
+                            .min(Duration::from_secs(30))
+                            .mul_f64(0.5 + fastrand::f64() / 2.0)
                     }
+                };
+                tokio::select! {
+                    _ = tokio::time::sleep(delay) => {}
+                    _ = shutdown.cancelled() => return,
                 }
             }
         });

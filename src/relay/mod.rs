@@ -624,7 +624,8 @@ impl<P: Publisher> Relay<P> {
                             counts.dead_lettered += 1;
                         } else {
                             let delay = self.backoff.delay_after(attempt as u32);
-                            tracing::warn!(message_id = %message.id, attempt, ?delay, error, "pgbox publish failed; will retry");
+                            // One warning per round below; each message at debug.
+                            tracing::debug!(message_id = %message.id, attempt, ?delay, error, "pgbox publish failed; will retry");
                             retry.push((message.seq, error, delay.as_secs_f64()));
                             counts.retried += 1;
                         }
@@ -637,6 +638,16 @@ impl<P: Publisher> Relay<P> {
                     .bind(&done)
                     .execute(&mut *tx)
                     .await?;
+            }
+            if let Some((_, first_error, first_delay)) = retry.first() {
+                // A broker that is down fails every message of the round alike: one line for
+                // the round, not one per message (each message has its debug line above).
+                tracing::warn!(
+                    messages = retry.len(),
+                    error = %first_error,
+                    next_attempt_in = ?Duration::from_secs_f64(*first_delay),
+                    "pgbox publish failed; will retry"
+                );
             }
             if !retry.is_empty() {
                 let (seqs, rest): (Vec<i64>, Vec<(String, f64)>) =

@@ -544,7 +544,7 @@ impl Publisher for Nats {
         let context = match self.context().await {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(error = %e, "pgbox nats publish: not connected");
+                tracing::debug!(error = %e, "pgbox nats publish: not connected");
                 return vec![Err(PublishError(e.to_string())); batch.len()];
             }
         };
@@ -583,7 +583,7 @@ impl Publisher for Nats {
                         Ok(())
                     }
                     Err(e) => {
-                        tracing::warn!(message_id = %envelope.id, topic = %envelope.topic, error = %e, "pgbox nats publish failed");
+                        tracing::debug!(message_id = %envelope.id, topic = %envelope.topic, error = %e, "pgbox nats publish failed");
                         Err(e)
                     }
                 };

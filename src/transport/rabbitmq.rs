@@ -909,7 +909,7 @@ impl Publisher for RabbitMq {
         let conn = match self.conn().await {
             Ok(c) => c,
             Err(e) => {
-                tracing::warn!(error = %e, "pgbox rabbitmq publish: no connection");
+                tracing::debug!(error = %e, "pgbox rabbitmq publish: no connection");
                 return vec![Err(PublishError(e.to_string())); batch.len()];
             }
         };
@@ -966,7 +966,7 @@ impl Publisher for RabbitMq {
                     tracing::debug!(message_id = %envelope.id, topic = %envelope.topic, "pgbox rabbitmq published")
                 }
                 Err(e) => {
-                    tracing::warn!(message_id = %envelope.id, topic = %envelope.topic, error = %e, "pgbox rabbitmq publish failed")
+                    tracing::debug!(message_id = %envelope.id, topic = %envelope.topic, error = %e, "pgbox rabbitmq publish failed")
                 }
             }
             results.push(result);
