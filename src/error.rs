@@ -283,6 +283,27 @@ pub enum Error {
         reason: String,
     },
 
+    /// The server's `wal_level` is not `logical`: the WAL outbox's slot cannot be created or
+    /// read. Set `wal_level = logical` in `postgresql.conf` and restart the server (managed
+    /// services: the "logical replication" or "logical decoding" option).
+    #[error(
+        "wal_level is {actual:?}: the WAL outbox needs wal_level = logical (a server setting; it takes a restart)"
+    )]
+    WalLevel {
+        /// The server's `wal_level`.
+        actual: String,
+    },
+
+    /// The WAL outbox's replication slot cannot be read: it does not exist, another session
+    /// reads it, or it was invalidated (the WAL it needed is gone, and the messages with it).
+    #[error("WAL outbox slot {slot:?}: {reason}")]
+    WalSlot {
+        /// The slot's name.
+        slot: String,
+        /// What is wrong, and what to do.
+        reason: String,
+    },
+
     /// Applying migrations failed.
     #[error("migration failed: {0}")]
     Migration(#[source] Box<refinery_core::Error>),

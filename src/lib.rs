@@ -54,11 +54,12 @@ pub use crate::migrate::{
 };
 pub use crate::outbox::{
     DEFAULT_MAX_MESSAGE_BYTES, Envelope, InTransaction, MAX_HEADER_NAME_BYTES,
-    MAX_MESSAGE_BYTES_LIMIT, MAX_TOPIC_BYTES, Message, Outbox, TRACEPARENT,
+    MAX_MESSAGE_BYTES_LIMIT, MAX_TOPIC_BYTES, Message, Outbox, OutboxMode, TRACEPARENT,
 };
 pub use crate::pooler::Pooler;
 pub use crate::relay::{
-    DeadLetter, DeadLetters, DrainReport, Relay, RelayBuilder, RoundReport, WakeUp,
+    DeadLetter, DeadLetters, DrainReport, Relay, RelayBuilder, RoundReport, WakeUp, WalRelay,
+    WalRelayBuilder, WalRoundReport, WalSlot, WalSlotStatus,
 };
 pub use crate::retry::{RetryPolicy, Retryable};
 pub use crate::state::{StateMachine, StateTable, Transition};

@@ -7,6 +7,10 @@
 //! The cluster is the test's own (a temporary directory, a free port), never the shared
 //! server the other tests use. Every loop is bounded.
 //!
+//! A WAL run has the producer emit to the WAL (`OutboxMode::Wal`) and the relays read a
+//! replication slot (`WalRelay`: one reader, the other takes over when it is killed), with the
+//! server crash-restarted as in the first run.
+//!
 //! A second run puts a private PgBouncer in transaction mode between every process and the
 //! server (`Pooler::Transaction` everywhere) and kills and restarts the pooler once, instead
 //! of the server.
@@ -18,7 +22,10 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pgbox::transport::PgQueue;
-use pgbox::{CancellationToken, Consumer, Envelope, Error, Inbox, Message, Outbox, Pooler, Relay};
+use pgbox::{
+    CancellationToken, Consumer, Envelope, Error, Inbox, Message, Outbox, OutboxMode, Pooler,
+    Relay, WalRelay, WalSlot,
+};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, Executor, PgConnection, PgPool};
 use support::cluster::Cluster;
@@ -30,6 +37,15 @@ const ROLE_ENV: &str = "PGBOX_CRASH_ROLE";
 const URL_ENV: &str = "PGBOX_CRASH_URL";
 /// Set in a child process that reaches the server through a pooler in transaction mode.
 const POOLER_ENV: &str = "PGBOX_CRASH_POOLER";
+
+/// Set in a child process whose outbox is the WAL.
+const WAL_ENV: &str = "PGBOX_CRASH_WAL";
+/// The WAL run's replication slot.
+const SLOT: &str = "crash";
+
+fn wal_mode() -> bool {
+    std::env::var(WAL_ENV).is_ok()
+}
 
 /// What the child's URL goes through.
 fn pooler() -> Pooler {
@@ -90,7 +106,11 @@ async fn pool(url: &str, connections: u32) -> PgPool {
 /// after a kill from what committed. Returns when all `TOTAL` are produced.
 async fn produce(url: &str) {
     let pool = pool(url, 2).await;
-    let outbox = Outbox::new().pooler(pooler());
+    let outbox = Outbox::new().pooler(pooler()).mode(if wal_mode() {
+        OutboxMode::Wal
+    } else {
+        OutboxMode::Table
+    });
     loop {
         let attempt = async {
             let mut tx = pool.begin().await?;
@@ -128,6 +148,22 @@ async fn produce(url: &str) {
 /// A relay into the built-in queue, started again whenever its run fails.
 async fn relay(url: &str) {
     let pool = pool(url, 3).await;
+    if wal_mode() {
+        let relay = WalRelay::builder(
+            pool.clone(),
+            WalSlot::new(SLOT).expect("slot name"),
+            PgQueue::new(pool),
+        )
+        .batch_size(200)
+        .poll_interval(Duration::from_millis(100))
+        .backoff(pgbox::RetryPolicy::new().base_delay(Duration::from_millis(100)))
+        .build()
+        .expect("WAL relay config");
+        loop {
+            let _ = relay.run(CancellationToken::new()).await;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
     let relay = Relay::builder(pool.clone(), PgQueue::new(pool).pooler(pooler()))
         .pooler(pooler())
         .batch_size(50)
@@ -217,19 +253,25 @@ struct Process {
     role: &'static str,
     child: Child,
     kills: u32,
-    pooled: bool,
+    mode: Mode,
 }
 
 impl Process {
-    fn spawn(role: &'static str, url: &str, logs: &Path, pooled: bool) -> Process {
+    fn spawn(role: &'static str, url: &str, logs: &Path, mode: Mode) -> Process {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(logs.join(format!("{role}.log")))
             .unwrap();
         let mut command = Command::new(std::env::current_exe().unwrap());
-        if pooled {
-            command.env(POOLER_ENV, "transaction");
+        match mode {
+            Mode::Pooler => {
+                command.env(POOLER_ENV, "transaction");
+            }
+            Mode::Wal => {
+                command.env(WAL_ENV, "1");
+            }
+            Mode::Direct => {}
         }
         let child = command
             .args(["crash_child", "--exact", "--nocapture", "--test-threads=1"])
@@ -245,7 +287,7 @@ impl Process {
             role,
             child,
             kills: 0,
-            pooled,
+            mode,
         }
     }
 
@@ -254,7 +296,7 @@ impl Process {
         self.child.kill().unwrap();
         self.child.wait().unwrap();
         let kills = self.kills + 1;
-        *self = Process::spawn(self.role, url, logs, self.pooled);
+        *self = Process::spawn(self.role, url, logs, self.mode);
         self.kills = kills;
     }
 }
@@ -272,7 +314,15 @@ async fn processes_killed_and_postgres_crash_restarted_lose_nothing_double_nothi
     if std::env::var(ROLE_ENV).is_ok() {
         return; // a child runs only `crash_child`
     }
-    harness(false).await;
+    harness(Mode::Direct).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wal_outbox_processes_killed_and_postgres_crash_restarted_lose_nothing_double_nothing() {
+    if std::env::var(ROLE_ENV).is_ok() {
+        return; // a child runs only `crash_child`
+    }
+    harness(Mode::Wal).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -280,13 +330,31 @@ async fn through_pgbouncer_processes_and_the_pooler_killed_lose_nothing_double_n
     if std::env::var(ROLE_ENV).is_ok() {
         return; // a child runs only `crash_child`
     }
-    harness(true).await;
+    harness(Mode::Pooler).await;
 }
 
-/// The chaos run; `through_pooler`: every process through a private PgBouncer in transaction
-/// mode, which is killed and restarted once (the server is not crash-restarted then).
-async fn harness(through_pooler: bool) {
-    let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
+/// How the processes reach the server and where the outbox is.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Mode {
+    /// Directly, the table outbox.
+    Direct,
+    /// Through a private PgBouncer in transaction mode, which is killed and restarted once
+    /// (the server is not crash-restarted then).
+    Pooler,
+    /// Directly, the WAL outbox and `WalRelay`.
+    Wal,
+}
+
+/// The chaos run.
+async fn harness(mode: Mode) {
+    let through_pooler = mode == Mode::Pooler;
+    let cluster = tokio::task::spawn_blocking(if mode == Mode::Wal {
+        Cluster::start_logical
+    } else {
+        Cluster::start
+    })
+    .await
+    .unwrap();
     // The checks and the set-up go direct; the processes through the pooler if asked.
     let url = cluster.url("crash");
     let mut bouncer = through_pooler.then(|| PgBouncer::start(&cluster, 8));
@@ -308,12 +376,15 @@ async fn harness(through_pooler: bool) {
         )
         .await
         .unwrap();
+    if mode == Mode::Wal {
+        WalSlot::new(SLOT).unwrap().create(&setup).await.unwrap();
+    }
     setup.close().await;
 
     let logs = cluster.dir().to_path_buf();
     let mut processes: Vec<Process> = ["producer", "relay", "relay", "consumer", "consumer"]
         .into_iter()
-        .map(|role| Process::spawn(role, &process_url, &logs, through_pooler))
+        .map(|role| Process::spawn(role, &process_url, &logs, mode))
         .collect();
 
     // Chaos for a bounded time: a random process killed every 0.3–1.5 s, the server

@@ -3,6 +3,7 @@
 
 mod message;
 pub(crate) mod trace;
+pub(crate) mod wal;
 
 use std::sync::Arc;
 
@@ -63,6 +64,22 @@ pub struct Outbox {
     insert_one_keyed: Arc<str>,
     max_message_bytes: usize,
     pooler: Pooler,
+    mode: OutboxMode,
+}
+
+/// Where an [`Outbox`] writes its messages (default [`OutboxMode::Table`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum OutboxMode {
+    /// Rows in the `outbox` table, published by a [`Relay`](crate::Relay): works on every
+    /// PostgreSQL, behind any pooler, as any role the grants allow.
+    #[default]
+    Table,
+    /// Logical-decoding messages in the WAL (`pg_logical_emit_message`, transactional),
+    /// published by a [`WalRelay`](crate::WalRelay) from a replication slot: no row, no index
+    /// entry, nothing to delete or vacuum. Needs `wal_level = logical` and a slot (see
+    /// [`WalSlot`](crate::WalSlot)); see the README's "Which outbox".
+    Wal,
 }
 
 /// Bytes one enqueue statement may carry in all: a quarter of PostgreSQL's 1 GiB protocol
@@ -148,7 +165,41 @@ impl Outbox {
             insert_one_keyed: insert_one_keyed.into(),
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             pooler: Pooler::None,
+            mode: OutboxMode::Table,
         }
+    }
+
+    /// Where messages go (default [`OutboxMode::Table`]). In [`OutboxMode::Wal`], `enqueue`
+    /// emits one logical-decoding message per call (an `enqueue_batch` carries all its
+    /// messages in one), transactional: it is decoded at commit, in commit order, and never
+    /// if the transaction rolls back. Validation and size limits are the same.
+    pub fn mode(mut self, mode: OutboxMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Emits `messages` as one logical-decoding message of this outbox's schema.
+    async fn emit(&self, tx: &mut impl InTransaction, messages: &[Message]) -> Result<()> {
+        let content = wal::encode(messages);
+        let span = tracing::debug_span!(
+            "pgbox.outbox.emit",
+            messages = messages.len(),
+            bytes = content.len()
+        );
+        let done = sqlx::query(
+            "SELECT 1 FROM pg_catalog.pg_logical_emit_message(true, $1::text, $2::bytea)",
+        )
+        .persistent(self.persistent())
+        .bind(wal::prefix(self.schema.as_str()))
+        .bind(content)
+        .execute(tx.connection())
+        .instrument(span)
+        .await;
+        if done.is_err() {
+            tx.statement_failed();
+        }
+        done?;
+        Ok(())
     }
 
     /// The largest message accepted, payload plus headers, in bytes (default
@@ -179,6 +230,11 @@ impl Outbox {
     pub async fn enqueue(&self, tx: &mut impl InTransaction, message: Message) -> Result<Uuid> {
         message.validate(self.max_message_bytes)?;
         let id = message.id;
+        if self.mode == OutboxMode::Wal {
+            self.emit(tx, &[with_trace_context(message)]).await?;
+            tracing::debug!(message_id = %id, "pgbox outbox emitted to the WAL");
+            return Ok(id);
+        }
         let mut m = with_trace_context(message);
         let span = tracing::debug_span!("pgbox.outbox.enqueue", messages = 1);
         let key = m.ordering_key.take();
@@ -229,6 +285,12 @@ impl Outbox {
             return Ok(Vec::new());
         }
         let n = messages.len();
+        if self.mode == OutboxMode::Wal {
+            let messages: Vec<Message> = messages.into_iter().map(with_trace_context).collect();
+            self.emit(tx, &messages).await?;
+            tracing::debug!(messages = n, "pgbox outbox emitted to the WAL");
+            return Ok(messages.iter().map(|m| m.id).collect());
+        }
         let mut ids = Vec::with_capacity(n);
         let mut topics = Vec::with_capacity(n);
         let mut keys = Vec::with_capacity(n);

@@ -14,6 +14,7 @@
 //!   stopping the key at its first failure; other keys flow in parallel.
 
 mod dead_letters;
+mod wal;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -26,6 +27,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 pub use self::dead_letters::{DeadLetter, DeadLetters};
+pub use self::wal::{WalRelay, WalRelayBuilder, WalRoundReport, WalSlot, WalSlotStatus};
 
 use crate::error::{Error, Result};
 use crate::ident::DEFAULT_SCHEMA;
@@ -683,92 +685,102 @@ impl<P: Publisher> Relay<P> {
 }
 
 impl<P: Publisher> Relay<P> {
-    /// Publishes `batch` (in seq order, keyed runs starting at their key's head) so that no
-    /// message reaches the transport before an earlier message of its key was confirmed.
-    /// `None`: not attempted, because an earlier message of its key failed.
-    ///
-    /// A publisher whose batches are atomic and ordered gets the whole batch in one call.
-    /// Others get waves: the first message of every key (and every unkeyed message), then
-    /// the second of every key whose first was confirmed, and so on.
     async fn publish_in_key_order(
         &self,
         batch: &[Envelope],
     ) -> Vec<Option<Result<(), PublishError>>> {
-        let mut results: Vec<Option<Result<(), PublishError>>> = vec![None; batch.len()];
-        if self.publisher.atomic_batches() {
-            let all = self.checked_publish(batch).await;
-            for (slot, result) in results.iter_mut().zip(all) {
-                *slot = Some(result);
-            }
-        } else {
-            // Position of each message within its key's run in this batch.
-            let mut seen: HashMap<(&str, &str), usize> = HashMap::new();
-            let positions: Vec<usize> = batch
-                .iter()
-                .map(|m| match &m.ordering_key {
-                    None => 0,
-                    Some(k) => {
-                        let n = seen.entry((m.topic.as_str(), k.as_str())).or_insert(0);
-                        *n += 1;
-                        *n - 1
-                    }
+        publish_in_key_order(&*self.publisher, batch).await
+    }
+}
+
+/// Publishes `batch` (in seq order, keyed runs starting at their key's head) so that no
+/// message reaches the transport before an earlier message of its key was confirmed.
+/// `None`: not attempted, because an earlier message of its key failed.
+///
+/// A publisher whose batches are atomic and ordered gets the whole batch in one call.
+/// Others get waves: the first message of every key (and every unkeyed message), then
+/// the second of every key whose first was confirmed, and so on.
+pub(crate) async fn publish_in_key_order<P: Publisher>(
+    publisher: &P,
+    batch: &[Envelope],
+) -> Vec<Option<Result<(), PublishError>>> {
+    let mut results: Vec<Option<Result<(), PublishError>>> = vec![None; batch.len()];
+    if publisher.atomic_batches() {
+        let all = checked_publish(publisher, batch).await;
+        for (slot, result) in results.iter_mut().zip(all) {
+            *slot = Some(result);
+        }
+    } else {
+        // Position of each message within its key's run in this batch.
+        let mut seen: HashMap<(&str, &str), usize> = HashMap::new();
+        let positions: Vec<usize> = batch
+            .iter()
+            .map(|m| match &m.ordering_key {
+                None => 0,
+                Some(k) => {
+                    let n = seen.entry((m.topic.as_str(), k.as_str())).or_insert(0);
+                    *n += 1;
+                    *n - 1
+                }
+            })
+            .collect();
+        let waves = positions.iter().copied().max().map_or(0, |m| m + 1);
+        let mut failed: HashSet<(&str, &str)> = HashSet::new();
+        for wave in 0..waves {
+            let members: Vec<usize> = (0..batch.len())
+                .filter(|&i| positions[i] == wave)
+                .filter(|&i| match &batch[i].ordering_key {
+                    None => true,
+                    Some(k) => !failed.contains(&(batch[i].topic.as_str(), k.as_str())),
                 })
                 .collect();
-            let waves = positions.iter().copied().max().map_or(0, |m| m + 1);
-            let mut failed: HashSet<(&str, &str)> = HashSet::new();
-            for wave in 0..waves {
-                let members: Vec<usize> = (0..batch.len())
-                    .filter(|&i| positions[i] == wave)
-                    .filter(|&i| match &batch[i].ordering_key {
-                        None => true,
-                        Some(k) => !failed.contains(&(batch[i].topic.as_str(), k.as_str())),
-                    })
-                    .collect();
-                if members.is_empty() {
-                    break;
+            if members.is_empty() {
+                break;
+            }
+            let envelopes: Vec<Envelope> = members.iter().map(|&i| batch[i].clone()).collect();
+            let wave_results = checked_publish(publisher, &envelopes).await;
+            for (&i, result) in members.iter().zip(wave_results) {
+                if result.is_err()
+                    && let Some(k) = &batch[i].ordering_key
+                {
+                    failed.insert((batch[i].topic.as_str(), k.as_str()));
                 }
-                let envelopes: Vec<Envelope> = members.iter().map(|&i| batch[i].clone()).collect();
-                let wave_results = self.checked_publish(&envelopes).await;
-                for (&i, result) in members.iter().zip(wave_results) {
-                    if result.is_err()
-                        && let Some(k) = &batch[i].ordering_key
-                    {
-                        failed.insert((batch[i].topic.as_str(), k.as_str()));
-                    }
-                    results[i] = Some(result);
-                }
+                results[i] = Some(result);
             }
         }
-        // An atomic publisher reports one result for all; still, never let a later message
-        // of a key count as published after an earlier one failed.
-        let mut failed: HashSet<(&str, &str)> = HashSet::new();
-        for (m, slot) in batch.iter().zip(results.iter_mut()) {
-            let Some(k) = &m.ordering_key else { continue };
-            let key = (m.topic.as_str(), k.as_str());
-            if failed.contains(&key) {
-                if matches!(slot, Some(Ok(()))) {
-                    tracing::error!(message_id = %m.id, "pgbox publisher confirmed a message after an earlier one of its key failed; it may arrive out of order");
-                }
-            } else if matches!(slot, Some(Err(_)) | None) {
-                failed.insert(key);
-            }
-        }
-        results
     }
+    // An atomic publisher reports one result for all; still, never let a later message
+    // of a key count as published after an earlier one failed.
+    let mut failed: HashSet<(&str, &str)> = HashSet::new();
+    for (m, slot) in batch.iter().zip(results.iter_mut()) {
+        let Some(k) = &m.ordering_key else { continue };
+        let key = (m.topic.as_str(), k.as_str());
+        if failed.contains(&key) {
+            if matches!(slot, Some(Ok(()))) {
+                tracing::error!(message_id = %m.id, "pgbox publisher confirmed a message after an earlier one of its key failed; it may arrive out of order");
+            }
+        } else if matches!(slot, Some(Err(_)) | None) {
+            failed.insert(key);
+        }
+    }
+    results
+}
 
-    /// One publisher call; a result list of the wrong length fails every message.
-    async fn checked_publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
-        let results = self.publisher.publish(batch).await;
-        if results.len() == batch.len() {
-            return results;
-        }
-        let msg = format!(
-            "publisher returned {} results for {} messages",
-            results.len(),
-            batch.len()
-        );
-        vec![Err(PublishError(msg)); batch.len()]
+/// One publisher call; a result list of the wrong length fails every message.
+async fn checked_publish<P: Publisher>(
+    publisher: &P,
+    batch: &[Envelope],
+) -> Vec<Result<(), PublishError>> {
+    let results = publisher.publish(batch).await;
+    if results.len() == batch.len() {
+        return results;
     }
+    let msg = format!(
+        "publisher returned {} results for {} messages",
+        results.len(),
+        batch.len()
+    );
+    vec![Err(PublishError(msg)); batch.len()]
 }
 
 /// What a round did per topic, recorded once it commits. A round's topics are few: a linear

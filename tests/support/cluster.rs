@@ -66,6 +66,15 @@ impl Cluster {
         cluster
     }
 
+    /// [`start`](Self::start), then `wal_level = logical` (for logical decoding: the WAL
+    /// outbox's slot) and a restart.
+    pub fn start_logical() -> Cluster {
+        let cluster = Cluster::start();
+        cluster.psql("ALTER SYSTEM SET wal_level = logical");
+        cluster.pg_ctl(&["-m", "fast", "restart"]);
+        cluster
+    }
+
     /// A streaming standby of `primary` (which must be running), started and streaming when
     /// this returns. With `sync`, the primary then waits for this standby to apply each commit
     /// before it answers it (`synchronous_standby_names` = this standby,

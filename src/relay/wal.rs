@@ -1,0 +1,807 @@
+//! The WAL relay: publishes what [`OutboxMode::Wal`](crate::OutboxMode::Wal) producers emitted,
+//! reading a logical replication slot, and moves the slot only past what the transport
+//! confirmed.
+//!
+//! **Reading.** The SQL slot functions (`pg_logical_slot_peek_binary_changes` with the built-in
+//! `pgoutput` plugin, `messages` on), on one dedicated connection: a peek decodes whole
+//! transactions, in commit order, up to the batch size; after the transport confirmed them,
+//! `pg_replication_slot_advance` moves the slot past their commits. A crash anywhere in between
+//! re-reads from the last advance: at-least-once, with the message ids of the enqueue, which
+//! consumers' inboxes absorb. The streaming replication protocol would save the repeated decode
+//! of a batch's start, but sqlx does not speak it; the SQL functions need nothing beyond sqlx.
+//!
+//! **One reader.** Relays of one slot elect a reader with a session advisory lock on their
+//! dedicated connection; the others wait and try again every poll interval. A reader that dies
+//! (SIGKILL, a lost connection) releases the lock with its session; the next one continues
+//! from the slot's position. The slot itself also refuses a second concurrent reader.
+//!
+//! **Order.** Messages are published in commit order; a publisher that is not atomic gets them
+//! in per-key waves, as the table relay does. The slot moves only past whole transactions whose
+//! messages were all confirmed.
+//!
+//! **Failures.** A failed message is tried again (the whole rest of the batch is re-read, so
+//! messages after it may be published twice) after the relay's backoff. After `max_attempts`
+//! failures of a message in this relay's life, it is moved to `outbox_dead_letters` (with a
+//! negative `seq`: minus its WAL position) and the slot moves past it: unlike the table relay,
+//! a dead letter does not hold back later messages of its key. Content under the schema's
+//! prefix that pgbox cannot read is dead-lettered the same way (topic `pgbox.undecodable`),
+//! never skipped silently.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::{AssertSqlSafe, ConnectOptions, Connection, PgConnection, PgPool, Row};
+use time::OffsetDateTime;
+use tokio::sync::Mutex;
+use tracing::Instrument;
+
+use crate::error::{DbErrorKind, Error, Result};
+use crate::ident::{DEFAULT_SCHEMA, Identifier};
+use crate::outbox::Envelope;
+use crate::outbox::wal::{self, Decoded};
+use crate::retry::RetryPolicy;
+use crate::transport::{PublishError, Publisher};
+
+/// Advisory-lock class of the WAL relay's reader election: `pg_try_advisory_lock(class,
+/// hashtext(slot))`.
+const READER_LOCK_CLASS: i32 = 0x7062_6f77; // "pbow"
+
+/// A logical replication slot and the publication of the same name that the WAL relay reads
+/// (`pgoutput` needs a publication; this one has no tables, only messages pass).
+///
+/// ```no_run
+/// # async fn f(pool: sqlx::PgPool) -> pgbox::Result<()> {
+/// let slot = pgbox::WalSlot::new("pgbox_outbox")?;
+/// slot.create(&pool).await?; // idempotent; needs wal_level = logical
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WalSlot {
+    name: Identifier,
+}
+
+/// What [`WalSlot::status`] reads from `pg_replication_slots`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WalSlotStatus {
+    /// Whether a session reads it now (a WAL relay's reader).
+    pub active: bool,
+    /// WAL the slot keeps from being removed: from its restart position to the server's
+    /// current position, in bytes.
+    pub retained_bytes: i64,
+    /// `pg_replication_slots.wal_status`: `reserved`, `extended`, `unreserved` or `lost`
+    /// (invalidated: the WAL it needed is gone, and so are the messages in it).
+    pub wal_status: String,
+}
+
+impl WalSlot {
+    /// The slot `name` (validated: lowercase ASCII letters, digits and `_`).
+    pub fn new(name: &str) -> Result<Self> {
+        Ok(WalSlot {
+            name: Identifier::new("replication slot", name)?,
+        })
+    }
+
+    /// The slot's name.
+    pub fn name(&self) -> &str {
+        self.name.as_str()
+    }
+
+    /// Creates the publication and the slot if they do not exist. Fails with
+    /// [`Error::WalLevel`] unless the server runs with `wal_level = logical`. Needs the
+    /// `REPLICATION` attribute (or superuser) and `CREATE` on the database; run it as the
+    /// owner, like the migrations. Messages emitted before the slot exists are not kept.
+    pub async fn create(&self, pool: &PgPool) -> Result<()> {
+        let mut conn = pool.acquire().await?;
+        check_wal_level(&mut conn).await?;
+        let exists: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1)",
+        )
+        .persistent(false)
+        .bind(self.name())
+        .fetch_one(&mut *conn)
+        .await?;
+        if !exists {
+            sqlx::raw_sql(AssertSqlSafe(format!(
+                "CREATE PUBLICATION {}",
+                self.name.quoted()
+            )))
+            .execute(&mut *conn)
+            .await?;
+        }
+        let exists: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1)",
+        )
+        .persistent(false)
+        .bind(self.name())
+        .fetch_one(&mut *conn)
+        .await?;
+        if !exists {
+            sqlx::query(
+                "SELECT 1 FROM pg_catalog.pg_create_logical_replication_slot($1, 'pgoutput')",
+            )
+            .persistent(false)
+            .bind(self.name())
+            .execute(&mut *conn)
+            .await?;
+            tracing::info!(slot = self.name(), "pgbox WAL slot created");
+        }
+        Ok(())
+    }
+
+    /// Drops the slot and the publication, if they exist. What the slot held unpublished is
+    /// gone with it. Fails while a relay reads the slot (the slot is active).
+    pub async fn drop(&self, pool: &PgPool) -> Result<()> {
+        let mut conn = pool.acquire().await?;
+        sqlx::query(
+            "SELECT pg_catalog.pg_drop_replication_slot(slot_name) \
+             FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+        )
+        .persistent(false)
+        .bind(self.name())
+        .execute(&mut *conn)
+        .await?;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "DROP PUBLICATION IF EXISTS {}",
+            self.name.quoted()
+        )))
+        .execute(&mut *conn)
+        .await?;
+        Ok(())
+    }
+
+    /// The slot's state, `None` if it does not exist.
+    pub async fn status(&self, pool: &PgPool) -> Result<Option<WalSlotStatus>> {
+        let mut tx = pool.begin().await?;
+        let row = sqlx::query(
+            "SELECT active, \
+                    coalesce(pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), restart_lsn), 0)::int8, \
+                    coalesce(wal_status, 'lost') \
+             FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+        )
+        .persistent(false)
+        .bind(self.name())
+        .fetch_optional(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        row.map(|r| {
+            Ok(WalSlotStatus {
+                active: r.try_get(0)?,
+                retained_bytes: r.try_get(1)?,
+                wal_status: r.try_get(2)?,
+            })
+        })
+        .transpose()
+    }
+}
+
+/// `wal_level` must be `logical` for logical decoding.
+async fn check_wal_level(conn: &mut PgConnection) -> Result<()> {
+    let level: String = sqlx::raw_sql("SELECT pg_catalog.current_setting('wal_level')")
+        .fetch_one(&mut *conn)
+        .await?
+        .try_get(0)?;
+    if level != "logical" {
+        return Err(Error::WalLevel { actual: level });
+    }
+    Ok(())
+}
+
+/// What one [`WalRelay::relay_once`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct WalRoundReport {
+    /// Messages read from the slot (of this schema).
+    pub read: usize,
+    /// Published, and the slot moved past them.
+    pub published: usize,
+    /// Failed; read again next round.
+    pub retried: usize,
+    /// Moved to `outbox_dead_letters` (failed `max_attempts` times, or unreadable).
+    pub dead_lettered: usize,
+    /// Whether this relay is the slot's reader (`false`: another relay is; nothing was read).
+    pub reader: bool,
+}
+
+/// Builder for a [`WalRelay`].
+#[derive(Debug)]
+pub struct WalRelayBuilder<P> {
+    pool: PgPool,
+    slot: WalSlot,
+    publisher: P,
+    schema: String,
+    batch_size: usize,
+    max_attempts: i32,
+    backoff: RetryPolicy,
+    poll_interval: Duration,
+}
+
+impl<P: Publisher> WalRelayBuilder<P> {
+    /// The pgbox schema whose messages to publish (default `pgbox`): the producers'
+    /// [`Outbox`](crate::Outbox) schema. Messages of other schemas in the slot are passed
+    /// over.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self
+    }
+
+    /// Changes decoded per read (default 1000; whole transactions, so a read may return
+    /// more).
+    pub fn batch_size(mut self, n: usize) -> Self {
+        self.batch_size = n;
+        self
+    }
+
+    /// Failures of one message before it is dead-lettered (default 10).
+    pub fn max_attempts(mut self, n: i32) -> Self {
+        self.max_attempts = n;
+        self
+    }
+
+    /// Delay after a round with a failure (default: 1 s base, doubling, capped at 5 min,
+    /// full jitter).
+    pub fn backoff(mut self, policy: RetryPolicy) -> Self {
+        self.backoff = policy;
+        self
+    }
+
+    /// How often to read the slot when it had nothing, and how often a relay that is not the
+    /// reader tries to become it (default 100 ms).
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// Validates the settings.
+    pub fn build(self) -> Result<WalRelay<P>> {
+        let schema = Identifier::pgbox_schema(&self.schema)?;
+        if self.batch_size == 0 || self.batch_size > 100_000 {
+            return Err(Error::InvalidConfig(
+                "WAL relay batch size must be 1..=100000".into(),
+            ));
+        }
+        if self.max_attempts < 1 {
+            return Err(Error::InvalidConfig(
+                "WAL relay max_attempts must be at least 1".into(),
+            ));
+        }
+        if self.poll_interval.is_zero() {
+            return Err(Error::InvalidConfig(
+                "WAL relay poll interval must be positive".into(),
+            ));
+        }
+        let dead_letter = format!(
+            "INSERT INTO {s}.outbox_dead_letters \
+               (seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, attempts, last_error) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) ON CONFLICT DO NOTHING",
+            s = schema.quoted()
+        );
+        Ok(WalRelay {
+            pool: self.pool,
+            prefix: wal::prefix(schema.as_str()),
+            slot: self.slot,
+            publisher: Arc::new(self.publisher),
+            schema,
+            batch_size: self.batch_size,
+            max_attempts: self.max_attempts,
+            backoff: self.backoff,
+            poll_interval: self.poll_interval,
+            dead_letter: dead_letter.into(),
+            reader: Mutex::new(Reader::default()),
+        })
+    }
+}
+
+/// The reader's connection (holding the election lock) and what it remembers between rounds.
+#[derive(Default)]
+struct Reader {
+    conn: Option<PgConnection>,
+    /// Failures per message id in this relay's life.
+    attempts: HashMap<uuid::Uuid, i32>,
+    /// Consecutive rounds with a failure (for the backoff).
+    failing_rounds: u32,
+}
+
+/// Publishes the WAL outbox of one schema from a logical replication slot. Build with
+/// [`WalRelay::builder`]; run with [`WalRelay::run`]. See the module docs in the README's
+/// "The WAL outbox".
+pub struct WalRelay<P> {
+    pool: PgPool,
+    slot: WalSlot,
+    publisher: Arc<P>,
+    schema: Identifier,
+    prefix: String,
+    batch_size: usize,
+    max_attempts: i32,
+    backoff: RetryPolicy,
+    poll_interval: Duration,
+    dead_letter: Arc<str>,
+    reader: Mutex<Reader>,
+}
+
+impl<P> std::fmt::Debug for WalRelay<P> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalRelay")
+            .field("slot", &self.slot.name())
+            .field("schema", &self.schema.as_str())
+            .finish_non_exhaustive()
+    }
+}
+
+/// One decoded transaction of the slot.
+struct SlotTransaction {
+    /// The position just past its commit: where the slot moves once it is published.
+    end_lsn: u64,
+    messages: Vec<Envelope>,
+    /// Unreadable content under this schema's prefix, with the reason.
+    unreadable: Vec<(u64, Vec<u8>, String)>,
+}
+
+impl<P: Publisher> WalRelay<P> {
+    /// A WAL relay reading `slot` on `pool` (direct connections: the reader holds a session
+    /// of its own) and publishing through `publisher`.
+    pub fn builder(pool: PgPool, slot: WalSlot, publisher: P) -> WalRelayBuilder<P> {
+        WalRelayBuilder {
+            pool,
+            slot,
+            publisher,
+            schema: DEFAULT_SCHEMA.into(),
+            batch_size: 1000,
+            max_attempts: 10,
+            backoff: RetryPolicy::new()
+                .base_delay(Duration::from_secs(1))
+                .max_delay(Duration::from_secs(300)),
+            poll_interval: Duration::from_millis(100),
+        }
+    }
+
+    /// Runs until `shutdown` is cancelled: reads and publishes while it is the reader, tries
+    /// to become it otherwise. Errors are logged and retried after the poll interval (a
+    /// missing or invalidated slot, or `wal_level` not `logical`, at every try: they need an
+    /// operator); the relay never gives up on its own.
+    pub async fn run(&self, shutdown: tokio_util::sync::CancellationToken) -> Result<()> {
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            let wait = match self.relay_once().await {
+                Ok(report) if report.read > 0 && report.retried == 0 => Duration::ZERO,
+                Ok(report) if report.retried > 0 => {
+                    let rounds = self.reader.lock().await.failing_rounds;
+                    self.backoff.delay_after(rounds)
+                }
+                Ok(_) => self.poll_interval,
+                Err(e) => {
+                    tracing::warn!(slot = self.slot.name(), error = %e, "pgbox WAL relay round failed; will retry");
+                    self.poll_interval
+                }
+            };
+            if !wait.is_zero() {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return Ok(()),
+                    _ = tokio::time::sleep(wait) => {}
+                }
+            }
+        }
+    }
+
+    /// Publishes until the slot has nothing more of this schema, then returns what it did.
+    /// Fails if another relay is the reader, or as a round fails.
+    pub async fn drain(&self) -> Result<WalRoundReport> {
+        let mut total = WalRoundReport::default();
+        loop {
+            let round = self.relay_once().await?;
+            if !round.reader {
+                return Err(Error::WalSlot {
+                    slot: self.slot.name().to_owned(),
+                    reason: "another relay is its reader".into(),
+                });
+            }
+            total.reader = true;
+            total.read += round.read;
+            total.published += round.published;
+            total.retried += round.retried;
+            total.dead_lettered += round.dead_lettered;
+            if round.retried > 0 {
+                let rounds = self.reader.lock().await.failing_rounds;
+                tokio::time::sleep(self.backoff.delay_after(rounds)).await;
+                continue;
+            }
+            if round.read == 0 {
+                return Ok(total);
+            }
+        }
+    }
+
+    /// One round: become the reader if no relay is, read a batch of whole transactions,
+    /// publish them, move the slot past the confirmed ones.
+    pub async fn relay_once(&self) -> Result<WalRoundReport> {
+        let span = tracing::debug_span!("pgbox.wal_relay.round", slot = self.slot.name());
+        let mut reader = self.reader.lock().await;
+        let result = self.round(&mut reader).instrument(span).await;
+        if result.is_err() {
+            // A broken connection (or one whose state is unknown) is not reused: its session,
+            // and with it the reader's lock, ends.
+            if let Some(conn) = reader.conn.take() {
+                let _ = conn.close().await;
+            }
+        }
+        result
+    }
+
+    async fn round(&self, reader: &mut Reader) -> Result<WalRoundReport> {
+        let mut report = WalRoundReport::default();
+        if reader.conn.is_none() {
+            let mut conn = self.pool.connect_options().connect().await?;
+            check_wal_level(&mut conn).await?;
+            let locked: bool = sqlx::query_scalar(
+                "SELECT pg_catalog.pg_try_advisory_lock($1, pg_catalog.hashtext($2))",
+            )
+            .persistent(false)
+            .bind(READER_LOCK_CLASS)
+            .bind(self.slot.name())
+            .fetch_one(&mut conn)
+            .await?;
+            if !locked {
+                let _ = conn.close().await;
+                return Ok(report);
+            }
+            tracing::info!(
+                slot = self.slot.name(),
+                "pgbox WAL relay is the slot's reader"
+            );
+            reader.conn = Some(conn);
+        }
+        report.reader = true;
+        let conn = reader.conn.as_mut().expect("just set");
+        let transactions = self.read(conn).await?;
+        let Some(last_read) = transactions.last().map(|t| t.end_lsn) else {
+            return Ok(report);
+        };
+        let batch: Vec<Envelope> = transactions
+            .iter()
+            .flat_map(|t| t.messages.iter().cloned())
+            .collect();
+        report.read = batch.len()
+            + transactions
+                .iter()
+                .map(|t| t.unreadable.len())
+                .sum::<usize>();
+        let results = super::publish_in_key_order(&*self.publisher, &batch).await;
+        let mut results = results.into_iter();
+        let mut advance_to = None;
+        let mut first_error = None;
+        for t in &transactions {
+            let mut complete = true;
+            let mut to_dead_letter: Vec<(&Envelope, String)> = Vec::new();
+            for m in &t.messages {
+                match results.next().flatten() {
+                    Some(Ok(())) => {
+                        reader.attempts.remove(&m.id);
+                        report.published += 1;
+                    }
+                    failed => {
+                        let error = match failed {
+                            Some(Err(PublishError(e))) => e,
+                            _ => "not attempted: an earlier message of its key failed".into(),
+                        };
+                        let attempts = reader.attempts.entry(m.id).or_insert(0);
+                        *attempts += 1;
+                        if *attempts >= self.max_attempts {
+                            to_dead_letter.push((m, error));
+                        } else {
+                            first_error.get_or_insert(error);
+                            report.retried += 1;
+                            complete = false;
+                        }
+                    }
+                }
+            }
+            if !complete {
+                break;
+            }
+            for (m, error) in to_dead_letter {
+                let attempts = reader.attempts.remove(&m.id).unwrap_or(self.max_attempts);
+                self.dead_letter_message(conn, m, attempts, &error).await?;
+                tracing::error!(message_id = %m.id, attempts, error, "pgbox WAL message failed for the last time; dead-lettered");
+                report.dead_lettered += 1;
+            }
+            for (lsn, content, reason) in &t.unreadable {
+                self.dead_letter_unreadable(conn, *lsn, content, reason)
+                    .await?;
+                report.dead_lettered += 1;
+            }
+            advance_to = Some(t.end_lsn);
+        }
+        if let Some(lsn) = advance_to {
+            sqlx::query(
+                "SELECT 1 FROM pg_catalog.pg_replication_slot_advance($1, $2::text::pg_lsn)",
+            )
+            .persistent(false)
+            .bind(self.slot.name())
+            .bind(format_lsn(lsn))
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| self.slot_error(e.into()))?;
+        }
+        if report.retried > 0 {
+            reader.failing_rounds += 1;
+            tracing::warn!(
+                slot = self.slot.name(),
+                messages = report.retried,
+                error = first_error.as_deref().unwrap_or(""),
+                "pgbox WAL publish failed; will read again"
+            );
+        } else {
+            reader.failing_rounds = 0;
+        }
+        tracing::debug!(
+            read = report.read,
+            published = report.published,
+            up_to = %format_lsn(advance_to.unwrap_or(last_read)),
+            "pgbox WAL relay round"
+        );
+        Ok(report)
+    }
+
+    /// Decodes up to a batch of whole transactions from the slot, without consuming them.
+    async fn read(&self, conn: &mut PgConnection) -> Result<Vec<SlotTransaction>> {
+        let limit = i32::try_from(self.batch_size).unwrap_or(i32::MAX);
+        let rows = sqlx::query(
+            "SELECT data FROM pg_catalog.pg_logical_slot_peek_binary_changes($1, NULL, $2, \
+               'proto_version', '1', 'publication_names', $1, 'messages', 'true')",
+        )
+        .persistent(false)
+        .bind(self.slot.name())
+        .bind(limit)
+        .fetch_all(&mut *conn)
+        .await
+        .map_err(|e| self.slot_error(e.into()))?;
+        let mut transactions = Vec::new();
+        let mut current: Option<(OffsetDateTime, SlotTransaction)> = None;
+        for row in rows {
+            let data: Vec<u8> = row.try_get(0)?;
+            match pgoutput::parse(&data).map_err(|e| self.protocol_error(e))? {
+                pgoutput::Change::Begin { commit_ts } => {
+                    current = Some((
+                        commit_ts,
+                        SlotTransaction {
+                            end_lsn: 0,
+                            messages: Vec::new(),
+                            unreadable: Vec::new(),
+                        },
+                    ));
+                }
+                pgoutput::Change::Message {
+                    lsn,
+                    prefix,
+                    content,
+                } => {
+                    if prefix != self.prefix {
+                        continue;
+                    }
+                    let Some((commit_ts, t)) = current.as_mut() else {
+                        return Err(self.protocol_error("a message outside a transaction".into()));
+                    };
+                    match wal::decode(content) {
+                        Ok(decoded) => {
+                            for (i, d) in decoded.into_iter().enumerate() {
+                                t.messages.push(envelope(d, lsn, i, *commit_ts));
+                            }
+                        }
+                        Err(reason) => t.unreadable.push((lsn, content.to_vec(), reason)),
+                    }
+                }
+                pgoutput::Change::Commit { end_lsn } => {
+                    if let Some((_, mut t)) = current.take() {
+                        t.end_lsn = end_lsn;
+                        transactions.push(t);
+                    }
+                }
+                pgoutput::Change::Other => {}
+            }
+        }
+        Ok(transactions)
+    }
+
+    async fn dead_letter_message(
+        &self,
+        conn: &mut PgConnection,
+        m: &Envelope,
+        attempts: i32,
+        error: &str,
+    ) -> Result<()> {
+        sqlx::query(AssertSqlSafe(self.dead_letter.clone()))
+            .persistent(false)
+            .bind(m.seq)
+            .bind(m.id)
+            .bind(&m.topic)
+            .bind(&m.ordering_key)
+            .bind(&m.payload)
+            .bind(&m.content_type)
+            .bind(sqlx::types::Json(&m.headers))
+            .bind(m.created_at)
+            .bind(attempts)
+            .bind(error.replace('\0', "\\0"))
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn dead_letter_unreadable(
+        &self,
+        conn: &mut PgConnection,
+        lsn: u64,
+        content: &[u8],
+        reason: &str,
+    ) -> Result<()> {
+        tracing::error!(slot = self.slot.name(), lsn = %format_lsn(lsn), reason, "pgbox WAL message under this schema's prefix is unreadable; dead-lettered");
+        sqlx::query(AssertSqlSafe(self.dead_letter.clone()))
+            .persistent(false)
+            .bind(-(lsn as i64))
+            .bind(uuid::Uuid::now_v7())
+            .bind("pgbox.undecodable")
+            .bind(None::<String>)
+            .bind(content)
+            .bind("application/octet-stream")
+            .bind(sqlx::types::Json(BTreeMap::<String, String>::new()))
+            .bind(OffsetDateTime::now_utc())
+            .bind(0i32)
+            .bind(format!("unreadable WAL message: {reason}"))
+            .execute(&mut *conn)
+            .await?;
+        Ok(())
+    }
+
+    /// A slot-function error in words: missing, invalidated, or read by someone else.
+    fn slot_error(&self, e: Error) -> Error {
+        let slot = self.slot.name().to_owned();
+        let Error::Database { source, .. } = &e else {
+            return e;
+        };
+        let Some(db) = source.as_database_error() else {
+            return e;
+        };
+        let message = db.message().to_owned();
+        match db.code().as_deref() {
+            Some("42704") => Error::WalSlot {
+                slot,
+                reason: format!(
+                    "it does not exist ({message}); create it with WalSlot::create or `pgbox wal create-slot`"
+                ),
+            },
+            Some("55006") => Error::WalSlot {
+                slot,
+                reason: format!("another session reads it ({message})"),
+            },
+            Some("55000") if message.contains("invalidated") || message.contains("cannot read") => {
+                Error::WalSlot {
+                    slot,
+                    reason: format!(
+                        "it was invalidated ({message}): the WAL it needed was removed \
+                         (max_slot_wal_keep_size), and the messages in it are lost; drop and \
+                         create the slot, and reconcile what producers committed since its \
+                         last confirmed position"
+                    ),
+                }
+            }
+            _ if e.db_kind() == Some(DbErrorKind::Other)
+                && message.contains("replication slot") =>
+            {
+                Error::WalSlot {
+                    slot,
+                    reason: message,
+                }
+            }
+            _ => e,
+        }
+    }
+
+    fn protocol_error(&self, reason: String) -> Error {
+        Error::WalSlot {
+            slot: self.slot.name().to_owned(),
+            reason: format!("unexpected pgoutput data: {reason}"),
+        }
+    }
+}
+
+/// The envelope of the `index`th message of the emit at `lsn`: `seq` is minus the emit's WAL
+/// position times 1024 plus the index, negative so it never meets a table outbox `seq`.
+fn envelope(d: Decoded, lsn: u64, index: usize, commit_ts: OffsetDateTime) -> Envelope {
+    let seq = -((lsn as i64)
+        .saturating_mul(1024)
+        .saturating_add(index as i64 % 1024));
+    let mut e = Envelope::new(d.id, d.topic, d.payload);
+    e.seq = seq;
+    e.ordering_key = d.ordering_key;
+    e.content_type = d.content_type;
+    e.headers = d.headers;
+    e.created_at = commit_ts;
+    e
+}
+
+fn format_lsn(lsn: u64) -> String {
+    format!("{:X}/{:X}", lsn >> 32, lsn & 0xFFFF_FFFF)
+}
+
+/// The pgoutput (protocol version 1) messages the WAL relay reads: begin, commit, and
+/// logical-decoding messages. A publication with no tables sends nothing else.
+mod pgoutput {
+    use time::OffsetDateTime;
+
+    pub(super) enum Change<'a> {
+        Begin {
+            commit_ts: OffsetDateTime,
+        },
+        Message {
+            lsn: u64,
+            prefix: &'a str,
+            content: &'a [u8],
+        },
+        Commit {
+            end_lsn: u64,
+        },
+        Other,
+    }
+
+    /// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
+    const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+
+    pub(super) fn parse(data: &[u8]) -> Result<Change<'_>, String> {
+        let (&kind, rest) = data.split_first().ok_or("an empty change")?;
+        let mut r = rest;
+        match kind {
+            b'B' => {
+                let _final_lsn = u64_be(&mut r)?;
+                let ts = u64_be(&mut r)? as i64;
+                let micros = ts.saturating_add(PG_EPOCH_MICROS);
+                let commit_ts =
+                    OffsetDateTime::from_unix_timestamp_nanos(i128::from(micros) * 1000)
+                        .map_err(|e| e.to_string())?;
+                Ok(Change::Begin { commit_ts })
+            }
+            b'M' => {
+                let _flags = take(&mut r, 1)?;
+                let lsn = u64_be(&mut r)?;
+                let end = r
+                    .iter()
+                    .position(|&b| b == 0)
+                    .ok_or("an unterminated prefix")?;
+                let prefix = std::str::from_utf8(&r[..end]).map_err(|e| e.to_string())?;
+                r = &r[end + 1..];
+                let len =
+                    u32::from_be_bytes(take(&mut r, 4)?.try_into().expect("4 bytes")) as usize;
+                let content = take(&mut r, len)?;
+                Ok(Change::Message {
+                    lsn,
+                    prefix,
+                    content,
+                })
+            }
+            b'C' => {
+                let _flags = take(&mut r, 1)?;
+                let _commit_lsn = u64_be(&mut r)?;
+                let end_lsn = u64_be(&mut r)?;
+                Ok(Change::Commit { end_lsn })
+            }
+            _ => Ok(Change::Other),
+        }
+    }
+
+    fn take<'a>(r: &mut &'a [u8], n: usize) -> Result<&'a [u8], String> {
+        if r.len() < n {
+            return Err(format!(
+                "truncated change: {n} bytes needed, {} left",
+                r.len()
+            ));
+        }
+        let (head, tail) = r.split_at(n);
+        *r = tail;
+        Ok(head)
+    }
+
+    fn u64_be(r: &mut &[u8]) -> Result<u64, String> {
+        Ok(u64::from_be_bytes(take(r, 8)?.try_into().expect("8 bytes")))
+    }
+}
