@@ -84,7 +84,7 @@ async fn run_advice(db: &TestDb, advice: &str) {
     conn.close().await.unwrap();
 }
 
-const OK_CODES: [Code; 10] = [
+const OK_CODES: [Code; 11] = [
     Code::MigrationsCurrent,
     Code::IndexesValid,
     Code::BloatLow,
@@ -95,6 +95,7 @@ const OK_CODES: [Code; 10] = [
     Code::ReplicationOk,
     Code::GrantsComplete,
     Code::PoolerOk,
+    Code::WalSlotsOk,
 ];
 
 #[tokio::test]
@@ -109,7 +110,7 @@ async fn a_freshly_migrated_schema_is_all_ok_and_exits_0() {
     }
 
     let text = expect_exit(&pgbox_cli(&db.url(), &["doctor"]), EXIT_OK);
-    assert!(text.contains("0 critical, 0 warning(s), 10 ok"), "{text}");
+    assert!(text.contains("0 critical, 0 warning(s), 11 ok"), "{text}");
     assert!(text.contains("migrations_current"), "{text}");
 
     let out = pgbox_cli(&db.url(), &["doctor", "--json"]);

@@ -245,3 +245,64 @@ async fn a_slot_dropped_under_a_running_relay_and_a_replica_server_are_typed_err
         assert!(err.to_string().contains("wal_level = logical"), "{err}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_doctor_reports_a_slot_behind_and_an_invalidated_one_the_relay_says_so_typed() {
+    let (cluster, pool) = logical().await;
+    let slot = WalSlot::new("pgbox_outbox").unwrap();
+    slot.create(&pool).await.unwrap();
+    let wal = Outbox::new().mode(OutboxMode::Wal);
+    let mut tx = pool.begin().await.unwrap();
+    wal.enqueue(&mut tx, Message::bytes("wal", b"waiting".to_vec()))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+
+    // No relay reads it: the doctor sees what it retains and how old its oldest commit is.
+    let report = pgbox::doctor::Doctor::new()
+        .wal_slot_retained_warn(1)
+        .xmin_age_warn(Duration::from_secs(1))
+        .check(&pool)
+        .await
+        .unwrap();
+    let behind: Vec<_> = report
+        .with_code(pgbox::doctor::Code::WalSlotBehind)
+        .collect();
+    assert_eq!(behind.len(), 1, "{report:#?}");
+    let age = behind[0].details["oldest_unpublished_commit_age_seconds"]
+        .as_f64()
+        .expect("the oldest commit's age");
+    assert!(age >= 1.0, "{age}");
+    assert!(behind[0].message.contains("pgbox_outbox"));
+
+    // The WAL it needs is removed past max_slot_wal_keep_size: invalidated.
+    cluster.psql("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'");
+    cluster.psql("SELECT pg_reload_conf()");
+    for _ in 0..4 {
+        pool.execute(
+            "CREATE TABLE IF NOT EXISTS wal_filler (x int); INSERT INTO wal_filler VALUES (1)",
+        )
+        .await
+        .unwrap();
+        pool.execute("SELECT pg_switch_wal()").await.unwrap();
+    }
+    pool.execute("CHECKPOINT").await.unwrap();
+    let status = slot.status(&pool).await.unwrap().unwrap();
+    assert_eq!(status.wal_status, "lost", "{status:?}");
+    let report = pgbox::doctor::check(&pool, "pgbox").await.unwrap();
+    assert_eq!(
+        report
+            .with_code(pgbox::doctor::Code::WalSlotInvalidated)
+            .count(),
+        1,
+        "{report:#?}"
+    );
+    let relay = WalRelay::builder(pool.clone(), slot.clone(), PgQueue::new(pool.clone()))
+        .build()
+        .unwrap();
+    match relay.relay_once().await.unwrap_err() {
+        Error::WalSlot { reason, .. } => assert!(reason.contains("invalidated"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}

@@ -70,6 +70,11 @@
 //!   A warning then, with what each component needs (`Pooler::Transaction`, direct
 //!   connections for the janitor, migrations and LISTEN). It can miss on a busy pooler; it
 //!   never raises a false alarm.
+//! - **WAL slots** ([`Check::WalSlots`]): every logical replication slot of this database (the
+//!   WAL outbox's): the WAL it retains (warning from [`Doctor::wal_slot_retained_warn`],
+//!   default 1 GiB), the age of its oldest unpublished commit when no session reads it (a
+//!   peek of one change; warning from the xmin age threshold), and an invalidated slot
+//!   (`wal_status = lost`: critical, its messages are gone).
 //!
 //! **Heartbeats**: pgbox's relays and consumers record no heartbeat in the database today, so
 //! the doctor cannot tell whether they are running and reports nothing about them;
@@ -90,6 +95,7 @@ mod horizon;
 mod pooler;
 mod replication;
 mod schema;
+mod slots;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
@@ -160,6 +166,9 @@ pub enum Check {
     Pooler,
     /// The application role holds every privilege pgbox's components need (`grants`).
     Grants,
+    /// The logical replication slots of this database: WAL they retain, invalidated ones
+    /// (`wal_slots`).
+    WalSlots,
 }
 
 impl Check {
@@ -176,6 +185,7 @@ impl Check {
             Check::InboxLeases => "inbox_leases",
             Check::Replication => "replication",
             Check::Pooler => "pooler",
+            Check::WalSlots => "wal_slots",
             Check::Grants => "grants",
         }
     }
@@ -278,6 +288,14 @@ pub enum Code {
     /// The application role lacks a privilege pgbox needs, or does not exist
     /// (`missing_grant`; critical): the operations needing it fail.
     MissingGrant,
+    /// No logical slot, or each within the thresholds (`wal_slots_ok`; ok).
+    WalSlotsOk,
+    /// A logical slot retains much WAL, or its oldest unpublished commit is old: its reader
+    /// (the WAL relay) is down or behind (`wal_slot_behind`; warning).
+    WalSlotBehind,
+    /// A logical slot was invalidated: the messages in the WAL it lost are gone
+    /// (`wal_slot_invalidated`; critical).
+    WalSlotInvalidated,
 }
 
 impl Code {
@@ -316,6 +334,9 @@ impl Code {
             Code::ServerIsStandby => "standby_server",
             Code::PoolerOk => "pooler_ok",
             Code::TransactionPooler => "transaction_pooler",
+            Code::WalSlotsOk => "wal_slots_ok",
+            Code::WalSlotBehind => "wal_slot_behind",
+            Code::WalSlotInvalidated => "wal_slot_invalidated",
             Code::GrantsComplete => "grants_complete",
             Code::MissingGrant => "missing_grant",
         }
@@ -349,6 +370,7 @@ impl Code {
             }
             Code::GrantsComplete | Code::MissingGrant => Check::Grants,
             Code::PoolerOk | Code::TransactionPooler => Check::Pooler,
+            Code::WalSlotsOk | Code::WalSlotBehind | Code::WalSlotInvalidated => Check::WalSlots,
         }
     }
 }
@@ -519,6 +541,7 @@ pub struct Doctor {
     bloat_ratio_warn: f64,
     statement_timeout: Duration,
     application_role: Option<Identifier>,
+    wal_slot_retained_warn: i64,
 }
 
 impl Default for Doctor {
@@ -544,6 +567,7 @@ impl Doctor {
             bloat_ratio_warn: 0.5,
             statement_timeout: Duration::from_secs(10),
             application_role: None,
+            wal_slot_retained_warn: 1024 * 1024 * 1024,
         }
     }
 
@@ -616,6 +640,12 @@ impl Doctor {
     /// is a warning. Default 0.5.
     pub fn bloat_ratio_warn(mut self, fraction: f64) -> Self {
         self.bloat_ratio_warn = fraction;
+        self
+    }
+
+    /// WAL a logical slot may retain before it is a warning (default 1 GiB).
+    pub fn wal_slot_retained_warn(mut self, bytes: i64) -> Self {
+        self.wal_slot_retained_warn = bytes;
         self
     }
 
@@ -760,6 +790,7 @@ impl Doctor {
         findings.extend(grant_findings);
         tx.commit().await?;
         findings.push(self.check_pooler(pool).await?);
+        findings.extend(self.check_wal_slots(pool).await?);
         Ok(Report {
             schema,
             taken_at,

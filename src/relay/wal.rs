@@ -675,7 +675,10 @@ impl<P: Publisher> WalRelay<P> {
                 slot,
                 reason: format!("another session reads it ({message})"),
             },
-            Some("55000") if message.contains("invalidated") || message.contains("cannot read") => {
+            Some("55000")
+                if message.contains("can no longer get changes")
+                    || message.contains("invalidated") =>
+            {
                 Error::WalSlot {
                     slot,
                     reason: format!(
