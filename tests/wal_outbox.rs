@@ -306,3 +306,29 @@ async fn the_doctor_reports_a_slot_behind_and_an_invalidated_one_the_relay_says_
         other => panic!("{other:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_creates_shows_and_drops_the_slot() {
+    let (cluster, _pool) = logical().await;
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgbox"))
+            .args(args)
+            .env("DATABASE_URL", cluster.url("postgres"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "pgbox {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    cli(&["--json", "wal", "create-slot", "--slot", "orders_outbox"]);
+    let status = cli(&["--json", "wal", "status", "--slot", "orders_outbox"]);
+    assert_eq!(status["exists"], true, "{status}");
+    assert_eq!(status["active"], false, "{status}");
+    assert_eq!(status["wal_status"], "reserved", "{status}");
+    cli(&["--json", "wal", "drop-slot", "--slot", "orders_outbox"]);
+    let status = cli(&["--json", "wal", "status", "--slot", "orders_outbox"]);
+    assert_eq!(status["exists"], false, "{status}");
+}

@@ -102,6 +102,11 @@ enum Command {
         #[command(subcommand)]
         action: DeadLetterAction,
     },
+    /// The WAL outbox's replication slot (and its publication): create, drop, show.
+    Wal {
+        #[command(subcommand)]
+        action: WalAction,
+    },
     /// Delete old inbox rows in batches (index-backed).
     Purge {
         /// Delete rows older than this: `90s`, `30m`, `12h`, `7d`.
@@ -117,6 +122,29 @@ enum Command {
         /// Purge even below `--min-retention`.
         #[arg(long)]
         force: bool,
+    },
+}
+
+#[derive(Subcommand, Debug)]
+enum WalAction {
+    /// Create the slot and its publication if missing (needs wal_level = logical and the
+    /// REPLICATION attribute). Messages emitted before the slot exists are not kept.
+    CreateSlot {
+        /// The slot's name (the WalRelay's).
+        #[arg(long, default_value = "pgbox_outbox")]
+        slot: String,
+    },
+    /// Drop the slot and its publication: what it held unpublished is gone.
+    DropSlot {
+        /// The slot's name.
+        #[arg(long, default_value = "pgbox_outbox")]
+        slot: String,
+    },
+    /// Whether the slot exists, whether a relay reads it, the WAL it retains.
+    Status {
+        /// The slot's name.
+        #[arg(long, default_value = "pgbox_outbox")]
+        slot: String,
     },
 }
 
@@ -817,6 +845,59 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                             format!("dropped:\n{text}")
                         }
                     });
+                }
+            }
+        }
+        Command::Wal { action } => {
+            let pool = connect(cli.database_url.as_deref()).await?;
+            match action {
+                WalAction::CreateSlot { slot } => {
+                    let slot = pgbox::WalSlot::new(&slot)?;
+                    slot.create(&pool).await?;
+                    print(
+                        json_mode,
+                        json!({ "slot": slot.name(), "created": true }),
+                        || format!("slot {} and its publication exist\n", slot.name()),
+                    );
+                }
+                WalAction::DropSlot { slot } => {
+                    let slot = pgbox::WalSlot::new(&slot)?;
+                    slot.drop(&pool).await?;
+                    print(
+                        json_mode,
+                        json!({ "slot": slot.name(), "dropped": true }),
+                        || format!("slot {} and its publication are gone\n", slot.name()),
+                    );
+                }
+                WalAction::Status { slot } => {
+                    let slot = pgbox::WalSlot::new(&slot)?;
+                    match slot.status(&pool).await? {
+                        Some(st) => print(
+                            json_mode,
+                            json!({
+                                "slot": slot.name(), "exists": true, "active": st.active,
+                                "retained_bytes": st.retained_bytes, "wal_status": st.wal_status,
+                            }),
+                            || {
+                                format!(
+                                    "slot {}: {}, retains {} bytes of WAL, wal_status {}\n",
+                                    slot.name(),
+                                    if st.active {
+                                        "read by a relay"
+                                    } else {
+                                        "not read"
+                                    },
+                                    st.retained_bytes,
+                                    st.wal_status
+                                )
+                            },
+                        ),
+                        None => print(
+                            json_mode,
+                            json!({ "slot": slot.name(), "exists": false }),
+                            || format!("slot {} does not exist\n", slot.name()),
+                        ),
+                    }
                 }
             }
         }
