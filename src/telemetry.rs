@@ -37,6 +37,11 @@
 //! | [`RELAY_ROUND_ERRORS`] | counter | |
 //! | [`RELAY_ROUND_DURATION`] | histogram | |
 //! | [`RELAY_PUBLISH_LAG`] | histogram | `topic` |
+//! | [`WAL_RELAY_PUBLISHED`] | counter | `slot`, `topic` |
+//! | [`WAL_RELAY_PUBLISH_LAG`] | histogram | `slot`, `topic` |
+//! | [`WAL_RELAY_RETRIED`] | counter | `slot` |
+//! | [`WAL_RELAY_DEAD_LETTERED`] | counter | `slot` |
+//! | [`WAL_SLOT_RETAINED_BYTES`] | gauge | `slot` |
 //! | [`INBOX_CLAIM_DURATION`] | histogram | `consumer` |
 //! | [`INBOX_LEASE_TAKEOVERS`] | counter | `consumer` |
 //! | [`OUTBOX_BACKLOG`] | gauge | `schema`, `topic` |
@@ -123,6 +128,23 @@ pub const RELAY_ROUND_ERRORS: &str = "pgbox_relay_round_errors_total";
 /// Histogram, seconds: one relay round (claim, publish, settle, commit), for rounds that
 /// claimed at least one message and committed. No labels.
 pub const RELAY_ROUND_DURATION: &str = "pgbox_relay_round_duration_seconds";
+
+/// Counter: WAL outbox messages published and passed by the slot. Labels `slot`, `topic`.
+pub const WAL_RELAY_PUBLISHED: &str = "pgbox_wal_relay_messages_published_total";
+
+/// Histogram, seconds: per WAL outbox message, from its transaction's commit to the
+/// transport's confirmation. Labels `slot`, `topic`.
+pub const WAL_RELAY_PUBLISH_LAG: &str = "pgbox_wal_relay_publish_lag_seconds";
+
+/// Counter: WAL outbox messages whose publish failed and that are read again. Label `slot`.
+pub const WAL_RELAY_RETRIED: &str = "pgbox_wal_relay_messages_retried_total";
+
+/// Counter: WAL outbox messages moved to the outbox dead letters. Label `slot`.
+pub const WAL_RELAY_DEAD_LETTERED: &str = "pgbox_wal_relay_messages_dead_lettered_total";
+
+/// Gauge, bytes: WAL the slot retains (from its restart position to the server's current
+/// one), set by the slot's reader at most every 5 s. Label `slot`.
+pub const WAL_SLOT_RETAINED_BYTES: &str = "pgbox_wal_slot_retained_bytes";
 
 /// Histogram, seconds: per published message, from the outbox row's `created_at` (the
 /// producer transaction's `now()`, so it includes the rest of that transaction) to the
@@ -288,6 +310,36 @@ const METRICS: &[(&str, Kind, Unit, &str)] = &[
         Kind::Histogram,
         Unit::Seconds,
         "From the outbox row's creation to the transport's confirmation.",
+    ),
+    (
+        WAL_RELAY_PUBLISHED,
+        Kind::Counter,
+        Unit::Count,
+        "WAL outbox messages published and passed by the slot.",
+    ),
+    (
+        WAL_RELAY_PUBLISH_LAG,
+        Kind::Histogram,
+        Unit::Seconds,
+        "From the WAL outbox message's commit to the transport's confirmation.",
+    ),
+    (
+        WAL_RELAY_RETRIED,
+        Kind::Counter,
+        Unit::Count,
+        "WAL outbox messages whose publish failed, read again.",
+    ),
+    (
+        WAL_RELAY_DEAD_LETTERED,
+        Kind::Counter,
+        Unit::Count,
+        "WAL outbox messages moved to the outbox dead letters.",
+    ),
+    (
+        WAL_SLOT_RETAINED_BYTES,
+        Kind::Gauge,
+        Unit::Bytes,
+        "WAL the slot retains, from its restart position to the current one.",
     ),
     (
         INBOX_CLAIM_DURATION,

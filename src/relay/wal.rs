@@ -41,6 +41,7 @@ use crate::ident::{DEFAULT_SCHEMA, Identifier};
 use crate::outbox::Envelope;
 use crate::outbox::wal::{self, Decoded};
 use crate::retry::RetryPolicy;
+use crate::telemetry;
 use crate::transport::{PublishError, Publisher};
 
 /// Advisory-lock class of the WAL relay's reader election: `pg_try_advisory_lock(class,
@@ -301,6 +302,8 @@ struct Reader {
     attempts: HashMap<uuid::Uuid, i32>,
     /// Consecutive rounds with a failure (for the backoff).
     failing_rounds: u32,
+    /// When the retained-WAL gauge was last set.
+    retained_checked: Option<std::time::Instant>,
 }
 
 /// Publishes the WAL outbox of one schema from a logical replication slot. Build with
@@ -454,6 +457,26 @@ impl<P: Publisher> WalRelay<P> {
             reader.conn = Some(conn);
         }
         report.reader = true;
+        let slot_label = [("slot", self.slot.name().to_owned())];
+        if reader
+            .retained_checked
+            .is_none_or(|at| at.elapsed() >= Duration::from_secs(5))
+        {
+            reader.retained_checked = Some(std::time::Instant::now());
+            let conn = reader.conn.as_mut().expect("the reader's connection");
+            let retained: Option<i64> = sqlx::query_scalar(
+                "SELECT pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), restart_lsn)::int8 \
+                 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+            )
+            .persistent(false)
+            .bind(self.slot.name())
+            .fetch_optional(&mut *conn)
+            .await?
+            .flatten();
+            if let Some(bytes) = retained {
+                metrics::gauge!(telemetry::WAL_SLOT_RETAINED_BYTES, &slot_label).set(bytes as f64);
+            }
+        }
         let conn = reader.conn.as_mut().expect("just set");
         let transactions = self.read(conn).await?;
         let Some(last_read) = transactions.last().map(|t| t.end_lsn) else {
@@ -472,6 +495,7 @@ impl<P: Publisher> WalRelay<P> {
         let mut results = results.into_iter();
         let mut advance_to = None;
         let mut first_error = None;
+        let mut confirmed: Vec<&Envelope> = Vec::new();
         for t in &transactions {
             let mut complete = true;
             let mut to_dead_letter: Vec<(&Envelope, String)> = Vec::new();
@@ -480,6 +504,7 @@ impl<P: Publisher> WalRelay<P> {
                     Some(Ok(())) => {
                         reader.attempts.remove(&m.id);
                         report.published += 1;
+                        confirmed.push(m);
                     }
                     failed => {
                         let error = match failed {
@@ -524,6 +549,24 @@ impl<P: Publisher> WalRelay<P> {
             .execute(&mut *conn)
             .await
             .map_err(|e| self.slot_error(e.into()))?;
+        }
+        let now = OffsetDateTime::now_utc();
+        for m in confirmed {
+            let labels = [
+                ("slot", self.slot.name().to_owned()),
+                ("topic", m.topic.clone()),
+            ];
+            metrics::counter!(telemetry::WAL_RELAY_PUBLISHED, &labels).increment(1);
+            metrics::histogram!(telemetry::WAL_RELAY_PUBLISH_LAG, &labels)
+                .record(telemetry::seconds_between(m.created_at, now));
+        }
+        if report.retried > 0 {
+            metrics::counter!(telemetry::WAL_RELAY_RETRIED, &slot_label)
+                .increment(report.retried as u64);
+        }
+        if report.dead_lettered > 0 {
+            metrics::counter!(telemetry::WAL_RELAY_DEAD_LETTERED, &slot_label)
+                .increment(report.dead_lettered as u64);
         }
         if report.retried > 0 {
             reader.failing_rounds += 1;
