@@ -217,7 +217,34 @@ fn start(broker: Broker) -> Result<(), String> {
     match broker {
         Broker::RabbitMq => {
             ensure_package("rabbitmq-server", "rabbitmq-server")?;
-            run(Command::new("rabbitmq-server").arg("-detached"))
+            // A node of our own: its own name, data, logs and distribution port. Started
+            // with the package's defaults it would be `rabbit@<host>` on
+            // /var/lib/rabbitmq/mnesia, the same node and the same data as the machine's
+            // own RabbitMQ (seen: a test run in another network namespace left the shared
+            // broker unable to declare quorum queues until it was restarted).
+            let dir = "/tmp/pgbox-rabbitmq";
+            for sub in ["mnesia", "log"] {
+                std::fs::create_dir_all(format!("{dir}/{sub}"))
+                    .map_err(|e| format!("create {dir}/{sub}: {e}"))?;
+            }
+            std::fs::write(format!("{dir}/enabled_plugins"), "[].\n")
+                .map_err(|e| format!("write {dir}/enabled_plugins: {e}"))?;
+            if is_root() {
+                run(Command::new("chown").args(["-R", "rabbitmq:rabbitmq", dir]))?;
+            }
+            run(Command::new("rabbitmq-server")
+                .arg("-detached")
+                .env("RABBITMQ_NODENAME", "pgbox-test@localhost")
+                .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
+                .env("RABBITMQ_NODE_PORT", "5672")
+                .env("RABBITMQ_DIST_PORT", "25699")
+                .env("RABBITMQ_MNESIA_BASE", format!("{dir}/mnesia"))
+                .env("RABBITMQ_LOG_BASE", format!("{dir}/log"))
+                .env("RABBITMQ_PID_FILE", format!("{dir}/pid"))
+                .env(
+                    "RABBITMQ_ENABLED_PLUGINS_FILE",
+                    format!("{dir}/enabled_plugins"),
+                ))
         }
         Broker::Nats => {
             ensure_package("nats-server", "nats-server")?;
