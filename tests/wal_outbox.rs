@@ -332,3 +332,68 @@ async fn the_cli_creates_shows_and_drops_the_slot() {
     let status = cli(&["--json", "wal", "status", "--slot", "orders_outbox"]);
     assert_eq!(status["exists"], false, "{status}");
 }
+
+/// PostgreSQL 15 keeps logical slots on the primary only: after a failover the promoted
+/// standby has no slot. The relay says so (typed), a new slot is created there, and what was
+/// emitted between the old slot's last advance and the failover is not published (it was
+/// decoded only on the old primary): exactly the messages the README says are lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_failover_the_slot_is_gone_typed_and_the_unpublished_tail_is_lost() {
+    let primary = tokio::task::spawn_blocking(Cluster::start_logical)
+        .await
+        .unwrap();
+    let primary_pool = pool(&primary.url("postgres")).await;
+    pgbox::migrate(&primary_pool).await.unwrap();
+    let slot = WalSlot::new("pgbox_outbox").unwrap();
+    slot.create(&primary_pool).await.unwrap();
+    let standby = {
+        let p = &primary;
+        tokio::task::block_in_place(|| Cluster::standby_of(p, true))
+    };
+    let wal = Outbox::new().mode(OutboxMode::Wal);
+    let emit = async |pool: &PgPool, text: &str| {
+        let mut tx = pool.begin().await.unwrap();
+        wal.enqueue(&mut tx, Message::bytes("wal", text.as_bytes().to_vec()))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    };
+    emit(&primary_pool, "published").await;
+    let relay = WalRelay::builder(
+        primary_pool.clone(),
+        slot.clone(),
+        PgQueue::new(primary_pool.clone()),
+    )
+    .build()
+    .unwrap();
+    assert_eq!(relay.drain().await.unwrap().published, 1);
+    emit(&primary_pool, "tail").await; // committed, replicated, never read from the slot
+    primary_pool.close().await;
+    tokio::task::block_in_place(|| {
+        primary.stop_immediate();
+        standby.promote();
+    });
+
+    let promoted = pool(&standby.url("postgres")).await;
+    let relay = WalRelay::builder(
+        promoted.clone(),
+        slot.clone(),
+        PgQueue::new(promoted.clone()),
+    )
+    .build()
+    .unwrap();
+    match relay.relay_once().await.unwrap_err() {
+        Error::WalSlot { reason, .. } => assert!(reason.contains("does not exist"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    slot.create(&promoted).await.unwrap();
+    emit(&promoted, "after").await;
+    relay.drain().await.unwrap();
+    let got: Vec<String> = queued(&promoted)
+        .await
+        .into_iter()
+        .map(|(_, p)| p)
+        .collect();
+    // "published" was in the queue before the failover (replicated with it); "tail" is lost.
+    assert_eq!(got, ["published", "after"]);
+}

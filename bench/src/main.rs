@@ -1350,6 +1350,22 @@ async fn main() -> anyhow::Result<()> {
         }
     }
 
+    // W: the WAL outbox (`OutboxMode::Wal`, `WalRelay`), only on a server with
+    // wal_level = logical (run the whole bench against one, so B0 and O1 are in the same run).
+    let wal_level: String = sqlx::query_scalar("SELECT current_setting('wal_level')")
+        .fetch_one(&pool)
+        .await?;
+    if wal_level != "logical" {
+        if bench.wanted("W") {
+            bench.notes.push(format!(
+                "W rows (the WAL outbox) not run: this server has wal_level = {wal_level}; run \
+                 the bench with DATABASE_URL on a server with wal_level = logical"
+            ));
+        }
+    } else {
+        wal_rows(&mut bench, &pool, &payload, batch, drain_limit).await?;
+    }
+
     // O3: commit → publish latency, from the producer's COMMIT returning to the publisher's
     // call holding the message. First at half the no-op drain rate (capped by what one
     // producer task can commit), unkeyed; then at 100 messages/s, where the relay falls
@@ -2431,4 +2447,177 @@ mod delay_proxy {
         drop(tx);
         let _ = writer.await;
     }
+}
+
+/// The W rows: enqueue into the WAL (no relay, and with a WAL relay draining beside it), and
+/// the WAL relay's drain of 1-message and 100-message transactions.
+async fn wal_rows(
+    bench: &mut Bench,
+    pool: &PgPool,
+    payload: &Arc<str>,
+    batch: usize,
+    drain_limit: Duration,
+) -> anyhow::Result<()> {
+    let slot = pgbox::WalSlot::new("pgbox_bench")?;
+    slot.create(pool).await?;
+    let relay_pool = pool_options(3).connect_with(bench.options.clone()).await?;
+    let empty_slot = async || -> anyhow::Result<()> {
+        pgbox::WalRelay::builder(relay_pool.clone(), slot.clone(), DiscardPublisher)
+            .batch_size(10_000)
+            .build()?
+            .drain()
+            .await?;
+        Ok(())
+    };
+    for (id, n, draining) in [
+        ("W1 WAL enqueue 1 per tx (no relay)", 1usize, false),
+        ("W1 WAL enqueue 1 per tx (WAL relay draining)", 1, true),
+        ("W1 WAL enqueue 100 per tx", batch, false),
+    ] {
+        if !bench.wanted(id) {
+            continue;
+        }
+        empty_slot().await?;
+        let shutdown = CancellationToken::new();
+        let relay_task = draining.then(|| {
+            let relay =
+                pgbox::WalRelay::builder(relay_pool.clone(), slot.clone(), DiscardPublisher)
+                    .build()
+                    .expect("WAL relay");
+            let s = shutdown.clone();
+            tokio::spawn(async move { relay.run(s).await })
+        });
+        let p = payload.clone();
+        let outbox = Outbox::new().mode(pgbox::OutboxMode::Wal);
+        bench
+            .run(
+                id,
+                n as u64,
+                "4",
+                Some("outbox"),
+                Some(if n == 1 {
+                    "B0 BEGIN/INSERT/COMMIT"
+                } else {
+                    "O1 enqueue 100 per tx"
+                }),
+                None,
+                Arc::new(move |pool, i| {
+                    let (p, outbox) = (p.clone(), outbox.clone());
+                    boxed(async move {
+                        let mut tx = pool.begin().await?;
+                        sqlx::query("INSERT INTO bench_effects VALUES ($1, $2)")
+                            .bind(format!("k{i}"))
+                            .bind(&*p)
+                            .execute(&mut *tx)
+                            .await?;
+                        let message = |j: usize| {
+                            Message::bytes("bench", p.as_bytes().to_vec())
+                                .ordering_key(format!("e{}", (i as usize * n + j) % 1000))
+                        };
+                        if n == 1 {
+                            outbox.enqueue(&mut tx, message(0)).await?;
+                        } else {
+                            outbox.enqueue_batch(&mut tx, (0..n).map(message)).await?;
+                        }
+                        tx.commit().await?;
+                        Ok(())
+                    })
+                }),
+            )
+            .await?;
+        shutdown.cancel();
+        if let Some(task) = relay_task {
+            task.await??;
+        }
+    }
+
+    // W2: the WAL relay's drain of a backlog emitted by 16 producers.
+    for per_tx in [1usize, 100] {
+        let id = format!(
+            "W2 WAL drain {} in {per_tx}-message transactions (no-op publisher)",
+            bench.args.backlog
+        );
+        if !bench.wanted(&id) {
+            continue;
+        }
+        empty_slot().await?;
+        let total = bench.args.backlog;
+        let transactions = total / per_tx;
+        let mut fillers = Vec::new();
+        for f in 0..16 {
+            let (pool, p) = (pool.clone(), payload.clone());
+            fillers.push(tokio::spawn(async move {
+                let outbox = Outbox::new().mode(pgbox::OutboxMode::Wal);
+                let mut t = f;
+                while t < transactions {
+                    let mut tx = pool.begin().await?;
+                    outbox
+                        .enqueue_batch(
+                            &mut tx,
+                            (0..per_tx).map(|_| Message::bytes("bench", p.as_bytes().to_vec())),
+                        )
+                        .await?;
+                    tx.commit().await?;
+                    t += 16;
+                }
+                anyhow::Ok(())
+            }));
+        }
+        for f in fillers {
+            f.await??;
+        }
+        let start_lsn = wal_lsn(pool).await?;
+        let relay = pgbox::WalRelay::builder(relay_pool.clone(), slot.clone(), DiscardPublisher)
+            .batch_size(bench.args.relay_batch.max(per_tx))
+            .build()?;
+        let started = Instant::now();
+        let mut published = 0usize;
+        let mut timed_out = false;
+        loop {
+            let round = relay.relay_once().await?;
+            published += round.published;
+            if round.read == 0 {
+                break;
+            }
+            if started.elapsed() > drain_limit {
+                timed_out = true;
+                break;
+            }
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        let wal = wal_since(pool, &start_lsn).await?;
+        anyhow::ensure!(
+            timed_out || published == transactions * per_tx,
+            "{id}: {published} of {} published",
+            transactions * per_tx
+        );
+        let row = Row {
+            id: if timed_out {
+                format!("{id} (stopped at {seconds:.0} s)")
+            } else {
+                id.clone()
+            },
+            clients: 1,
+            rate: published as f64 / seconds,
+            p50: Duration::ZERO,
+            p99: Duration::ZERO,
+            ratio: bench
+                .baselines
+                .get(&("O2 no-op publisher".to_owned(), 1))
+                .map(|b| {
+                    (
+                        published as f64 / seconds / b,
+                        "O2 no-op publisher (table relay)".to_owned(),
+                    )
+                }),
+            wal_per_msg: wal / published.max(1) as f64,
+            statements: "peek + advance per round".to_owned(),
+            dead_tuples: Some(dead_tuples(pool, "outbox").await?),
+        };
+        print_row(&row);
+        bench.rows.push(row);
+    }
+    relay_pool.close().await;
+    slot.drop(pool).await?;
+    Ok(())
 }
