@@ -397,3 +397,35 @@ async fn after_a_failover_the_slot_is_gone_typed_and_the_unpublished_tail_is_los
     // "published" was in the queue before the failover (replicated with it); "tail" is lost.
     assert_eq!(got, ["published", "after"]);
 }
+
+/// Other work's WAL does not pile up behind the slot: a round that finds nothing of ours
+/// moves the slot to where its read ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_relay_moves_the_slot_past_other_work() {
+    let (_cluster, pool) = logical().await;
+    let slot = WalSlot::new("pgbox_outbox").unwrap();
+    slot.create(&pool).await.unwrap();
+    pool.execute("CREATE TABLE other_work (x text); INSERT INTO other_work SELECT repeat('x', 100) FROM generate_series(1, 20000)")
+        .await
+        .unwrap();
+    let before: String = sqlx::query_scalar("SELECT pg_current_wal_lsn()::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let relay = WalRelay::builder(pool.clone(), slot.clone(), PgQueue::new(pool.clone()))
+        .build()
+        .unwrap();
+    let round = relay.relay_once().await.unwrap();
+    assert_eq!(round.read, 0);
+    let moved: bool = sqlx::query_scalar(
+        "SELECT confirmed_flush_lsn >= $1::pg_lsn FROM pg_replication_slots WHERE slot_name = 'pgbox_outbox'",
+    )
+    .bind(&before)
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert!(
+        moved,
+        "the slot still holds the WAL of work that had no message"
+    );
+}

@@ -2567,9 +2567,9 @@ async fn wal_rows(
             f.await??;
         }
         let start_lsn = wal_lsn(pool).await?;
-        let relay = pgbox::WalRelay::builder(relay_pool.clone(), slot.clone(), DiscardPublisher)
-            .batch_size(bench.args.relay_batch.max(per_tx))
-            .build()?;
+        // The relay's defaults (20,000 changes per read).
+        let relay =
+            pgbox::WalRelay::builder(relay_pool.clone(), slot.clone(), DiscardPublisher).build()?;
         let started = Instant::now();
         let mut published = 0usize;
         let mut timed_out = false;

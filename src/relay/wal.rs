@@ -227,8 +227,9 @@ impl<P: Publisher> WalRelayBuilder<P> {
         self
     }
 
-    /// Changes decoded per read (default 1000; whole transactions, so a read may return
-    /// more).
+    /// Changes decoded per read (default 20,000; a one-message transaction is three: begin,
+    /// message, commit; whole transactions, so a read may return more). Each read decodes
+    /// the slot from its restart position again, so small reads cost more per message.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;
         self
@@ -304,6 +305,8 @@ struct Reader {
     failing_rounds: u32,
     /// When the retained-WAL gauge was last set.
     retained_checked: Option<std::time::Instant>,
+    /// The furthest position this reader moved the slot to.
+    advanced_to: u64,
 }
 
 /// Publishes the WAL outbox of one schema from a logical replication slot. Build with
@@ -350,7 +353,7 @@ impl<P: Publisher> WalRelay<P> {
             slot,
             publisher,
             schema: DEFAULT_SCHEMA.into(),
-            batch_size: 1000,
+            batch_size: 20_000,
             max_attempts: 10,
             backoff: RetryPolicy::new()
                 .base_delay(Duration::from_secs(1))
@@ -478,8 +481,16 @@ impl<P: Publisher> WalRelay<P> {
             }
         }
         let conn = reader.conn.as_mut().expect("just set");
-        let transactions = self.read(conn).await?;
+        let (transactions, covered) = self.read(conn).await?;
         let Some(last_read) = transactions.last().map(|t| t.end_lsn) else {
+            // Nothing committed of ours up to `covered`: move the slot there, so that it
+            // neither holds other work's WAL nor decodes it again at every read.
+            if let Some(lsn) = covered
+                && reader.advanced_to < lsn
+            {
+                self.advance(conn, lsn).await?;
+                reader.advanced_to = lsn;
+            }
             return Ok(report);
         };
         let batch: Vec<Envelope> = transactions
@@ -588,12 +599,31 @@ impl<P: Publisher> WalRelay<P> {
         Ok(report)
     }
 
+    /// Moves the slot past `lsn` (never backwards: an earlier position is a no-op).
+    async fn advance(&self, conn: &mut PgConnection, lsn: u64) -> Result<()> {
+        sqlx::query("SELECT 1 FROM pg_catalog.pg_replication_slot_advance($1, $2::text::pg_lsn)")
+            .persistent(false)
+            .bind(self.slot.name())
+            .bind(format_lsn(lsn))
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| self.slot_error(e.into()))?;
+        Ok(())
+    }
+
     /// Decodes up to a batch of whole transactions from the slot, without consuming them.
-    async fn read(&self, conn: &mut PgConnection) -> Result<Vec<SlotTransaction>> {
+    ///
+    /// Also returns the WAL position the read covered completely, when it did: every
+    /// transaction that committed before it was returned (fewer changes than the batch size).
+    /// Moving the slot there when nothing of ours was in it keeps the slot from holding the
+    /// WAL of other work forever, and each read from decoding it again.
+    async fn read(&self, conn: &mut PgConnection) -> Result<(Vec<SlotTransaction>, Option<u64>)> {
         let limit = i32::try_from(self.batch_size).unwrap_or(i32::MAX);
         let rows = sqlx::query(
-            "SELECT data FROM pg_catalog.pg_logical_slot_peek_binary_changes($1, NULL, $2, \
-               'proto_version', '1', 'publication_names', $1, 'messages', 'true')",
+            "WITH upto AS (SELECT pg_catalog.pg_current_wal_lsn() AS lsn) \
+             SELECT upto.lsn::text, c.data FROM upto LEFT JOIN LATERAL \
+               pg_catalog.pg_logical_slot_peek_binary_changes($1, upto.lsn, $2, \
+                 'proto_version', '1', 'publication_names', $1, 'messages', 'true') AS c ON true",
         )
         .persistent(false)
         .bind(self.slot.name())
@@ -601,10 +631,23 @@ impl<P: Publisher> WalRelay<P> {
         .fetch_all(&mut *conn)
         .await
         .map_err(|e| self.slot_error(e.into()))?;
+        let upto = match rows.first() {
+            Some(row) => {
+                parse_lsn(&row.try_get::<String, _>(0)?).map_err(|e| self.protocol_error(e))?
+            }
+            None => return Ok((Vec::new(), None)),
+        };
+        let changes = rows
+            .iter()
+            .filter(|r| matches!(r.try_get::<Option<Vec<u8>>, _>(1), Ok(Some(_))))
+            .count();
+        let covered = (changes < limit as usize).then_some(upto);
         let mut transactions = Vec::new();
         let mut current: Option<(OffsetDateTime, SlotTransaction)> = None;
         for row in rows {
-            let data: Vec<u8> = row.try_get(0)?;
+            let Some(data) = row.try_get::<Option<Vec<u8>>, _>(1)? else {
+                continue;
+            };
             match pgoutput::parse(&data).map_err(|e| self.protocol_error(e))? {
                 pgoutput::Change::Begin { commit_ts } => {
                     current = Some((
@@ -645,7 +688,7 @@ impl<P: Publisher> WalRelay<P> {
                 pgoutput::Change::Other => {}
             }
         }
-        Ok(transactions)
+        Ok((transactions, covered))
     }
 
     async fn dead_letter_message(
@@ -765,6 +808,15 @@ fn envelope(d: Decoded, lsn: u64, index: usize, commit_ts: OffsetDateTime) -> En
     e.headers = d.headers;
     e.created_at = commit_ts;
     e
+}
+
+fn parse_lsn(text: &str) -> std::result::Result<u64, String> {
+    let (high, low) = text
+        .split_once('/')
+        .ok_or_else(|| format!("not an LSN: {text:?}"))?;
+    let high = u64::from_str_radix(high, 16).map_err(|e| e.to_string())?;
+    let low = u64::from_str_radix(low, 16).map_err(|e| e.to_string())?;
+    Ok((high << 32) | low)
 }
 
 fn format_lsn(lsn: u64) -> String {
