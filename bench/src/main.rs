@@ -1408,6 +1408,7 @@ async fn main() -> anyhow::Result<()> {
                     poll,
                     keys,
                     batch: args.relay_batch,
+                    wal: None,
                 },
             )
             .await?;
@@ -2128,6 +2129,8 @@ struct LatencyRun {
     poll: Duration,
     keys: Option<usize>,
     batch: usize,
+    /// The WAL outbox and a `WalRelay` on this slot, instead of the table and `Relay`.
+    wal: Option<pgbox::WalSlot>,
 }
 
 async fn latency_run(
@@ -2137,18 +2140,28 @@ async fn latency_run(
 ) -> anyhow::Result<Row> {
     let pool = pool_options(4).connect_with(options.clone()).await?;
     let stopwatch = Stopwatch::default();
-    let relay = Relay::builder(pool.clone(), stopwatch.clone())
-        .wake_up(run.wake)
-        .poll_interval(run.poll)
-        .batch_size(run.batch)
-        .build()?;
     let shutdown = CancellationToken::new();
-    let task = tokio::spawn({
-        let s = shutdown.clone();
-        async move { relay.run(s).await }
-    });
+    let s = shutdown.clone();
+    let (task, outbox) = match &run.wal {
+        None => {
+            let relay = Relay::builder(pool.clone(), stopwatch.clone())
+                .wake_up(run.wake)
+                .poll_interval(run.poll)
+                .batch_size(run.batch)
+                .build()?;
+            let task = tokio::spawn(async move { relay.run(s).await });
+            (task, Outbox::new())
+        }
+        Some(slot) => {
+            let relay = pgbox::WalRelay::builder(pool.clone(), slot.clone(), stopwatch.clone())
+                .wake_up(run.wake)
+                .poll_interval(run.poll)
+                .build()?;
+            let task = tokio::spawn(async move { relay.run(s).await });
+            (task, Outbox::new().mode(pgbox::OutboxMode::Wal))
+        }
+    };
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let outbox = Outbox::new();
     let mut committed = HashMap::new();
     let interval = Duration::from_secs_f64(1.0 / run.rate);
     let started = Instant::now();
@@ -2461,12 +2474,16 @@ async fn wal_rows(
     let slot = pgbox::WalSlot::new("pgbox_bench")?;
     slot.create(pool).await?;
     let relay_pool = pool_options(3).connect_with(bench.options.clone()).await?;
+    // Each W row starts from an empty slot whose restart position is recent: drained, then a
+    // CHECKPOINT (which logs the running-transactions record PostgreSQL moves a slot's
+    // restart position past), then drained again. Otherwise a row pays for re-decoding the
+    // WAL of the row before it (BENCHMARKS.md, run 9, measures that effect).
     let empty_slot = async || -> anyhow::Result<()> {
-        pgbox::WalRelay::builder(relay_pool.clone(), slot.clone(), DiscardPublisher)
-            .batch_size(10_000)
-            .build()?
-            .drain()
-            .await?;
+        let relay =
+            pgbox::WalRelay::builder(relay_pool.clone(), slot.clone(), DiscardPublisher).build()?;
+        relay.drain().await?;
+        sqlx::raw_sql("CHECKPOINT").execute(pool).await?;
+        relay.drain().await?;
         Ok(())
     };
     for (id, n, draining) in [
@@ -2529,6 +2546,37 @@ async fn wal_rows(
         if let Some(task) = relay_task {
             task.await??;
         }
+    }
+
+    // W3: commit → publish latency through the WAL relay at 100 messages/s: woken by the
+    // producers' NOTIFY (polling every second besides), and polling only, every 100 and 10 ms.
+    for (wake, poll_ms) in [
+        (WakeUp::Notify, 1000u64),
+        (WakeUp::Poll, 100),
+        (WakeUp::Poll, 10),
+    ] {
+        let id = format!("W3 WAL commit → publish ({wake:?}, poll {poll_ms} ms) @ 100/s");
+        if !bench.wanted(&id) {
+            continue;
+        }
+        empty_slot().await?;
+        let row = latency_run(
+            &bench.options,
+            payload,
+            LatencyRun {
+                id,
+                rate: 100.0,
+                duration: Duration::from_secs_f64(bench.args.duration.max(2.0)),
+                wake,
+                poll: Duration::from_millis(poll_ms),
+                keys: None,
+                batch: bench.args.relay_batch,
+                wal: Some(slot.clone()),
+            },
+        )
+        .await?;
+        print_row(&row);
+        bench.rows.push(row);
     }
 
     // W2: the WAL relay's drain of a backlog emitted by 16 producers.

@@ -42,6 +42,12 @@ pub(crate) const ENQUEUE_LOCK_CLASS: i32 = 0x7062_6f78; // "pbox"
 /// Either way no committed message waits for the poll interval while a relay is idle.
 pub(crate) const ASLEEP_LOCK_CLASS: i32 = 0x7062_6f7a; // "pboz"
 
+/// The same protocol for the WAL outbox: a sleeping [`WalRelay`](crate::WalRelay) holds
+/// `pg_advisory_lock(WAL_ASLEEP_LOCK_CLASS, hashtext(schema))` on its LISTEN connection; a
+/// producer's emit takes the shared transaction-level lock when it can (no relay asleep) and
+/// otherwise notifies `<schema>.wal`.
+pub(crate) const WAL_ASLEEP_LOCK_CLASS: i32 = 0x7062_6f79; // "pboy"
+
 /// Writes messages into the outbox table, inside the caller's transaction.
 ///
 /// ```no_run
@@ -186,12 +192,22 @@ impl Outbox {
             messages = messages.len(),
             bytes = content.len()
         );
+        // The emit, then a NOTIFY when a WAL relay sleeps (it holds the WAL asleep lock
+        // exclusively; see `WAL_ASLEEP_LOCK_CLASS`). The condition names the CTE's column, so
+        // the emit runs whatever it says.
         let done = sqlx::query(
-            "SELECT 1 FROM pg_catalog.pg_logical_emit_message(true, $1::text, $2::bytea)",
+            "WITH e AS MATERIALIZED (\
+               SELECT pg_catalog.pg_logical_emit_message(true, $1::text, $2::bytea) AS lsn) \
+             SELECT pg_catalog.pg_notify($3::text, '') FROM e \
+             WHERE e.lsn IS NOT NULL \
+               AND NOT pg_catalog.pg_try_advisory_xact_lock_shared($4::int4, pg_catalog.hashtext($5::text))",
         )
         .persistent(self.persistent())
         .bind(wal::prefix(self.schema.as_str()))
         .bind(content)
+        .bind(wal::channel(self.schema.as_str()))
+        .bind(WAL_ASLEEP_LOCK_CLASS)
+        .bind(self.schema.as_str())
         .execute(tx.connection())
         .instrument(span)
         .await;

@@ -26,6 +26,11 @@ pub(crate) fn prefix(schema: &str) -> String {
     format!("pgbox:{schema}")
 }
 
+/// The channel producers notify when a WAL relay of `schema` sleeps.
+pub(crate) fn channel(schema: &str) -> String {
+    format!("{schema}.wal")
+}
+
 /// One outbox message as read back from the WAL.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Decoded {

@@ -31,6 +31,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+use sqlx::postgres::PgListener;
 use sqlx::{AssertSqlSafe, ConnectOptions, Connection, PgConnection, PgPool, Row};
 use time::OffsetDateTime;
 use tokio::sync::Mutex;
@@ -38,8 +39,9 @@ use tracing::Instrument;
 
 use crate::error::{DbErrorKind, Error, Result};
 use crate::ident::{DEFAULT_SCHEMA, Identifier};
-use crate::outbox::Envelope;
 use crate::outbox::wal::{self, Decoded};
+use crate::outbox::{Envelope, WAL_ASLEEP_LOCK_CLASS};
+use crate::relay::WakeUp;
 use crate::retry::RetryPolicy;
 use crate::telemetry;
 use crate::transport::{PublishError, Publisher};
@@ -216,9 +218,17 @@ pub struct WalRelayBuilder<P> {
     max_attempts: i32,
     backoff: RetryPolicy,
     poll_interval: Duration,
+    wake_up: WakeUp,
 }
 
 impl<P: Publisher> WalRelayBuilder<P> {
+    /// Notify-and-poll (default: the reader sleeps under an advisory lock and producers'
+    /// emits notify it; needs a direct connection for LISTEN) or poll only.
+    pub fn wake_up(mut self, wake_up: WakeUp) -> Self {
+        self.wake_up = wake_up;
+        self
+    }
+
     /// The pgbox schema whose messages to publish (default `pgbox`): the producers'
     /// [`Outbox`](crate::Outbox) schema. Messages of other schemas in the slot are passed
     /// over.
@@ -289,6 +299,7 @@ impl<P: Publisher> WalRelayBuilder<P> {
             max_attempts: self.max_attempts,
             backoff: self.backoff,
             poll_interval: self.poll_interval,
+            wake_up: self.wake_up,
             dead_letter: dead_letter.into(),
             reader: Mutex::new(Reader::default()),
         })
@@ -322,6 +333,7 @@ pub struct WalRelay<P> {
     max_attempts: i32,
     backoff: RetryPolicy,
     poll_interval: Duration,
+    wake_up: WakeUp,
     dead_letter: Arc<str>,
     reader: Mutex<Reader>,
 }
@@ -359,6 +371,7 @@ impl<P: Publisher> WalRelay<P> {
                 .base_delay(Duration::from_secs(1))
                 .max_delay(Duration::from_secs(300)),
             poll_interval: Duration::from_millis(100),
+            wake_up: WakeUp::Notify,
         }
     }
 
@@ -367,29 +380,108 @@ impl<P: Publisher> WalRelay<P> {
     /// missing or invalidated slot, or `wal_level` not `logical`, at every try: they need an
     /// operator); the relay never gives up on its own.
     pub async fn run(&self, shutdown: tokio_util::sync::CancellationToken) -> Result<()> {
+        let mut listener: Option<PgListener> = None;
         loop {
             if shutdown.is_cancelled() {
                 return Ok(());
             }
-            let wait = match self.relay_once().await {
-                Ok(report) if report.read > 0 && report.retried == 0 => Duration::ZERO,
+            let (wait, idle_reader) = match self.relay_once().await {
+                Ok(report) if report.read > 0 && report.retried == 0 => (Duration::ZERO, false),
                 Ok(report) if report.retried > 0 => {
                     let rounds = self.reader.lock().await.failing_rounds;
-                    self.backoff.delay_after(rounds)
+                    (self.backoff.delay_after(rounds), false)
                 }
-                Ok(_) => self.poll_interval,
+                Ok(report) => (self.poll_interval, report.reader),
                 Err(e) => {
                     tracing::warn!(slot = self.slot.name(), error = %e, "pgbox WAL relay round failed; will retry");
-                    self.poll_interval
+                    (self.poll_interval, false)
                 }
             };
-            if !wait.is_zero() {
-                tokio::select! {
-                    _ = shutdown.cancelled() => return Ok(()),
-                    _ = tokio::time::sleep(wait) => {}
+            if wait.is_zero() {
+                continue;
+            }
+            // The reader with nothing to read sleeps under the asleep lock, so that producers
+            // notify it; everyone else (and a reader without LISTEN) polls.
+            if idle_reader && self.wake_up == WakeUp::Notify {
+                if listener.is_none() {
+                    match crate::listen::listen(&self.pool, &wal::channel(self.schema.as_str()))
+                        .await
+                    {
+                        Ok(l) => listener = Some(l),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "pgbox WAL relay cannot LISTEN; polling")
+                        }
+                    }
+                }
+                if let Some(l) = listener.as_mut() {
+                    match self.sleep(l, &shutdown).await {
+                        Ok(()) => continue,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "pgbox WAL relay lost its LISTEN connection; polling");
+                            // Dropping the connection releases the asleep lock.
+                            listener = None;
+                        }
+                    }
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(wait) => {}
+            }
+        }
+    }
+
+    /// Takes the asleep lock (waiting at most a poll interval for producers in flight, which
+    /// hold it shared), reads once more (what committed before it was taken), and then waits
+    /// for a producer's notification, the poll interval, or shutdown; releases the lock.
+    async fn sleep(
+        &self,
+        listener: &mut PgListener,
+        shutdown: &tokio_util::sync::CancellationToken,
+    ) -> Result<()> {
+        let timeout = format!("{}ms", self.poll_interval.as_millis().max(1));
+        sqlx::query("SELECT pg_catalog.set_config('lock_timeout', $1, false)")
+            .persistent(false)
+            .bind(timeout)
+            .execute(&mut *listener)
+            .await?;
+        let locked = sqlx::query("SELECT pg_catalog.pg_advisory_lock($1, pg_catalog.hashtext($2))")
+            .persistent(false)
+            .bind(WAL_ASLEEP_LOCK_CLASS)
+            .bind(self.schema.as_str())
+            .execute(&mut *listener)
+            .await;
+        match locked {
+            Ok(_) => {}
+            Err(e) => {
+                let e = Error::from(e);
+                // Producers stayed in flight for a whole poll interval: just read again.
+                return match e.db_kind() {
+                    Some(DbErrorKind::LockTimeout) => Ok(()),
+                    _ => Err(e),
+                };
+            }
+        }
+        while listener.next_buffered().is_some() {}
+        let recheck = self.relay_once().await;
+        if matches!(&recheck, Ok(r) if r.read == 0 && r.reader) {
+            tokio::select! {
+                _ = shutdown.cancelled() => {}
+                _ = tokio::time::sleep(self.poll_interval) => {}
+                n = listener.try_recv() => {
+                    if let Ok(Some(_)) = n {
+                        tracing::trace!("pgbox WAL relay woken by a producer");
+                    }
                 }
             }
         }
+        sqlx::query("SELECT pg_catalog.pg_advisory_unlock($1, pg_catalog.hashtext($2))")
+            .persistent(false)
+            .bind(WAL_ASLEEP_LOCK_CLASS)
+            .bind(self.schema.as_str())
+            .execute(&mut *listener)
+            .await?;
+        recheck.map(|_| ())
     }
 
     /// Publishes until the slot has nothing more of this schema, then returns what it did.
