@@ -600,6 +600,37 @@ fn print_row(r: &Row) {
     );
 }
 
+/// O1's and W1's operation: BEGIN, a business INSERT, `n` messages through `outbox` (one
+/// `enqueue`, or one `enqueue_batch`; keyed over 1000 keys if `keyed`), COMMIT.
+fn enqueue_op(outbox: Outbox, payload: Arc<str>, n: usize, keyed: bool) -> Op {
+    Arc::new(move |pool, i| {
+        let (p, outbox) = (payload.clone(), outbox.clone());
+        boxed(async move {
+            let mut tx = pool.begin().await?;
+            sqlx::query("INSERT INTO bench_effects VALUES ($1, $2)")
+                .bind(format!("k{i}"))
+                .bind(&*p)
+                .execute(&mut *tx)
+                .await?;
+            let message = |j: usize| {
+                let m = Message::bytes("bench", p.as_bytes().to_vec());
+                if keyed {
+                    m.ordering_key(format!("e{}", (i as usize * n + j) % 1000))
+                } else {
+                    m
+                }
+            };
+            if n == 1 {
+                outbox.enqueue(&mut tx, message(0)).await?;
+            } else {
+                outbox.enqueue_batch(&mut tx, (0..n).map(message)).await?;
+            }
+            tx.commit().await?;
+            Ok(())
+        })
+    })
+}
+
 fn boxed<F: Future<Output = anyhow::Result<()>> + Send + 'static>(f: F) -> OpFuture {
     Box::pin(f)
 }
@@ -1171,32 +1202,7 @@ async fn main() -> anyhow::Result<()> {
                     None
                 },
                 None,
-                Arc::new(move |pool, i| {
-                    let (p, outbox) = (p.clone(), outbox.clone());
-                    boxed(async move {
-                        let mut tx = pool.begin().await?;
-                        sqlx::query("INSERT INTO bench_effects VALUES ($1, $2)")
-                            .bind(format!("k{i}"))
-                            .bind(&*p)
-                            .execute(&mut *tx)
-                            .await?;
-                        let message = |j: usize| {
-                            let m = Message::bytes("bench", p.as_bytes().to_vec());
-                            if keyed {
-                                m.ordering_key(format!("e{}", (i as usize * n + j) % 1000))
-                            } else {
-                                m
-                            }
-                        };
-                        if n == 1 {
-                            outbox.enqueue(&mut tx, message(0)).await?;
-                        } else {
-                            outbox.enqueue_batch(&mut tx, (0..n).map(message)).await?;
-                        }
-                        tx.commit().await?;
-                        Ok(())
-                    })
-                }),
+                enqueue_op(outbox, p, n, keyed),
             )
             .await?;
         bench.background = Background::Nothing;
@@ -2518,28 +2524,7 @@ async fn wal_rows(
                     "O1 enqueue 100 per tx"
                 }),
                 None,
-                Arc::new(move |pool, i| {
-                    let (p, outbox) = (p.clone(), outbox.clone());
-                    boxed(async move {
-                        let mut tx = pool.begin().await?;
-                        sqlx::query("INSERT INTO bench_effects VALUES ($1, $2)")
-                            .bind(format!("k{i}"))
-                            .bind(&*p)
-                            .execute(&mut *tx)
-                            .await?;
-                        let message = |j: usize| {
-                            Message::bytes("bench", p.as_bytes().to_vec())
-                                .ordering_key(format!("e{}", (i as usize * n + j) % 1000))
-                        };
-                        if n == 1 {
-                            outbox.enqueue(&mut tx, message(0)).await?;
-                        } else {
-                            outbox.enqueue_batch(&mut tx, (0..n).map(message)).await?;
-                        }
-                        tx.commit().await?;
-                        Ok(())
-                    })
-                }),
+                enqueue_op(outbox, p, n, true),
             )
             .await?;
         shutdown.cancel();

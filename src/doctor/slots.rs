@@ -132,12 +132,9 @@ async fn oldest_commit_age(pool: &PgPool, slot: &str) -> Result<Option<f64>> {
     .await?;
     let Some(row) = row else { return Ok(None) };
     let data: Vec<u8> = row.try_get(0)?;
-    // A Begin message: 'B', final LSN (8 bytes), commit time (8 bytes, µs since 2000-01-01).
-    if data.len() < 17 || data[0] != b'B' {
-        return Ok(None);
-    }
-    let micros = i64::from_be_bytes(data[9..17].try_into().expect("8 bytes"));
-    let commit_unix = micros as f64 / 1e6 + 946_684_800.0;
-    let now = OffsetDateTime::now_utc().unix_timestamp_nanos() as f64 / 1e9;
-    Ok(Some((now - commit_unix).max(0.0)))
+    Ok(crate::relay::wal::begin_commit_time(&data).map(|commit| {
+        (OffsetDateTime::now_utc() - commit)
+            .as_seconds_f64()
+            .max(0.0)
+    }))
 }

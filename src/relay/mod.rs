@@ -14,7 +14,7 @@
 //!   stopping the key at its first failure; other keys flow in parallel.
 
 mod dead_letters;
-mod wal;
+pub(crate) mod wal;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -461,40 +461,23 @@ impl<P: Publisher> Relay<P> {
     /// waits for producers that saw no sleeping relay to commit, at most one poll interval.
     /// `Ok(false)` if they did not within it.
     async fn fall_asleep(&self, listener: &mut PgListener) -> Result<bool> {
-        let timeout = format!("{}ms", self.poll_interval.as_millis().max(1));
-        sqlx::query("SELECT pg_catalog.set_config('lock_timeout', $1, false)")
-            .bind(timeout)
-            .execute(&mut *listener)
-            .await?;
-        let locked = sqlx::query("SELECT pg_catalog.pg_advisory_lock($1, pg_catalog.hashtext($2))")
-            .bind(ASLEEP_LOCK_CLASS)
-            .bind(self.schema.as_str())
-            .execute(&mut *listener)
-            .await;
-        match locked {
-            Ok(_) => {}
-            Err(e) => {
-                let e = Error::from(e);
-                return match e.db_kind() {
-                    Some(crate::DbErrorKind::LockTimeout) => Ok(false),
-                    _ => Err(e),
-                };
-            }
+        let asleep = crate::listen::take_asleep_lock(
+            listener,
+            ASLEEP_LOCK_CLASS,
+            self.schema.as_str(),
+            self.poll_interval,
+        )
+        .await?;
+        if asleep {
+            // Notifications buffered while awake were covered by the drain before this one.
+            tracing::trace!("pgbox relay asleep");
         }
-        // Notifications buffered while awake were covered by the drain before this one.
-        while listener.next_buffered().is_some() {}
-        tracing::trace!("pgbox relay asleep");
-        Ok(true)
+        Ok(asleep)
     }
 
     /// Releases the asleep lock: producers stop notifying.
     async fn wake(&self, listener: &mut PgListener) -> Result<()> {
-        sqlx::query("SELECT pg_catalog.pg_advisory_unlock($1, pg_catalog.hashtext($2))")
-            .bind(ASLEEP_LOCK_CLASS)
-            .bind(self.schema.as_str())
-            .execute(&mut *listener)
-            .await?;
-        Ok(())
+        crate::listen::release_asleep_lock(listener, ASLEEP_LOCK_CLASS, self.schema.as_str()).await
     }
 
     /// Publishes until the outbox has nothing left to publish, then returns what it did: for

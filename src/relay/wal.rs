@@ -157,6 +157,13 @@ impl WalSlot {
     /// The slot's state, `None` if it does not exist.
     pub async fn status(&self, pool: &PgPool) -> Result<Option<WalSlotStatus>> {
         let mut tx = pool.begin().await?;
+        let status = self.read_status(&mut tx).await?;
+        tx.commit().await?;
+        Ok(status)
+    }
+
+    /// [`status`](Self::status) on `conn` (the WAL relay's reader sets its gauge with it).
+    async fn read_status(&self, conn: &mut PgConnection) -> Result<Option<WalSlotStatus>> {
         let row = sqlx::query(
             "SELECT active, \
                     coalesce(pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), restart_lsn), 0)::int8, \
@@ -165,9 +172,8 @@ impl WalSlot {
         )
         .persistent(false)
         .bind(self.name())
-        .fetch_optional(&mut *tx)
+        .fetch_optional(&mut *conn)
         .await?;
-        tx.commit().await?;
         row.map(|r| {
             Ok(WalSlotStatus {
                 active: r.try_get(0)?,
@@ -439,30 +445,18 @@ impl<P: Publisher> WalRelay<P> {
         listener: &mut PgListener,
         shutdown: &tokio_util::sync::CancellationToken,
     ) -> Result<()> {
-        let timeout = format!("{}ms", self.poll_interval.as_millis().max(1));
-        sqlx::query("SELECT pg_catalog.set_config('lock_timeout', $1, false)")
-            .persistent(false)
-            .bind(timeout)
-            .execute(&mut *listener)
-            .await?;
-        let locked = sqlx::query("SELECT pg_catalog.pg_advisory_lock($1, pg_catalog.hashtext($2))")
-            .persistent(false)
-            .bind(WAL_ASLEEP_LOCK_CLASS)
-            .bind(self.schema.as_str())
-            .execute(&mut *listener)
-            .await;
-        match locked {
-            Ok(_) => {}
-            Err(e) => {
-                let e = Error::from(e);
-                // Producers stayed in flight for a whole poll interval: just read again.
-                return match e.db_kind() {
-                    Some(DbErrorKind::LockTimeout) => Ok(()),
-                    _ => Err(e),
-                };
-            }
+        let schema = self.schema.as_str();
+        let asleep = crate::listen::take_asleep_lock(
+            listener,
+            WAL_ASLEEP_LOCK_CLASS,
+            schema,
+            self.poll_interval,
+        )
+        .await?;
+        if !asleep {
+            // Producers stayed in flight for a whole poll interval: just read again.
+            return Ok(());
         }
-        while listener.next_buffered().is_some() {}
         let recheck = self.relay_once().await;
         if matches!(&recheck, Ok(r) if r.read == 0 && r.reader) {
             tokio::select! {
@@ -475,12 +469,7 @@ impl<P: Publisher> WalRelay<P> {
                 }
             }
         }
-        sqlx::query("SELECT pg_catalog.pg_advisory_unlock($1, pg_catalog.hashtext($2))")
-            .persistent(false)
-            .bind(WAL_ASLEEP_LOCK_CLASS)
-            .bind(self.schema.as_str())
-            .execute(&mut *listener)
-            .await?;
+        crate::listen::release_asleep_lock(listener, WAL_ASLEEP_LOCK_CLASS, schema).await?;
         recheck.map(|_| ())
     }
 
@@ -559,17 +548,12 @@ impl<P: Publisher> WalRelay<P> {
         {
             reader.retained_checked = Some(std::time::Instant::now());
             let conn = reader.conn.as_mut().expect("the reader's connection");
-            let retained: Option<i64> = sqlx::query_scalar(
-                "SELECT pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), restart_lsn)::int8 \
-                 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
-            )
-            .persistent(false)
-            .bind(self.slot.name())
-            .fetch_optional(&mut *conn)
-            .await?
-            .flatten();
-            if let Some(bytes) = retained {
-                metrics::gauge!(telemetry::WAL_SLOT_RETAINED_BYTES, &slot_label).set(bytes as f64);
+            // An invalidated slot has no restart position: no figure then.
+            if let Some(status) = self.slot.read_status(conn).await?
+                && status.wal_status != "lost"
+            {
+                metrics::gauge!(telemetry::WAL_SLOT_RETAINED_BYTES, &slot_label)
+                    .set(status.retained_bytes as f64);
             }
         }
         let conn = reader.conn.as_mut().expect("just set");
@@ -900,6 +884,15 @@ fn envelope(d: Decoded, lsn: u64, index: usize, commit_ts: OffsetDateTime) -> En
     e.headers = d.headers;
     e.created_at = commit_ts;
     e
+}
+
+/// The commit time a pgoutput Begin message carries, `None` for any other change (the
+/// doctor's age of a slot's oldest unpublished commit).
+pub(crate) fn begin_commit_time(data: &[u8]) -> Option<OffsetDateTime> {
+    match pgoutput::parse(data) {
+        Ok(pgoutput::Change::Begin { commit_ts }) => Some(commit_ts),
+        _ => None,
+    }
 }
 
 fn parse_lsn(text: &str) -> std::result::Result<u64, String> {
