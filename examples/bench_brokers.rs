@@ -1,15 +1,27 @@
-//! Outbox drain (O2) and commit → publish latency (O3) through each transport, in one run:
-//! the no-op publisher (the database's ceiling), the built-in Postgres queue, RabbitMQ
-//! (publisher confirms on) and NATS JetStream (publish acks on). Rounds interleave the
-//! transports so that drift on the machine hits them all alike; the table shows medians.
+//! Each transport's stages and the whole pipeline, in one run: the no-op publisher (the
+//! database's ceiling), the built-in Postgres queue, RabbitMQ (publisher confirms on), NATS
+//! JetStream (publish acks on) and Kafka (idempotent producer, acks=all). Rounds interleave
+//! the transports so that drift on the machine hits them all alike; the tables show
+//! medians.
+//!
+//! - **O2** relay drain: a backlog in the outbox → the broker (confirmed).
+//! - **C1** consumer drain: that backlog, now in the broker → the `Consumer` runner → the
+//!   inbox and a one-row business effect per message, committed, then acked.
+//! - **E1** end to end: producers enqueue (10 messages per business transaction) while the
+//!   relay and the consumer run, as a service does; messages/s from the first enqueue to
+//!   the last committed effect, exactly-once checked (effects = messages, none twice).
+//! - **E1 latency**: at a fixed rate, enqueue commit → effect commit (the runner's ack,
+//!   which follows its commit), p50 and p99.
+//! - **O3**: at a fixed rate, enqueue commit → publish confirmed.
 //!
 //! ```sh
 //! cargo run --release --example bench_brokers            # full run
 //! cargo run --release --example bench_brokers -- --quick # under a minute
 //! ```
 //!
-//! PostgreSQL, RabbitMQ and NATS are found (or started) as the tests do: `DATABASE_URL`,
-//! `RABBITMQ_URL`, `NATS_URL`, or the standard local ports. The run works in a database of
+//! PostgreSQL and the brokers are found (or started) as the tests do: `DATABASE_URL`,
+//! `RABBITMQ_URL`, `NATS_URL`, `KAFKA_BOOTSTRAP`, or the standard local ports (Kafka: a
+//! tansu broker on 127.0.0.1:19092, built once per machine). The run works in a database of
 //! its own, dropped at the end; broker queues and streams it makes expire by themselves.
 
 #[path = "../tests/support/local_pg.rs"]
@@ -25,10 +37,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use pgbox::transport::kafka::Kafka;
 use pgbox::transport::nats::Nats;
 use pgbox::transport::rabbitmq::RabbitMq;
-use pgbox::transport::{DiscardPublisher, PgQueue, PublishError, Publisher};
-use pgbox::{CancellationToken, Envelope, Message, Outbox, Relay};
+use pgbox::transport::{DiscardPublisher, PgQueue, PublishError, Publisher, Subscriber};
+use pgbox::{
+    CancellationToken, Consumer, Envelope, HandlerConnection, Inbox, Message, Outbox, Relay,
+};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, Executor, PgPool};
 
@@ -55,6 +70,12 @@ struct Args {
     /// O3: seconds of producing per round.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
+    /// E1 and C1: the consumer runner's concurrency.
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// Only these transports (comma-separated: noop, postgres, rabbitmq, nats, kafka).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
@@ -63,13 +84,15 @@ enum Transport {
     Postgres,
     RabbitMq,
     Nats,
+    Kafka,
 }
 
-const TRANSPORTS: [Transport; 4] = [
+const TRANSPORTS: [Transport; 5] = [
     Transport::Noop,
     Transport::Postgres,
     Transport::RabbitMq,
     Transport::Nats,
+    Transport::Kafka,
 ];
 
 impl Transport {
@@ -79,6 +102,17 @@ impl Transport {
             Transport::Postgres => "built-in queue (PgQueue)",
             Transport::RabbitMq => "RabbitMQ (confirms)",
             Transport::Nats => "NATS JetStream (acks)",
+            Transport::Kafka => "Kafka (acks=all)",
+        }
+    }
+
+    fn short(self) -> &'static str {
+        match self {
+            Transport::Noop => "noop",
+            Transport::Postgres => "postgres",
+            Transport::RabbitMq => "rabbitmq",
+            Transport::Nats => "nats",
+            Transport::Kafka => "kafka",
         }
     }
 }
@@ -87,6 +121,7 @@ struct Env {
     pool: PgPool,
     rabbit_url: String,
     nats_url: String,
+    kafka_url: String,
     run: String,
 }
 
@@ -110,11 +145,21 @@ impl Env {
             .expect("nats config")
     }
 
+    fn kafka(&self) -> Kafka {
+        Kafka::builder(&self.kafka_url)
+            .group(format!("pgbox-bench-{}", self.run))
+            .partitions(8)
+            .receive_wait(Duration::from_millis(50))
+            .build()
+            .expect("kafka config")
+    }
+
     /// Makes sure a message published to `topic` is kept (queues and consumers exist).
     async fn prepare(&self, transport: Transport, topic: &str) -> anyhow::Result<()> {
         match transport {
             Transport::RabbitMq => self.rabbit().declare_topic(topic).await?,
             Transport::Nats => self.nats().declare_topic(topic).await?,
+            Transport::Kafka => self.kafka().declare_topic(topic).await?,
             _ => {}
         }
         Ok(())
@@ -148,6 +193,318 @@ impl<P: Publisher> Publisher for Timed<P> {
         }
         results
     }
+}
+
+/// Wraps a subscriber, recording when each message was acked (its effect committed just
+/// before).
+struct Acked<S> {
+    inner: S,
+    acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>>,
+}
+
+impl<S: Subscriber> Subscriber for Acked<S> {
+    type Delivery = S::Delivery;
+
+    async fn receive(
+        &self,
+        topic: &str,
+        max: usize,
+        visibility: Duration,
+    ) -> pgbox::Result<Vec<S::Delivery>> {
+        self.inner.receive(topic, max, visibility).await
+    }
+
+    fn envelope<'d>(&self, delivery: &'d S::Delivery) -> &'d Envelope {
+        self.inner.envelope(delivery)
+    }
+
+    fn attempt(&self, delivery: &S::Delivery) -> i32 {
+        self.inner.attempt(delivery)
+    }
+
+    async fn ack(&self, delivery: &S::Delivery) -> pgbox::Result<bool> {
+        let fresh = self.inner.ack(delivery).await?;
+        let id = self.inner.envelope(delivery).id;
+        self.acked
+            .lock()
+            .unwrap()
+            .entry(id)
+            .or_insert_with(Instant::now);
+        Ok(fresh)
+    }
+
+    async fn nack(
+        &self,
+        delivery: &S::Delivery,
+        delay: Duration,
+        error: &str,
+    ) -> pgbox::Result<bool> {
+        self.inner.nack(delivery, delay, error).await
+    }
+
+    async fn dead_letter(&self, delivery: &S::Delivery, error: &str) -> pgbox::Result<bool> {
+        self.inner.dead_letter(delivery, error).await
+    }
+
+    fn wake_channel(&self) -> Option<(PgPool, String)> {
+        self.inner.wake_channel()
+    }
+}
+
+/// Runs the consumer runner on `topic` (inbox + one effect row per message) until
+/// `shutdown`; `acked` fills as effects commit.
+fn spawn_consumer<S: Subscriber + 'static>(
+    env: &Env,
+    args: &Args,
+    subscriber: S,
+    topic: &str,
+    acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>>,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<pgbox::Result<pgbox::ConsumerStats>> {
+    let consumer = Consumer::builder(
+        env.pool.clone(),
+        Acked {
+            inner: subscriber,
+            acked,
+        },
+        topic.to_owned(),
+        Inbox::new("bench").expect("inbox name"),
+    )
+    .concurrency(args.concurrency)
+    .poll_interval(Duration::from_millis(10))
+    .build()
+    .expect("consumer config");
+    tokio::spawn(async move {
+        consumer
+            .run(
+                async |msg: &Envelope, conn: &mut HandlerConnection<'_>| {
+                    sqlx::query("INSERT INTO bench_effects (message_id) VALUES ($1)")
+                        .bind(msg.id)
+                        .execute(&mut *conn)
+                        .await
+                        .map_err(pgbox::Error::from)?;
+                    Ok::<(), pgbox::Error>(())
+                },
+                shutdown,
+            )
+            .await
+    })
+}
+
+/// Starts the consumer of transport `t` on `topic`.
+fn consumer_of(
+    env: &Env,
+    args: &Args,
+    t: Transport,
+    topic: &str,
+    acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>>,
+    shutdown: CancellationToken,
+) -> tokio::task::JoinHandle<pgbox::Result<pgbox::ConsumerStats>> {
+    match t {
+        Transport::Noop => unreachable!("the no-op publisher has no consumer side"),
+        Transport::Postgres => spawn_consumer(
+            env,
+            args,
+            PgQueue::new(env.pool.clone()),
+            topic,
+            acked,
+            shutdown,
+        ),
+        Transport::RabbitMq => spawn_consumer(env, args, env.rabbit(), topic, acked, shutdown),
+        Transport::Nats => spawn_consumer(env, args, env.nats(), topic, acked, shutdown),
+        Transport::Kafka => spawn_consumer(env, args, env.kafka(), topic, acked, shutdown),
+    }
+}
+
+/// Waits (bounded) until `n` effects are acked; returns when the last one was.
+async fn until_acked(
+    acked: &Mutex<HashMap<uuid::Uuid, Instant>>,
+    n: usize,
+    limit: Duration,
+) -> anyhow::Result<Instant> {
+    let start = Instant::now();
+    loop {
+        {
+            let acked = acked.lock().unwrap();
+            if acked.len() >= n {
+                return Ok(*acked.values().max().expect("some"));
+            }
+            anyhow::ensure!(
+                start.elapsed() < limit,
+                "only {} of {n} effects after {limit:?}",
+                acked.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// Effects = messages, none twice.
+async fn exactly_once(env: &Env, n: usize) -> anyhow::Result<()> {
+    let (total, distinct): (i64, i64) =
+        sqlx::query_as("SELECT count(*), count(DISTINCT message_id) FROM bench_effects")
+            .fetch_one(&env.pool)
+            .await?;
+    anyhow::ensure!(
+        total == n as i64 && distinct == n as i64,
+        "exactly-once check failed: {total} effects, {distinct} distinct, {n} messages"
+    );
+    Ok(())
+}
+
+async fn reset(env: &Env) -> anyhow::Result<()> {
+    env.pool
+        .execute("TRUNCATE pgbox.outbox, pgbox.queue, pgbox.inbox, bench_effects")
+        .await?;
+    Ok(())
+}
+
+async fn stop_consumer(
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<pgbox::Result<pgbox::ConsumerStats>>,
+) -> anyhow::Result<pgbox::ConsumerStats> {
+    shutdown.cancel();
+    Ok(tokio::time::timeout(Duration::from_secs(30), task).await???)
+}
+
+/// C1: the backlog O2 just published, consumed through the runner and the inbox; msgs/s.
+async fn c1(env: &Env, args: &Args, t: Transport, topic: &str) -> anyhow::Result<f64> {
+    let acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>> = Arc::default();
+    let shutdown = CancellationToken::new();
+    let started = Instant::now();
+    let task = consumer_of(env, args, t, topic, acked.clone(), shutdown.clone());
+    let last = until_acked(&acked, args.backlog, Duration::from_secs(300)).await?;
+    stop_consumer(shutdown, task).await?;
+    exactly_once(env, args.backlog).await?;
+    Ok(args.backlog as f64 / last.duration_since(started).as_secs_f64())
+}
+
+/// E1: producers, relay and consumer at once; msgs/s from the first enqueue to the last
+/// committed effect.
+async fn e1(env: &Env, args: &Args, t: Transport, round: usize) -> anyhow::Result<f64> {
+    let topic = format!("e1-{}-{round}-{}", t.short(), env.run);
+    env.prepare(t, &topic).await?;
+    reset(env).await?;
+    let acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>> = Arc::default();
+    let shutdown = CancellationToken::new();
+    let consumer = consumer_of(env, args, t, &topic, acked.clone(), shutdown.clone());
+    let relay = spawn_relay(env, args, t, shutdown.clone())?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let n = args.backlog;
+    let started = Instant::now();
+    const PRODUCERS: usize = 4;
+    const PER_TX: usize = 10;
+    let mut producers = Vec::new();
+    for p in 0..PRODUCERS {
+        let pool = env.pool.clone();
+        let topic = topic.clone();
+        let payload = vec![b'x'; args.payload];
+        let share = n / PRODUCERS + usize::from(p < n % PRODUCERS);
+        producers.push(tokio::spawn(async move {
+            let outbox = Outbox::new();
+            let mut left = share;
+            while left > 0 {
+                let k = left.min(PER_TX);
+                let mut tx = pool.begin().await?;
+                outbox
+                    .enqueue_batch(
+                        &mut tx,
+                        (0..k).map(|_| Message::bytes(&topic, payload.clone())),
+                    )
+                    .await?;
+                tx.commit().await?;
+                left -= k;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for p in producers {
+        p.await??;
+    }
+    let enqueued = started.elapsed();
+    let last = until_acked(&acked, n, Duration::from_secs(300)).await?;
+    stop_consumer(shutdown, consumer).await?;
+    relay.await??;
+    exactly_once(env, n).await?;
+    let rate = n as f64 / last.duration_since(started).as_secs_f64();
+    eprintln!(
+        "  E1 {}: enqueue {:.0} msgs/s alone-in-the-pipeline, end to end {rate:.0} msgs/s",
+        t.name(),
+        n as f64 / enqueued.as_secs_f64()
+    );
+    Ok(rate)
+}
+
+fn spawn_relay(
+    env: &Env,
+    args: &Args,
+    t: Transport,
+    shutdown: CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<pgbox::Result<()>>> {
+    fn go<P: Publisher + 'static>(
+        env: &Env,
+        args: &Args,
+        p: P,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<tokio::task::JoinHandle<pgbox::Result<()>>> {
+        let relay = Relay::builder(env.pool.clone(), p)
+            .batch_size(args.batch)
+            .build()?;
+        Ok(tokio::spawn(async move { relay.run(shutdown).await }))
+    }
+    match t {
+        Transport::Noop => go(env, args, DiscardPublisher, shutdown),
+        Transport::Postgres => go(env, args, PgQueue::new(env.pool.clone()), shutdown),
+        Transport::RabbitMq => go(env, args, env.rabbit(), shutdown),
+        Transport::Nats => go(env, args, env.nats(), shutdown),
+        Transport::Kafka => go(env, args, env.kafka(), shutdown),
+    }
+}
+
+/// E1 latency: at a fixed rate, enqueue commit → effect commit; (p50, p99).
+async fn e1_latency(
+    env: &Env,
+    args: &Args,
+    t: Transport,
+    round: usize,
+) -> anyhow::Result<(Duration, Duration)> {
+    let topic = format!("e1l-{}-{round}-{}", t.short(), env.run);
+    env.prepare(t, &topic).await?;
+    reset(env).await?;
+    let acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>> = Arc::default();
+    let shutdown = CancellationToken::new();
+    let consumer = consumer_of(env, args, t, &topic, acked.clone(), shutdown.clone());
+    let relay = spawn_relay(env, args, t, shutdown.clone())?;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let outbox = Outbox::new();
+    let mut committed = HashMap::new();
+    let interval = Duration::from_secs_f64(1.0 / args.rate);
+    let duration = Duration::from_secs_f64(args.seconds);
+    let started = Instant::now();
+    let mut next = started;
+    while started.elapsed() < duration {
+        let mut tx = env.pool.begin().await?;
+        let id = outbox
+            .enqueue(&mut tx, Message::bytes(&topic, vec![b'x'; args.payload]))
+            .await?;
+        tx.commit().await?;
+        committed.insert(id, Instant::now());
+        next += interval;
+        if let Some(wait) = next.checked_duration_since(Instant::now()) {
+            tokio::time::sleep(wait).await;
+        }
+    }
+    until_acked(&acked, committed.len(), Duration::from_secs(30)).await?;
+    stop_consumer(shutdown, consumer).await?;
+    relay.await??;
+    exactly_once(env, committed.len()).await?;
+    let acked = acked.lock().unwrap();
+    let mut lat: Vec<Duration> = committed
+        .iter()
+        .filter_map(|(id, at)| acked.get(id).map(|a| a.saturating_duration_since(*at)))
+        .collect();
+    lat.sort();
+    Ok((percentile(&lat, 0.5), percentile(&lat, 0.99)))
 }
 
 async fn fill(pool: &PgPool, topic: &str, n: usize, payload: &[u8]) -> anyhow::Result<()> {
@@ -197,12 +554,16 @@ async fn drain<P: Publisher>(
     Ok(n as f64 / started.elapsed().as_secs_f64())
 }
 
-async fn o2(env: &Env, args: &Args, t: Transport, round: usize) -> anyhow::Result<f64> {
-    let topic = format!("o2-{round}");
+/// O2, then (for a transport with a consumer side) C1 on what it published.
+async fn o2(
+    env: &Env,
+    args: &Args,
+    t: Transport,
+    round: usize,
+) -> anyhow::Result<(f64, Option<f64>)> {
+    let topic = format!("o2-{}-{round}-{}", t.short(), env.run);
     env.prepare(t, &topic).await?;
-    env.pool
-        .execute("TRUNCATE pgbox.outbox, pgbox.queue")
-        .await?;
+    reset(env).await?;
     fill(&env.pool, &topic, args.backlog, &vec![b'x'; args.payload]).await?;
     let (pool, batch, n) = (&env.pool, args.batch, args.backlog);
     let rate = match t {
@@ -215,8 +576,13 @@ async fn o2(env: &Env, args: &Args, t: Transport, round: usize) -> anyhow::Resul
             rate
         }
         Transport::Nats => drain(pool, env.nats(), batch, n).await?,
+        Transport::Kafka => drain(pool, env.kafka(), batch, n).await?,
     };
-    Ok(rate)
+    let consumed = match t {
+        Transport::Noop => None,
+        _ => Some(c1(env, args, t, &topic).await?),
+    };
+    Ok((rate, consumed))
 }
 
 async fn latency<P: Publisher + 'static>(
@@ -283,16 +649,15 @@ async fn o3(
     t: Transport,
     round: usize,
 ) -> anyhow::Result<(Duration, Duration)> {
-    let topic = format!("o3-{round}");
+    let topic = format!("o3-{}-{round}-{}", t.short(), env.run);
     env.prepare(t, &topic).await?;
-    env.pool
-        .execute("TRUNCATE pgbox.outbox, pgbox.queue")
-        .await?;
+    reset(env).await?;
     match t {
         Transport::Noop => latency(env, args, DiscardPublisher, &topic).await,
         Transport::Postgres => latency(env, args, PgQueue::new(env.pool.clone()), &topic).await,
         Transport::RabbitMq => latency(env, args, env.rabbit(), &topic).await,
         Transport::Nats => latency(env, args, env.nats(), &topic).await,
+        Transport::Kafka => latency(env, args, env.kafka(), &topic).await,
     }
 }
 
@@ -322,6 +687,7 @@ async fn main() -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("no PostgreSQL: {e}"))?;
     let rabbit_url = brokers::rabbitmq_url().await;
     let nats_url = brokers::nats_url().await;
+    let kafka_url = brokers::kafka_url().await;
     let run = uuid::Uuid::now_v7().simple().to_string();
     let database = format!("pgbox_bench_brokers_{run}");
     let mut admin = sqlx::PgConnection::connect(&server).await?;
@@ -336,10 +702,13 @@ async fn main() -> anyhow::Result<()> {
         .connect_with(options)
         .await?;
     pgbox::migrate(&pool).await?;
+    pool.execute("CREATE TABLE bench_effects (message_id uuid NOT NULL)")
+        .await?;
     let env = Env {
         pool,
         rabbit_url,
         nats_url,
+        kafka_url,
         run,
     };
     println!(
@@ -357,37 +726,97 @@ async fn main() -> anyhow::Result<()> {
 }
 
 async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
+    let transports: Vec<Transport> = TRANSPORTS
+        .into_iter()
+        .filter(|t| args.only.is_empty() || args.only.iter().any(|o| o == t.short()))
+        .collect();
+    anyhow::ensure!(!transports.is_empty(), "--only named no known transport");
+    let with_consumer: Vec<Transport> = transports
+        .iter()
+        .copied()
+        .filter(|&t| t != Transport::Noop)
+        .collect();
     let mut drains: HashMap<Transport, Vec<f64>> = HashMap::new();
+    let mut consumes: HashMap<Transport, Vec<f64>> = HashMap::new();
+    let mut ends: HashMap<Transport, Vec<f64>> = HashMap::new();
     let mut lats: HashMap<Transport, Vec<(Duration, Duration)>> = HashMap::new();
+    let mut e_lats: HashMap<Transport, Vec<(Duration, Duration)>> = HashMap::new();
     for round in 0..args.rounds {
         // Rotate the order each round, so no transport always goes first.
-        for i in 0..TRANSPORTS.len() {
-            let t = TRANSPORTS[(i + round) % TRANSPORTS.len()];
-            let rate = o2(env, args, t, round).await?;
-            eprintln!("round {round}: O2 {} {rate:.0} msgs/s", t.name());
+        let order = |list: &[Transport]| -> Vec<Transport> {
+            (0..list.len())
+                .map(|i| list[(i + round) % list.len()])
+                .collect()
+        };
+        for t in order(&transports) {
+            let (rate, consumed) = o2(env, args, t, round).await?;
+            eprintln!(
+                "round {round}: O2 {} {rate:.0} msgs/s; C1 {}",
+                t.name(),
+                consumed.map_or("-".into(), |c| format!("{c:.0} msgs/s"))
+            );
             drains.entry(t).or_default().push(rate);
+            if let Some(c) = consumed {
+                consumes.entry(t).or_default().push(c);
+            }
         }
-        for i in 0..TRANSPORTS.len() {
-            let t = TRANSPORTS[(i + round) % TRANSPORTS.len()];
+        for t in order(&with_consumer) {
+            let rate = e1(env, args, t, round).await?;
+            eprintln!("round {round}: E1 {} {rate:.0} msgs/s", t.name());
+            ends.entry(t).or_default().push(rate);
+        }
+        for t in order(&with_consumer) {
+            let l = e1_latency(env, args, t, round).await?;
+            eprintln!(
+                "round {round}: E1 latency {} p50 {:?} p99 {:?}",
+                t.name(),
+                l.0,
+                l.1
+            );
+            e_lats.entry(t).or_default().push(l);
+        }
+        for t in order(&transports) {
             let l = o3(env, args, t, round).await?;
             eprintln!("round {round}: O3 {} p50 {:?} p99 {:?}", t.name(), l.0, l.1);
             lats.entry(t).or_default().push(l);
         }
     }
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
     println!();
     println!(
-        "| transport | O2 drain msgs/s (median) | O3 commit→publish p50 | O3 p99 (median of rounds) |"
+        "| transport | O2 relay drain msgs/s | C1 consumer + inbox msgs/s | E1 end to end msgs/s | E1 / slowest stage | E1 commit→effect p50 | p99 | O3 commit→publish p50 | p99 |"
     );
-    println!("|---|---:|---:|---:|");
-    for t in TRANSPORTS {
-        let d = median(drains[&t].clone());
-        let p50 = median(lats[&t].iter().map(|l| l.0).collect());
-        let p99 = median(lats[&t].iter().map(|l| l.1).collect());
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for t in &transports {
+        let d = median(drains[t].clone());
+        let (p50, p99) = (
+            median(lats[t].iter().map(|l| l.0).collect()),
+            median(lats[t].iter().map(|l| l.1).collect()),
+        );
+        if *t == Transport::Noop {
+            println!(
+                "| {} | {d:.0} | - | - | - | - | - | {:.1} ms | {:.1} ms |",
+                t.name(),
+                ms(p50),
+                ms(p99)
+            );
+            continue;
+        }
+        let c = median(consumes[t].clone());
+        let e = median(ends[t].clone());
+        let (e50, e99) = (
+            median(e_lats[t].iter().map(|l| l.0).collect()),
+            median(e_lats[t].iter().map(|l| l.1).collect()),
+        );
+        let slowest = if d < c { "relay" } else { "consumer" };
         println!(
-            "| {} | {d:.0} | {:.1} ms | {:.1} ms |",
+            "| {} | {d:.0} | {c:.0} | {e:.0} | {:.2}× ({slowest}) | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
             t.name(),
-            p50.as_secs_f64() * 1e3,
-            p99.as_secs_f64() * 1e3
+            e / d.min(c),
+            ms(e50),
+            ms(e99),
+            ms(p50),
+            ms(p99)
         );
     }
     Ok(())

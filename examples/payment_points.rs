@@ -25,7 +25,7 @@
 //! `--metrics-linger-secs` keeps serving the final values after the report).
 //!
 //! Uses `DATABASE_URL` when set, else the local bootstrap of the tests. With
-//! `--transport rabbitmq` or `--transport nats` the messages go through that broker instead
+//! `--transport rabbitmq`, `--transport nats` or `--transport kafka` the messages go through that broker instead
 //! of the built-in queue (found or started like the tests do: `RABBITMQ_URL`, `NATS_URL`, or
 //! the standard local ports); each run uses its own topic there.
 
@@ -60,6 +60,7 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use pgbox::transport::kafka::Kafka;
 use pgbox::transport::nats::Nats;
 use pgbox::transport::rabbitmq::RabbitMq;
 use pgbox::transport::{PgQueue, PublishError, Publisher, Subscriber};
@@ -121,6 +122,8 @@ enum TransportKind {
     Rabbitmq,
     /// NATS JetStream.
     Nats,
+    /// Kafka (a Kafka-protocol broker).
+    Kafka,
 }
 
 fn rabbitmq(args: &Args) -> anyhow::Result<RabbitMq> {
@@ -139,6 +142,13 @@ fn nats(args: &Args) -> anyhow::Result<Nats> {
         .inactive_threshold(Duration::from_secs(3600))
         // Like the built-in queue's visibility timeout below.
         .ack_wait(Duration::from_secs(2))
+        .build()?)
+}
+
+fn kafka(args: &Args) -> anyhow::Result<Kafka> {
+    Ok(Kafka::builder(&args.broker_url)
+        .group("pgbox-example")
+        .partitions(4)
         .build()?)
 }
 
@@ -319,6 +329,10 @@ async fn simulate() -> anyhow::Result<()> {
             args.broker_url = brokers::nats_url().await;
             args.topic = format!("payment-succeeded-{run}");
         }
+        TransportKind::Kafka => {
+            args.broker_url = brokers::kafka_url().await;
+            args.topic = format!("payment-succeeded-{run}");
+        }
     }
     let url = demo_db::demo_url().await?;
     let pool = sqlx::postgres::PgPoolOptions::new()
@@ -372,6 +386,11 @@ async fn simulate() -> anyhow::Result<()> {
             let nats = nats(&args)?;
             nats.declare_topic(&args.topic).await?;
             spawn_relay(&pool, nats, &args, &counters, &shutdown)?
+        }
+        TransportKind::Kafka => {
+            let kafka = kafka(&args)?;
+            kafka.declare_topic(&args.topic).await?;
+            spawn_relay(&pool, kafka, &args, &counters, &shutdown)?
         }
     };
 
@@ -577,6 +596,10 @@ async fn run_consumer(
         TransportKind::Nats => {
             let nats = nats(&args)?;
             consume(pool, nats, inbox, args, counters, shutdown).await
+        }
+        TransportKind::Kafka => {
+            let kafka = kafka(&args)?;
+            consume(pool, kafka, inbox, args, counters, shutdown).await
         }
     }
 }

@@ -51,7 +51,7 @@ pub struct DemoArgs {
     /// Give up (exit 1) when the run takes longer than this.
     #[arg(long, default_value_t = 90)]
     timeout_secs: u64,
-    /// Where the messages go between the services (rabbitmq/nats: found or started like the
+    /// Where the messages go between the services (rabbitmq/nats/kafka: found or started like the
     /// tests do).
     #[arg(long, value_enum, default_value_t = TransportKind::Postgres)]
     transport: TransportKind,
@@ -307,6 +307,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<bool> {
             env.push(("BROKER_URL".into(), crate::brokers::nats_url().await));
             common.extend(["--topic".into(), format!("payment-succeeded-{run}")]);
             common.extend(["--broker-expires-secs".into(), "3600".into()]);
+        }
+        TransportKind::Kafka => {
+            env.push(("BROKER_URL".into(), crate::brokers::kafka_url().await));
+            common.extend(["--topic".into(), format!("payment-succeeded-{run}")]);
         }
     }
     let service = |name: &'static str, extra: &[String]| -> anyhow::Result<Arc<Service>> {

@@ -163,6 +163,11 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
             let broker = service::BrokerReady::watch_topic(&nats, &args.topic, shutdown.clone());
             (spawn_relay(&pool, nats, &args, &shutdown)?, broker)
         }
+        TransportKind::Kafka => {
+            let kafka = args.kafka()?;
+            let broker = service::BrokerReady::watch_topic(&kafka, &args.topic, shutdown.clone());
+            (spawn_relay(&pool, kafka, &args, &shutdown)?, broker)
+        }
     };
     let gauges = service::spawn_gauges(pool.clone(), gauge_schemas, shutdown.clone());
 

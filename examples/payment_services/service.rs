@@ -26,8 +26,8 @@ pub struct ServiceArgs {
     /// Where the messages go between the services.
     #[arg(long, env = "TRANSPORT", value_enum, default_value_t = TransportKind::Postgres)]
     pub transport: TransportKind,
-    /// The broker's URL for rabbitmq/nats (default: RABBITMQ_URL / NATS_URL, else the local
-    /// standard port).
+    /// The broker's URL for rabbitmq/nats/kafka (default: RABBITMQ_URL / NATS_URL /
+    /// KAFKA_BOOTSTRAP, else the local standard port).
     #[arg(long, env = "BROKER_URL")]
     pub broker_url: Option<String>,
     /// The topic of PaymentSucceeded.
@@ -64,6 +64,8 @@ pub enum TransportKind {
     Rabbitmq,
     /// NATS JetStream (`--broker-url` or NATS_URL).
     Nats,
+    /// Kafka (`--broker-url` or KAFKA_BOOTSTRAP: `host:port`).
+    Kafka,
 }
 
 impl TransportKind {
@@ -72,6 +74,7 @@ impl TransportKind {
             TransportKind::Postgres => "postgres",
             TransportKind::Rabbitmq => "rabbitmq",
             TransportKind::Nats => "nats",
+            TransportKind::Kafka => "kafka",
         }
     }
 }
@@ -87,6 +90,9 @@ impl ServiceArgs {
                 .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
             TransportKind::Nats => {
                 std::env::var("NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into())
+            }
+            TransportKind::Kafka => {
+                std::env::var("KAFKA_BOOTSTRAP").unwrap_or_else(|_| "127.0.0.1:9092".into())
             }
         }
     }
@@ -113,6 +119,12 @@ impl ServiceArgs {
                 .max_age(Duration::from_secs(secs));
         }
         Ok(builder.build()?)
+    }
+
+    pub fn kafka(&self) -> anyhow::Result<pgbox::transport::kafka::Kafka> {
+        Ok(pgbox::transport::kafka::Kafka::builder(self.broker_url())
+            .group("points-service")
+            .build()?)
     }
 
     /// Refuses fault rates outside 0..=1.
@@ -300,6 +312,14 @@ impl DeclareTopic for pgbox::transport::rabbitmq::RabbitMq {
 impl DeclareTopic for pgbox::transport::nats::Nats {
     async fn declare(&self, topic: &str) -> pgbox::Result<()> {
         self.declare_topic(topic).await
+    }
+}
+
+impl DeclareTopic for pgbox::transport::kafka::Kafka {
+    async fn declare(&self, topic: &str) -> pgbox::Result<()> {
+        // Declared once; the readiness probe asks the cluster each time.
+        self.declare_topic(topic).await?;
+        self.reachable().await
     }
 }
 

@@ -4,11 +4,13 @@
 //! [`PgQueue`] implements it and also the receiving side (visibility timeout, ack, nack,
 //! dead letters), so a whole pipeline runs on PostgreSQL alone. Broker adapters implement
 //! both traits for their client: `transport::rabbitmq` (feature `rabbitmq`) and
-//! `transport::nats` (feature `nats`). Every transport is checked by the same
+//! `transport::nats` (feature `nats`) and `transport::kafka` (feature `kafka`). Every transport is checked by the same
 //! `transport::conformance` suite (feature `testing`).
 
 #[cfg(feature = "testing")]
 pub mod conformance;
+#[cfg(feature = "kafka")]
+pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
 mod postgres;

@@ -26,6 +26,7 @@ const NATS_DEFAULT: &str = "nats://127.0.0.1:4222";
 
 static RABBITMQ: OnceCell<String> = OnceCell::const_new();
 static NATS: OnceCell<String> = OnceCell::const_new();
+static KAFKA: OnceCell<String> = OnceCell::const_new();
 
 /// The URL of a running RabbitMQ (started if needed); panics if there is none.
 pub async fn rabbitmq_url() -> String {
@@ -51,10 +52,24 @@ pub async fn nats_url() -> String {
     .clone()
 }
 
+/// The bootstrap address (`host:port`) of a running Kafka-protocol broker (started if
+/// needed, see [`kafka`]); panics if there is none.
+pub async fn kafka_url() -> String {
+    KAFKA
+        .get_or_init(|| async {
+            find_or_start(Broker::Kafka)
+                .await
+                .unwrap_or_else(|e| panic!("no Kafka-protocol broker for the tests: {e}"))
+        })
+        .await
+        .clone()
+}
+
 #[derive(Debug, Clone, Copy)]
 enum Broker {
     RabbitMq,
     Nats,
+    Kafka,
 }
 
 impl Broker {
@@ -62,24 +77,31 @@ impl Broker {
         match self {
             Broker::RabbitMq => "rabbitmq",
             Broker::Nats => "nats",
+            Broker::Kafka => "kafka",
         }
     }
     fn env(self) -> &'static str {
         match self {
             Broker::RabbitMq => "RABBITMQ_URL",
             Broker::Nats => "NATS_URL",
+            Broker::Kafka => "KAFKA_BOOTSTRAP",
         }
     }
     fn default_url(self) -> &'static str {
         match self {
             Broker::RabbitMq => RABBITMQ_DEFAULT,
             Broker::Nats => NATS_DEFAULT,
+            Broker::Kafka => kafka::SHARED,
         }
     }
 }
 
 /// host:port of a broker URL.
 pub fn address(url: &str) -> SocketAddr {
+    if let Ok(addr) = url.parse() {
+        // A Kafka bootstrap address is a bare host:port.
+        return addr;
+    }
     let parsed = url::Url::parse(url).unwrap_or_else(|e| panic!("bad broker URL {url}: {e}"));
     let host = parsed.host_str().expect("broker URL has a host");
     let port = parsed.port().unwrap_or(match parsed.scheme() {
@@ -109,15 +131,19 @@ pub fn with_address(url: &str, addr: SocketAddr) -> String {
 async fn answers(broker: Broker, addr: SocketAddr) -> bool {
     let probe = async {
         let mut stream = TcpStream::connect(addr).await.ok()?;
-        if let Broker::RabbitMq = broker {
-            use tokio::io::AsyncWriteExt;
-            stream.write_all(b"AMQP\x00\x00\x09\x01").await.ok()?;
+        use tokio::io::AsyncWriteExt;
+        match broker {
+            Broker::RabbitMq => stream.write_all(b"AMQP\x00\x00\x09\x01").await.ok()?,
+            Broker::Kafka => stream.write_all(&kafka::API_VERSIONS).await.ok()?,
+            Broker::Nats => {}
         }
         let mut buf = [0u8; 8];
         let n = stream.read(&mut buf).await.ok()?;
         Some(match broker {
             Broker::RabbitMq => n >= 1 && buf[0] == 1,
             Broker::Nats => buf[..n].starts_with(b"INFO"),
+            // A response: length, then our correlation id.
+            Broker::Kafka => n == 8 && buf[4..8] == kafka::API_VERSIONS[8..12],
         })
     };
     matches!(
@@ -245,6 +271,11 @@ fn start(broker: Broker) -> Result<(), String> {
                     "RABBITMQ_ENABLED_PLUGINS_FILE",
                     format!("{dir}/enabled_plugins"),
                 ))
+        }
+        Broker::Kafka => {
+            let tansu = kafka::tansu()?;
+            let addr: SocketAddr = kafka::SHARED.parse().expect("address");
+            kafka::spawn(&tansu, addr, addr, std::path::Path::new("/tmp/pgbox-kafka")).map(drop)
         }
         Broker::Nats => {
             ensure_package("nats-server", "nats-server")?;
@@ -686,4 +717,193 @@ pub async fn payment_points_on(pool: &sqlx::PgPool, database_url: &str, transpor
     assert_eq!(paid, 500, "every order paid");
     assert_eq!(rewarded, 500, "every paid order rewarded once");
     assert_eq!(distinct, 500);
+}
+
+/// Kafka for the tests: a Kafka-protocol broker, [tansu](https://crates.io/crates/tansu)
+/// (Debian has no Kafka, and this machine has no registry with one), built once per machine
+/// with `cargo install` into `~/.cache/pgbox/tansu-<version>` (or the binary named by
+/// `PGBOX_TANSU`), and started on loopback with its in-memory storage.
+///
+/// [`kafka_url`] finds or starts a shared broker on 127.0.0.1:19092, left running like the
+/// other brokers. [`kafka::PrivateKafka`] is a broker of one test's own behind a [`Proxy`]
+/// (the broker advertises the proxy's address, so every client connection goes through it
+/// and can be cut), which the test can SIGKILL and restart.
+pub mod kafka {
+    use std::fs::File;
+    use std::net::SocketAddr;
+    use std::path::{Path, PathBuf};
+    use std::process::{Child, Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use super::{Proxy, run};
+
+    /// The shared broker's address.
+    pub const SHARED: &str = "127.0.0.1:19092";
+    /// The version built.
+    pub const TANSU_VERSION: &str = "0.6.0";
+
+    /// An ApiVersions v0 request, correlation id 0x70676278 ("pgbx"), no client id.
+    pub const API_VERSIONS: [u8; 14] =
+        [0, 0, 0, 10, 0, 18, 0, 0, 0x70, 0x67, 0x62, 0x78, 0xff, 0xff];
+
+    fn cache_root() -> PathBuf {
+        let home = std::env::var_os("HOME").map_or_else(|| PathBuf::from("/tmp"), PathBuf::from);
+        home.join(".cache/pgbox")
+    }
+
+    /// The tansu binary, built with `cargo install` the first time (several minutes, once
+    /// per machine; a file lock makes concurrent test binaries wait for one build).
+    pub fn tansu() -> Result<PathBuf, String> {
+        if let Some(path) = std::env::var_os("PGBOX_TANSU") {
+            return Ok(PathBuf::from(path));
+        }
+        let root = cache_root().join(format!("tansu-{TANSU_VERSION}"));
+        let binary = root.join("bin/tansu");
+        if binary.exists() {
+            return Ok(binary);
+        }
+        std::fs::create_dir_all(cache_root()).map_err(|e| format!("create cache dir: {e}"))?;
+        let lock_path = cache_root().join("tansu-build.lock");
+        let lock = File::create(&lock_path).map_err(|e| format!("create {lock_path:?}: {e}"))?;
+        lock.lock()
+            .map_err(|e| format!("lock {lock_path:?}: {e}"))?;
+        if binary.exists() {
+            return Ok(binary);
+        }
+        eprintln!(
+            "pgbox: building the Kafka-protocol broker tansu {TANSU_VERSION} once for this \
+             machine (cargo install; several minutes)"
+        );
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        // --locked: tansu 0.6.0 does not compile against its dependencies' newest
+        // versions. Its default features have no storage engine; memory storage comes with
+        // dynostore.
+        run(Command::new(cargo)
+            .args(["install", "tansu", "--version", TANSU_VERSION, "--locked"])
+            .args(["--features", "postgres,dynostore", "--root"])
+            .arg(&root)
+            .arg("--target-dir")
+            .arg(cache_root().join("tansu-target"))
+            .env_remove("RUSTFLAGS")
+            .env("CARGO_INCREMENTAL", "0"))?;
+        if binary.exists() {
+            let _ = std::fs::remove_dir_all(cache_root().join("tansu-target"));
+            Ok(binary)
+        } else {
+            Err(format!("cargo install tansu did not produce {binary:?}"))
+        }
+    }
+
+    /// Starts tansu listening on `listen`, telling clients to connect to `advertised`,
+    /// logging to `dir/tansu.log`.
+    pub fn spawn(
+        tansu: &Path,
+        listen: SocketAddr,
+        advertised: SocketAddr,
+        dir: &Path,
+    ) -> Result<Child, String> {
+        std::fs::create_dir_all(dir).map_err(|e| format!("create {dir:?}: {e}"))?;
+        let log = File::create(dir.join("tansu.log")).map_err(|e| format!("tansu log: {e}"))?;
+        Command::new(tansu)
+            .arg("broker")
+            .arg(format!("--listener-url=tcp://{listen}"))
+            .arg(format!("--advertised-listener-url=tcp://{advertised}"))
+            .arg("--storage-engine=memory://tansu/")
+            .env_remove("CLUSTER_ID")
+            .env_remove("STORAGE_ENGINE")
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(|e| e.to_string())?)
+            .stderr(log)
+            .spawn()
+            .map_err(|e| format!("spawn {tansu:?}: {e}"))
+    }
+
+    async fn wait_until_answers(addr: SocketAddr) -> Result<(), String> {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(30) {
+            if super::answers(super::Broker::Kafka, addr).await {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Err(format!("tansu on {addr} does not answer after 30 s"))
+    }
+
+    fn free_port() -> SocketAddr {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("free port")
+    }
+
+    /// A broker of one test's own, behind a proxy that can cut its connections; killed on
+    /// drop. Its storage is in memory: a restart starts empty.
+    pub struct PrivateKafka {
+        tansu: PathBuf,
+        dir: PathBuf,
+        listen: SocketAddr,
+        proxy: Proxy,
+        child: Option<Child>,
+    }
+
+    impl PrivateKafka {
+        /// Starts it; panics with the reason if it cannot.
+        pub async fn start() -> PrivateKafka {
+            let tansu = tokio::task::spawn_blocking(tansu)
+                .await
+                .expect("tansu build task")
+                .unwrap_or_else(|e| panic!("no Kafka-protocol broker for the tests: {e}"));
+            let listen = free_port();
+            let proxy = Proxy::start(listen).await;
+            let dir =
+                std::env::temp_dir().join(format!("pgbox-kafka-{}", uuid::Uuid::now_v7().simple()));
+            let mut broker = PrivateKafka {
+                tansu,
+                dir,
+                listen,
+                proxy,
+                child: None,
+            };
+            broker.restart().await;
+            broker
+        }
+
+        /// What clients bootstrap from (the proxy).
+        pub fn bootstrap(&self) -> String {
+            self.proxy.addr().to_string()
+        }
+
+        /// The proxy every client connection goes through.
+        pub fn proxy(&self) -> &Proxy {
+            &self.proxy
+        }
+
+        /// SIGKILLs the broker (its in-memory topics and offsets are gone with it).
+        pub fn kill(&mut self) {
+            if let Some(mut child) = self.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            self.proxy.cut();
+        }
+
+        /// (Re)starts the broker on the same addresses and waits until it answers.
+        pub async fn restart(&mut self) {
+            self.kill();
+            let child = spawn(&self.tansu, self.listen, self.proxy.addr(), &self.dir)
+                .unwrap_or_else(|e| panic!("start tansu: {e}"));
+            self.child = Some(child);
+            wait_until_answers(self.listen).await.unwrap_or_else(|e| {
+                let log = std::fs::read_to_string(self.dir.join("tansu.log")).unwrap_or_default();
+                panic!("{e}; its log:\n{log}")
+            });
+        }
+    }
+
+    impl Drop for PrivateKafka {
+        fn drop(&mut self) {
+            self.kill();
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
 }

@@ -1,0 +1,1608 @@
+//! The Kafka transport (feature `kafka`, on [`rdkafka`] with a bundled librdkafka).
+//!
+//! [`Kafka`] is both a [`Publisher`] for the relay and a [`Subscriber`] for the
+//! [`Consumer`](crate::Consumer) runner. Clone it freely: clones share one producer and one
+//! group member per topic.
+//!
+//! # Topics and groups
+//!
+//! A pgbox topic is the Kafka topic of the same name (ASCII letters, digits, `.`, `_`, `-`;
+//! at most 249 bytes). Its dead letters go to `<topic><suffix>` (default suffix `.dlq`,
+//! [`KafkaBuilder::dead_letter_suffix`]). With [`KafkaBuilder::declare`] on (the default),
+//! pgbox creates both topics when missing, with [`KafkaBuilder::partitions`] partitions
+//! (default 8) and [`KafkaBuilder::replication_factor`] replicas (default 1: set 3 on a
+//! production cluster). Each topic is consumed by its own consumer group,
+//! `<group>.<topic>` ([`KafkaBuilder::group`], default `pgbox`), so that a service
+//! consuming several topics does not rebalance all of them when one changes.
+//!
+//! # Publishing
+//!
+//! The producer is idempotent (`enable.idempotence`) with `acks=all`: a message is reported
+//! `Ok` only once every in-sync replica has it, and librdkafka's own retries neither
+//! duplicate nor reorder it within a partition. The ordering key is the Kafka message key,
+//! so a key's messages land in one partition, in order. The message id (`pgbox-id`),
+//! pgbox's fields (`pgbox-meta`, JSON: content type, creation time, the message headers
+//! byte-exact) and `traceparent`/`tracestate` travel as Kafka headers. A relay that re-sends
+//! a message after a lost acknowledgement makes a second copy in the topic (Kafka has no
+//! message-id deduplication outside transactions, which pgbox does not use): the consumer's
+//! inbox absorbs it. Messages larger than [`KafkaBuilder::message_max_bytes`] (default
+//! 1 MiB, the broker's usual limit) are refused.
+//!
+//! # Receiving
+//!
+//! Offsets are committed only after the runner acks, that is after the inbox transaction
+//! committed (never auto-commit): a partition's committed offset is its lowest unsettled
+//! message, so a crash or a rebalance redelivers what was not yet processed (the inbox
+//! makes those duplicates harmless) and never skips anything. Commits are batched, at most
+//! one per partition every [`KafkaBuilder::commit_interval`] (default 50 ms).
+//!
+//! **Order**: at most one message per ordering key is in hand at a time, and a key's
+//! messages are handed out in partition order, also across a nack (the nacked message
+//! comes back before the key's later messages). Messages without a key run concurrently.
+//! During a rebalance a partition's in-hand messages may be delivered again to the new
+//! owner while the old one finishes them; the inbox decides which one takes effect.
+//!
+//! **Attempts across consumers**: each commit carries, as the offset's metadata, how far
+//! the partition was handed out and the attempt of the message at the committed offset
+//! (committed synchronously before messages past the last such mark are handed out). A
+//! consumer that takes the partition over counts a message delivered before as attempt 2
+//! or more, so `max_deliveries` also stops a message that crashes its consumer. This needs
+//! a broker that keeps offset-commit metadata, as Apache Kafka does; tansu 0.6 returns it
+//! empty, and there attempts restart at 1 with each new owner (pgbox's tests show it).
+//!
+//! **Visibility timeout**: Kafka has none; pgbox keeps one in the consumer. A message in
+//! hand longer than the `visibility` given to `receive` (the runner's visibility timeout)
+//! is handed out again, as the next attempt, and the earlier hand-out's ack reports stale;
+//! the inbox decides which one takes effect. A consumer that dies loses its partitions to
+//! the group's other members after [`KafkaBuilder::session_timeout`] (or at once when it
+//! leaves cleanly).
+//!
+//! A nack with a delay holds the message (and its key) in the consumer for the delay; a
+//! dead letter is copied to the dead-letter topic (with `pgbox-error` and
+//! `pgbox-deliveries` headers, acks=all) and then settled. A message that is not pgbox's
+//! (no `pgbox-id`/`pgbox-meta` headers) is copied there as it is.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::fmt;
+use std::sync::{Arc, Mutex as StdMutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use futures_util::FutureExt;
+use futures_util::future::join_all;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::config::ClientConfig;
+use rdkafka::consumer::{
+    BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer,
+};
+use rdkafka::error::RDKafkaErrorCode;
+use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
+use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::types::RDKafkaRespErr;
+use rdkafka::{ClientContext, Offset, TopicPartitionList};
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::{PublishError, Publisher, Subscriber};
+use crate::error::{Error, Result};
+use crate::outbox::{Envelope, TRACEPARENT};
+
+const TRANSPORT: &str = "kafka";
+const ID: &str = "pgbox-id";
+const META: &str = "pgbox-meta";
+const ERROR: &str = "pgbox-error";
+const DELIVERIES: &str = "pgbox-deliveries";
+const MAX_ERROR_BYTES: usize = 4096;
+/// The offset metadata's prefix: `pgbox:1:<handed-out-through>:<head attempt>`.
+const METADATA_PREFIX: &str = "pgbox:1:";
+/// Bound on the broker calls made inside librdkafka's rebalance callback.
+const REBALANCE_CALL: Duration = Duration::from_secs(10);
+
+fn broker_error(what: &str, e: impl fmt::Display) -> Error {
+    Error::Transport {
+        transport: TRANSPORT,
+        message: format!("{what}: {e}"),
+    }
+}
+
+/// Builder for [`Kafka`].
+#[derive(Debug, Clone)]
+pub struct KafkaBuilder {
+    bootstrap: String,
+    group: String,
+    declare: bool,
+    partitions: i32,
+    replication_factor: i32,
+    dead_letter_suffix: String,
+    receive_wait: Duration,
+    session_timeout: Duration,
+    commit_interval: Duration,
+    message_max_bytes: usize,
+    linger: Duration,
+    max_buffered: usize,
+    settings: BTreeMap<String, String>,
+}
+
+impl KafkaBuilder {
+    /// The consumer group prefix (default `pgbox`): topic `T` is consumed by group
+    /// `<group>.<T>`. Give each consuming service its own.
+    pub fn group(mut self, group: impl Into<String>) -> Self {
+        self.group = group.into();
+        self
+    }
+
+    /// Create missing topics (and their dead-letter topics) on first use (default `true`).
+    pub fn declare(mut self, declare: bool) -> Self {
+        self.declare = declare;
+        self
+    }
+
+    /// Partitions of the topics pgbox creates (default 8).
+    pub fn partitions(mut self, n: i32) -> Self {
+        self.partitions = n;
+        self
+    }
+
+    /// Replicas of the topics pgbox creates (default 1; 3 on a production cluster).
+    pub fn replication_factor(mut self, n: i32) -> Self {
+        self.replication_factor = n;
+        self
+    }
+
+    /// The dead-letter topic of `T` is `<T><suffix>` (default `.dlq`).
+    pub fn dead_letter_suffix(mut self, suffix: impl Into<String>) -> Self {
+        self.dead_letter_suffix = suffix.into();
+        self
+    }
+
+    /// How long `receive` waits for messages before returning none (default 200 ms).
+    pub fn receive_wait(mut self, wait: Duration) -> Self {
+        self.receive_wait = wait;
+        self
+    }
+
+    /// How long the group waits for a silent member before giving its partitions to
+    /// others (default 10 s; Kafka's `session.timeout.ms`).
+    pub fn session_timeout(mut self, timeout: Duration) -> Self {
+        self.session_timeout = timeout;
+        self
+    }
+
+    /// At most one offset commit per partition this often (default 50 ms); a partition
+    /// with nothing left in hand commits at once.
+    pub fn commit_interval(mut self, interval: Duration) -> Self {
+        self.commit_interval = interval;
+        self
+    }
+
+    /// The largest message the producer sends (default 1 MiB); larger ones are refused.
+    pub fn message_max_bytes(mut self, bytes: usize) -> Self {
+        self.message_max_bytes = bytes;
+        self
+    }
+
+    /// How long the producer waits to fill a request (default 2 ms; `linger.ms`).
+    pub fn linger(mut self, linger: Duration) -> Self {
+        self.linger = linger;
+        self
+    }
+
+    /// Messages a consumer holds for the runner before it pauses fetching (default 10 000).
+    pub fn max_buffered(mut self, n: usize) -> Self {
+        self.max_buffered = n;
+        self
+    }
+
+    /// Any librdkafka setting for the producer and consumers (security, timeouts...):
+    /// applied after pgbox's own, except those pgbox's guarantees rest on
+    /// (`enable.idempotence`, `acks`, `enable.auto.commit`, `enable.auto.offset.store`),
+    /// which [`build`](Self::build) refuses.
+    pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+        self.settings.insert(key.into(), value.into());
+        self
+    }
+
+    /// Validates the settings. Connects lazily, on first use.
+    pub fn build(self) -> Result<Kafka> {
+        let bad = |m: &str| Err(Error::InvalidConfig(format!("kafka: {m}")));
+        if self.bootstrap.trim().is_empty() {
+            return bad("bootstrap servers are empty");
+        }
+        if self.group.is_empty()
+            || !self
+                .group
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+        {
+            return bad("group: ASCII letters, digits, '.', '_' and '-'");
+        }
+        if !self
+            .dead_letter_suffix
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+            || self.dead_letter_suffix.is_empty()
+        {
+            return bad("dead-letter suffix: ASCII letters, digits, '.', '_' and '-'");
+        }
+        if self.partitions < 1 || self.replication_factor < 1 {
+            return bad("partitions and replication factor must be at least 1");
+        }
+        if self.receive_wait < Duration::from_millis(10)
+            || self.session_timeout < Duration::from_secs(1)
+        {
+            return bad("receive_wait must be at least 10 ms and session_timeout 1 s");
+        }
+        if self.message_max_bytes < 1024 || self.max_buffered == 0 {
+            return bad("message_max_bytes must be at least 1 KiB and max_buffered positive");
+        }
+        for key in [
+            "enable.idempotence",
+            "acks",
+            "request.required.acks",
+            "enable.auto.commit",
+            "enable.auto.offset.store",
+        ] {
+            if self.settings.contains_key(key) {
+                return Err(Error::InvalidConfig(format!(
+                    "kafka: `{key}` is pgbox's to set (its delivery guarantees rest on it)"
+                )));
+            }
+        }
+        Ok(Kafka {
+            inner: Arc::new(Inner {
+                config: self,
+                producer: OnceLock::new(),
+                admin: OnceLock::new(),
+                consumers: StdMutex::new(HashMap::new()),
+                declared: StdMutex::new(HashSet::new()),
+            }),
+        })
+    }
+}
+
+/// The Kafka transport: see the [module docs](self). Cheap to clone.
+#[derive(Clone)]
+pub struct Kafka {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for Kafka {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Kafka")
+            .field("bootstrap", &self.inner.config.bootstrap)
+            .field("group", &self.inner.config.group)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    config: KafkaBuilder,
+    producer: OnceLock<FutureProducer>,
+    admin: OnceLock<AdminClient<DefaultClientContext>>,
+    consumers: StdMutex<HashMap<String, Arc<TopicConsumer>>>,
+    declared: StdMutex<HashSet<String>>,
+}
+
+/// A message received from [`Kafka`]: settle it with `ack`, `nack` or `dead_letter`.
+pub struct KafkaDelivery {
+    envelope: Envelope,
+    attempt: i32,
+    partition: i32,
+    offset: i64,
+    /// Which hand-out of the message this is (unique in the consumer).
+    lease: u64,
+}
+
+impl fmt::Debug for KafkaDelivery {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KafkaDelivery")
+            .field("message_id", &self.envelope.id)
+            .field("partition", &self.partition)
+            .field("offset", &self.offset)
+            .field("attempt", &self.attempt)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaDelivery {
+    /// The message.
+    pub fn envelope(&self) -> &Envelope {
+        &self.envelope
+    }
+
+    /// 1 for a first delivery (counted across consumers: see the module docs).
+    pub fn attempt(&self) -> i32 {
+        self.attempt
+    }
+
+    /// The partition it came from.
+    pub fn partition(&self) -> i32 {
+        self.partition
+    }
+
+    /// Its offset in the partition.
+    pub fn offset(&self) -> i64 {
+        self.offset
+    }
+}
+
+/// A dead-lettered message, as [`Kafka::dead_letters`] shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct KafkaDeadLetter {
+    /// The message (for a message that was not pgbox's: its payload and key, with a nil id).
+    pub envelope: Envelope,
+    /// The error given when it was dead-lettered.
+    pub error: Option<String>,
+    /// Deliveries before it was dead-lettered.
+    pub deliveries: i32,
+    /// Its partition in the dead-letter topic.
+    pub partition: i32,
+    /// Its offset in that partition.
+    pub offset: i64,
+}
+
+/// pgbox's fields, as JSON in one header: exact whatever the header names and values.
+#[derive(Serialize, Deserialize)]
+struct Meta {
+    content_type: String,
+    created_at: i128,
+    #[serde(default)]
+    headers: BTreeMap<String, String>,
+}
+
+/// Whether `name` is a valid Kafka topic name.
+fn valid_topic(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 249
+        && name != "."
+        && name != ".."
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+fn check_topic(topic: &str) -> Result<()> {
+    if valid_topic(topic) {
+        Ok(())
+    } else {
+        Err(Error::InvalidField {
+            field: "kafka topic",
+            reason: "1 to 249 ASCII letters, digits, '.', '_' or '-' (not '.' or '..')",
+        })
+    }
+}
+
+impl Kafka {
+    /// A transport for the cluster at `bootstrap` (`host:port[,host:port...]`).
+    pub fn builder(bootstrap: impl Into<String>) -> KafkaBuilder {
+        KafkaBuilder {
+            bootstrap: bootstrap.into(),
+            group: "pgbox".into(),
+            declare: true,
+            partitions: 8,
+            replication_factor: 1,
+            dead_letter_suffix: ".dlq".into(),
+            receive_wait: Duration::from_millis(200),
+            session_timeout: Duration::from_secs(10),
+            commit_interval: Duration::from_millis(50),
+            message_max_bytes: 1 << 20,
+            linger: Duration::from_millis(2),
+            max_buffered: 10_000,
+            settings: BTreeMap::new(),
+        }
+    }
+
+    /// The dead-letter topic of `topic`.
+    pub fn dead_letter_topic(&self, topic: &str) -> String {
+        format!("{topic}{}", self.inner.config.dead_letter_suffix)
+    }
+
+    /// The consumer group that consumes `topic`.
+    pub fn group_of(&self, topic: &str) -> String {
+        format!("{}.{topic}", self.inner.config.group)
+    }
+
+    fn client_config(&self) -> ClientConfig {
+        let config = &self.inner.config;
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &config.bootstrap)
+            .set("client.id", "pgbox")
+            .set(
+                "message.max.bytes",
+                (config.message_max_bytes + 4096).to_string(),
+            );
+        for (k, v) in &config.settings {
+            c.set(k, v);
+        }
+        c
+    }
+
+    fn producer(&self) -> Result<&FutureProducer> {
+        if let Some(p) = self.inner.producer.get() {
+            return Ok(p);
+        }
+        let config = &self.inner.config;
+        let mut c = self.client_config();
+        c.set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", config.linger.as_millis().to_string())
+            .set("message.timeout.ms", "30000");
+        let producer: FutureProducer =
+            c.create().map_err(|e| broker_error("create producer", e))?;
+        Ok(self.inner.producer.get_or_init(|| producer))
+    }
+
+    fn admin(&self) -> Result<&AdminClient<DefaultClientContext>> {
+        if let Some(a) = self.inner.admin.get() {
+            return Ok(a);
+        }
+        let admin: AdminClient<DefaultClientContext> = self
+            .client_config()
+            .create()
+            .map_err(|e| broker_error("create admin client", e))?;
+        Ok(self.inner.admin.get_or_init(|| admin))
+    }
+
+    /// Creates `topic` and its dead-letter topic if missing (idempotent). Done on first use
+    /// when [`KafkaBuilder::declare`] is on.
+    pub async fn declare_topic(&self, topic: &str) -> Result<()> {
+        check_topic(topic)?;
+        if self
+            .inner
+            .declared
+            .lock()
+            .expect("declared")
+            .contains(topic)
+        {
+            return Ok(());
+        }
+        let config = &self.inner.config;
+        let dead = self.dead_letter_topic(topic);
+        check_topic(&dead)?;
+        let topics = [
+            NewTopic::new(
+                topic,
+                config.partitions,
+                TopicReplication::Fixed(config.replication_factor),
+            ),
+            NewTopic::new(
+                &dead,
+                config.partitions,
+                TopicReplication::Fixed(config.replication_factor),
+            ),
+        ];
+        let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        let results = tokio::time::timeout(
+            Duration::from_secs(30),
+            self.admin()?.create_topics(&topics, &options),
+        )
+        .await
+        .map_err(|_| broker_error("create topics", "no answer within 30 s"))?
+        .map_err(|e| broker_error("create topics", e))?;
+        for result in results {
+            match result {
+                Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
+                Err((name, code)) => {
+                    return Err(broker_error(&format!("create topic {name}"), code));
+                }
+            }
+        }
+        tracing::info!(topic, dead_letters = %dead, "pgbox kafka topics ready");
+        self.inner
+            .declared
+            .lock()
+            .expect("declared")
+            .insert(topic.to_owned());
+        Ok(())
+    }
+
+    /// Asks the cluster for its metadata (bounded by 5 s): `Ok` if a broker answered.
+    pub async fn reachable(&self) -> Result<()> {
+        let kafka = self.clone();
+        tokio::task::spawn_blocking(move || {
+            kafka
+                .admin()?
+                .inner()
+                .fetch_metadata(None, Duration::from_secs(5))
+                .map(drop)
+                .map_err(|e| broker_error("cluster metadata", e))
+        })
+        .await
+        .map_err(|e| broker_error("cluster metadata", e))?
+    }
+
+    async fn consumer(&self, topic: &str) -> Result<Arc<TopicConsumer>> {
+        if let Some(c) = self.inner.consumers.lock().expect("consumers").get(topic) {
+            return Ok(c.clone());
+        }
+        check_topic(topic)?;
+        if self.inner.config.declare {
+            self.declare_topic(topic).await?;
+        }
+        let config = &self.inner.config;
+        let state = Arc::new(StdMutex::new(State::default()));
+        let context = GroupContext {
+            topic: topic.to_owned(),
+            state: state.clone(),
+        };
+        let mut c = self.client_config();
+        c.set("group.id", self.group_of(topic))
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set(
+                "session.timeout.ms",
+                config.session_timeout.as_millis().to_string(),
+            )
+            .set(
+                "heartbeat.interval.ms",
+                (config.session_timeout.as_millis() / 4)
+                    .max(100)
+                    .to_string(),
+            )
+            .set("fetch.wait.max.ms", "20");
+        for (k, v) in &config.settings {
+            c.set(k, v);
+        }
+        let consumer: StreamConsumer<GroupContext> = c
+            .create_with_context(context)
+            .map_err(|e| broker_error("create consumer", e))?;
+        consumer
+            .subscribe(&[topic])
+            .map_err(|e| broker_error("subscribe", e))?;
+        tracing::info!(topic, group = %self.group_of(topic), "pgbox kafka consumer joined");
+        let made = Arc::new(TopicConsumer {
+            topic: topic.to_owned(),
+            consumer,
+            state,
+        });
+        let mut consumers = self.inner.consumers.lock().expect("consumers");
+        Ok(consumers.entry(topic.to_owned()).or_insert(made).clone())
+    }
+
+    /// Up to `max` dead letters of `topic`, oldest first per partition (read from the
+    /// dead-letter topic, which keeps them).
+    pub async fn dead_letters(&self, topic: &str, max: usize) -> Result<Vec<KafkaDeadLetter>> {
+        check_topic(topic)?;
+        let dead = self.dead_letter_topic(topic);
+        let mut c = self.client_config();
+        c.set(
+            "group.id",
+            format!("pgbox-dead-letter-reader-{}", Uuid::now_v7()),
+        )
+        .set("enable.auto.commit", "false")
+        .set("enable.auto.offset.store", "false");
+        let consumer: BaseConsumer = c
+            .create()
+            .map_err(|e| broker_error("create dead-letter reader", e))?;
+        let topic = topic.to_owned();
+        tokio::task::spawn_blocking(move || read_dead_letters(&consumer, &topic, &dead, max))
+            .await
+            .map_err(|e| broker_error("dead-letter reader", e))?
+    }
+
+    /// Copies a message to `topic`'s dead-letter topic and waits for the broker's ack.
+    async fn send_dead_letter(
+        &self,
+        topic: &str,
+        key: Option<&[u8]>,
+        payload: &[u8],
+        headers: OwnedHeaders,
+    ) -> Result<()> {
+        let dead = self.dead_letter_topic(topic);
+        let mut record = FutureRecord::to(&dead).payload(payload).headers(headers);
+        if let Some(key) = key {
+            record = record.key(key);
+        }
+        let future = self
+            .producer()?
+            .send_result(record)
+            .map_err(|(e, _)| broker_error("publish dead letter", e))?;
+        match future.await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err((e, _))) => Err(broker_error("dead letter publish ack", e)),
+            Err(_) => Err(broker_error("dead letter publish ack", "producer gone")),
+        }
+    }
+}
+
+fn read_dead_letters(
+    consumer: &BaseConsumer,
+    topic: &str,
+    dead: &str,
+    max: usize,
+) -> Result<Vec<KafkaDeadLetter>> {
+    let timeout = Duration::from_secs(10);
+    let metadata = consumer
+        .fetch_metadata(Some(dead), timeout)
+        .map_err(|e| broker_error("dead-letter topic metadata", e))?;
+    let mut tpl = TopicPartitionList::new();
+    let mut ends: HashMap<i32, i64> = HashMap::new();
+    for t in metadata.topics() {
+        for p in t.partitions() {
+            let (low, high) = consumer
+                .fetch_watermarks(dead, p.id(), timeout)
+                .map_err(|e| broker_error("dead-letter watermarks", e))?;
+            if high > low {
+                tpl.add_partition_offset(dead, p.id(), Offset::Offset(low))
+                    .map_err(|e| broker_error("dead-letter assignment", e))?;
+                ends.insert(p.id(), high);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    if ends.is_empty() {
+        return Ok(out);
+    }
+    consumer
+        .assign(&tpl)
+        .map_err(|e| broker_error("dead-letter assignment", e))?;
+    let start = Instant::now();
+    // Bounded by the partitions' end offsets and by time.
+    while !ends.is_empty() && out.len() < max && start.elapsed() < Duration::from_secs(20) {
+        let Some(next) = consumer.poll(Duration::from_millis(200)) else {
+            continue;
+        };
+        let m = next.map_err(|e| broker_error("read dead letters", e))?;
+        if m.offset() + 1 >= ends.get(&m.partition()).copied().unwrap_or(0) {
+            ends.remove(&m.partition());
+        }
+        let header = |name: &str| header_str(m.headers(), name);
+        let envelope = decode(topic, &m).unwrap_or_else(|_| Envelope {
+            seq: 0,
+            id: Uuid::nil(),
+            topic: topic.to_owned(),
+            ordering_key: m.key().map(|k| String::from_utf8_lossy(k).into_owned()),
+            payload: m.payload().unwrap_or_default().to_vec(),
+            content_type: "application/octet-stream".into(),
+            headers: BTreeMap::new(),
+            created_at: OffsetDateTime::UNIX_EPOCH,
+            attempts: 0,
+        });
+        out.push(KafkaDeadLetter {
+            envelope,
+            error: header(ERROR),
+            deliveries: header(DELIVERIES).and_then(|v| v.parse().ok()).unwrap_or(0),
+            partition: m.partition(),
+            offset: m.offset(),
+        });
+    }
+    Ok(out)
+}
+
+fn header_str<H: Headers>(headers: Option<&H>, name: &str) -> Option<String> {
+    let headers = headers?;
+    headers
+        .iter()
+        .find(|h| h.key == name)
+        .and_then(|h| h.value)
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .map(str::to_owned)
+}
+
+fn headers(envelope: &Envelope) -> Result<OwnedHeaders, PublishError> {
+    let meta = Meta {
+        content_type: envelope.content_type.clone(),
+        created_at: envelope.created_at.unix_timestamp_nanos(),
+        headers: envelope.headers.clone(),
+    };
+    let json = serde_json::to_string(&meta)
+        .map_err(|e| PublishError(format!("message {}: {e}", envelope.id)))?;
+    let id = envelope.id.to_string();
+    let mut map = OwnedHeaders::new()
+        .insert(Header {
+            key: ID,
+            value: Some(id.as_str()),
+        })
+        .insert(Header {
+            key: META,
+            value: Some(json.as_str()),
+        });
+    for name in [TRACEPARENT, "tracestate"] {
+        if let Some(v) = envelope.headers.get(name) {
+            map = map.insert(Header {
+                key: name,
+                value: Some(v.as_str()),
+            });
+        }
+    }
+    Ok(map)
+}
+
+fn decode<M: Message>(topic: &str, message: &M) -> Result<Envelope> {
+    let bad = |reason| Error::InvalidField {
+        field: "kafka message",
+        reason,
+    };
+    let headers = message.headers();
+    let id = header_str(headers, ID)
+        .and_then(|v| Uuid::parse_str(&v).ok())
+        .ok_or(bad("no pgbox-id header, or not a UUID"))?;
+    let meta: Meta = header_str(headers, META)
+        .and_then(|v| serde_json::from_str(&v).ok())
+        .ok_or(bad("no pgbox-meta header"))?;
+    let ordering_key = match message.key() {
+        None => None,
+        Some(k) => {
+            Some(String::from_utf8(k.to_vec()).map_err(|_| bad("the message key is not UTF-8"))?)
+        }
+    };
+    Ok(Envelope {
+        seq: 0,
+        id,
+        topic: topic.to_owned(),
+        ordering_key,
+        payload: message.payload().unwrap_or_default().to_vec(),
+        content_type: meta.content_type,
+        headers: meta.headers,
+        created_at: OffsetDateTime::from_unix_timestamp_nanos(meta.created_at)
+            .map_err(|_| bad("creation time out of range"))?,
+        attempts: 0,
+    })
+}
+
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
+impl Publisher for Kafka {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        let fail_all = |e: &dyn fmt::Display| vec![Err(PublishError(e.to_string())); batch.len()];
+        let producer = match self.producer() {
+            Ok(p) => p,
+            Err(e) => return fail_all(&e),
+        };
+        if self.inner.config.declare {
+            let topics: BTreeSet<&str> = batch.iter().map(|e| e.topic.as_str()).collect();
+            for topic in topics {
+                if valid_topic(topic)
+                    && let Err(e) = self.declare_topic(topic).await
+                {
+                    tracing::debug!(topic, error = %e, "pgbox kafka publish: cannot declare");
+                    return fail_all(&e);
+                }
+            }
+        }
+        let max = self.inner.config.message_max_bytes;
+        let mut pending = Vec::with_capacity(batch.len());
+        for envelope in batch {
+            let sent = if !valid_topic(&envelope.topic) {
+                Err(PublishError(format!(
+                    "{:?} is not a valid Kafka topic name",
+                    envelope.topic
+                )))
+            } else if envelope.payload.len() > max {
+                Err(PublishError(format!(
+                    "message of {} bytes is over the limit of {max} (message_max_bytes)",
+                    envelope.payload.len()
+                )))
+            } else {
+                match headers(envelope) {
+                    Ok(h) => {
+                        let mut record = FutureRecord::to(&envelope.topic)
+                            .payload(&envelope.payload[..])
+                            .headers(h);
+                        if let Some(key) = &envelope.ordering_key {
+                            record = record.key(key.as_bytes());
+                        }
+                        producer
+                            .send_result(record)
+                            .map_err(|(e, _)| PublishError(format!("publish failed: {e}")))
+                    }
+                    Err(e) => Err(e),
+                }
+            };
+            pending.push(sent);
+        }
+        let acks = join_all(pending.into_iter().map(|p| async move {
+            match p {
+                Ok(future) => match future.await {
+                    Ok(Ok(delivery)) => Ok((delivery.partition, delivery.offset)),
+                    Ok(Err((e, _))) => Err(PublishError(format!("publish ack: {e}"))),
+                    Err(_) => Err(PublishError("publish ack: producer gone".into())),
+                },
+                Err(e) => Err(e),
+            }
+        }))
+        .await;
+        batch
+            .iter()
+            .zip(acks)
+            .map(|(envelope, ack)| match ack {
+                Ok((partition, offset)) => {
+                    tracing::debug!(message_id = %envelope.id, topic = %envelope.topic, partition, offset, "pgbox kafka published");
+                    Ok(())
+                }
+                Err(e) => {
+                    tracing::debug!(message_id = %envelope.id, topic = %envelope.topic, error = %e, "pgbox kafka publish failed");
+                    Err(e)
+                }
+            })
+            .collect()
+    }
+}
+
+/// One topic's group member and what it holds.
+struct TopicConsumer {
+    topic: String,
+    consumer: StreamConsumer<GroupContext>,
+    state: Arc<StdMutex<State>>,
+}
+
+#[derive(Default)]
+struct State {
+    partitions: HashMap<i32, Partition>,
+    /// Ordering keys in hand: (partition, key) → the lease of the delivery.
+    busy: HashMap<(i32, String), u64>,
+    /// Messages received and not yet handed out, all partitions.
+    buffered: usize,
+    paused: bool,
+    next_generation: u64,
+    next_lease: u64,
+    /// Messages that are not pgbox's, to copy to the dead-letter topic.
+    foreign: Vec<(u64, OwnedMessage)>,
+}
+
+/// What a previous owner of a partition left in its committed offset's metadata.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Prior {
+    committed: i64,
+    handed_through: i64,
+    head_attempt: i32,
+}
+
+impl Prior {
+    fn parse(committed: i64, metadata: &str) -> Prior {
+        let mut parts = metadata
+            .strip_prefix(METADATA_PREFIX)
+            .unwrap_or("")
+            .split(':');
+        let handed_through = parts.next().and_then(|v| v.parse().ok()).unwrap_or(-1);
+        let head_attempt = parts.next().and_then(|v| v.parse().ok()).unwrap_or(0);
+        Prior {
+            committed,
+            handed_through,
+            head_attempt,
+        }
+    }
+
+    /// Deliveries of `offset` before this owner got the partition.
+    fn deliveries(&self, offset: i64) -> i32 {
+        if offset >= self.handed_through {
+            0
+        } else if offset == self.committed {
+            self.head_attempt.max(1)
+        } else {
+            1
+        }
+    }
+}
+
+struct Pending {
+    envelope: Envelope,
+    /// Deliveries so far.
+    deliveries: i32,
+    not_before: Option<Instant>,
+}
+
+/// A message handed out and not settled.
+struct InHand {
+    attempt: i32,
+    lease: u64,
+    /// When it is handed out again if still unsettled (the visibility timeout).
+    expires: Instant,
+    envelope: Envelope,
+}
+
+#[derive(Default)]
+struct Partition {
+    assigned: bool,
+    generation: u64,
+    prior: Prior,
+    /// Received, not handed out (or nacked), by offset.
+    buffer: BTreeMap<i64, Pending>,
+    /// Handed out and not settled: offset → attempt.
+    in_hand: BTreeMap<i64, InHand>,
+    /// Received and not settled (buffer ∪ in hand ∪ foreign).
+    open: BTreeSet<i64>,
+    /// One past the highest offset received in this generation.
+    received_through: Option<i64>,
+    /// One past the highest offset ever handed out (or the prior owner's).
+    handed_through: i64,
+    /// `handed_through` as last committed with a synchronous commit.
+    durable_through: i64,
+    /// The offset last committed.
+    committed: i64,
+    last_commit: Option<Instant>,
+}
+
+impl Partition {
+    /// Where the group's committed offset should be: the lowest unsettled message.
+    fn frontier(&self) -> Option<i64> {
+        self.open.first().copied().or(self.received_through)
+    }
+
+    fn metadata(&self, frontier: i64) -> String {
+        let head = self
+            .in_hand
+            .get(&frontier)
+            .map(|h| h.attempt)
+            .or_else(|| self.buffer.get(&frontier).map(|p| p.deliveries))
+            .unwrap_or_else(|| self.prior.deliveries(frontier));
+        format!("{METADATA_PREFIX}{}:{head}", self.handed_through)
+    }
+}
+
+/// An offset commit to make once the state lock is released.
+struct Commit {
+    topic: String,
+    partition: i32,
+    offset: i64,
+    metadata: String,
+}
+
+impl Commit {
+    fn list(commits: &[Commit]) -> Option<TopicPartitionList> {
+        if commits.is_empty() {
+            return None;
+        }
+        let mut tpl = TopicPartitionList::new();
+        for c in commits {
+            tpl.add_partition_offset(&c.topic, c.partition, Offset::Offset(c.offset))
+                .ok()?;
+            if let Some(mut elem) = tpl.find_partition(&c.topic, c.partition) {
+                elem.set_metadata(c.metadata.clone());
+            }
+        }
+        Some(tpl)
+    }
+}
+
+struct GroupContext {
+    topic: String,
+    state: Arc<StdMutex<State>>,
+}
+
+impl ClientContext for GroupContext {}
+
+impl ConsumerContext for GroupContext {
+    /// Replaces librdkafka's default handling so that a partition is always (re)started
+    /// at its committed offset, explicitly: messages fetched before a revocation and
+    /// dropped with it are fetched again.
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => {
+                let priors = self.start_at_committed(consumer, tpl);
+                let assigned = if cooperative {
+                    consumer.incremental_assign(tpl)
+                } else {
+                    consumer.assign(tpl)
+                };
+                if let Err(e) = assigned {
+                    tracing::warn!(topic = %self.topic, error = %e, "pgbox kafka: assign failed");
+                    return;
+                }
+                self.assigned(tpl, &priors);
+            }
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => {
+                self.revoke(consumer, tpl);
+                let unassigned = if cooperative {
+                    consumer.incremental_unassign(tpl)
+                } else {
+                    consumer.unassign()
+                };
+                if let Err(e) = unassigned {
+                    tracing::warn!(topic = %self.topic, error = %e, "pgbox kafka: unassign failed");
+                }
+            }
+            other => {
+                tracing::warn!(topic = %self.topic, error = ?other, "pgbox kafka rebalance error; giving up the assignment");
+                self.revoke(consumer, tpl);
+                if let Err(e) = consumer.unassign() {
+                    tracing::warn!(topic = %self.topic, error = %e, "pgbox kafka: unassign failed");
+                }
+            }
+        }
+    }
+}
+
+impl GroupContext {
+    /// Reads the committed offsets (and what the previous owners left in their metadata)
+    /// and sets them as the partitions' start positions in `tpl`.
+    fn start_at_committed(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        tpl: &mut TopicPartitionList,
+    ) -> HashMap<i32, Prior> {
+        let mut priors = HashMap::new();
+        match consumer.committed_offsets(tpl.clone(), REBALANCE_CALL) {
+            Ok(committed) => {
+                for elem in committed.elements_for_topic(&self.topic) {
+                    tracing::debug!(topic = %self.topic, partition = elem.partition(), offset = ?elem.offset(), "pgbox kafka: committed offset of an assigned partition");
+                    if let Offset::Offset(o) = elem.offset() {
+                        priors.insert(elem.partition(), Prior::parse(o, elem.metadata()));
+                        if let Err(e) = tpl.set_partition_offset(
+                            &self.topic,
+                            elem.partition(),
+                            Offset::Offset(o),
+                        ) {
+                            tracing::warn!(topic = %self.topic, error = %e, "pgbox kafka: cannot set a start offset");
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                // librdkafka then starts at the committed offsets it reads itself.
+                tracing::warn!(topic = %self.topic, error = %e, "pgbox kafka: cannot read committed offsets; attempts restart at 1");
+            }
+        }
+        priors
+    }
+
+    fn assigned(&self, list: &TopicPartitionList, priors: &HashMap<i32, Prior>) {
+        let mut state = self.state.lock().expect("kafka state");
+        let state = &mut *state;
+        for elem in list.elements_for_topic(&self.topic) {
+            state.next_generation += 1;
+            let prior = priors.get(&elem.partition()).copied().unwrap_or(Prior {
+                committed: -1,
+                handed_through: -1,
+                head_attempt: 0,
+            });
+            let part = state.partitions.entry(elem.partition()).or_default();
+            state.buffered -= part.buffer.len();
+            *part = Partition {
+                assigned: true,
+                generation: state.next_generation,
+                prior,
+                handed_through: prior.handed_through,
+                durable_through: prior.handed_through,
+                committed: prior.committed,
+                ..Partition::default()
+            };
+        }
+        state.paused = false;
+        tracing::info!(topic = %self.topic, partitions = list.count(), "pgbox kafka partitions assigned");
+    }
+
+    /// Commits the revoked partitions' progress and forgets what this member held of them.
+    fn revoke(&self, consumer: &BaseConsumer<Self>, list: &TopicPartitionList) {
+        let mut commits = Vec::new();
+        {
+            let mut state = self.state.lock().expect("kafka state");
+            let state = &mut *state;
+            for elem in list.elements_for_topic(&self.topic) {
+                let Some(part) = state.partitions.get_mut(&elem.partition()) else {
+                    continue;
+                };
+                if part.assigned
+                    && let Some(frontier) = part.frontier()
+                    && frontier > part.committed
+                {
+                    commits.push(Commit {
+                        topic: self.topic.clone(),
+                        partition: elem.partition(),
+                        offset: frontier,
+                        metadata: part.metadata(frontier),
+                    });
+                }
+                state.buffered -= part.buffer.len();
+                part.buffer.clear();
+                part.in_hand.clear();
+                part.open.clear();
+                part.assigned = false;
+                part.received_through = None;
+                part.generation = u64::MAX;
+            }
+            state.foreign.clear();
+        }
+        if let Some(tpl) = Commit::list(&commits) {
+            // Hand the partitions over with their progress; a failure only means more
+            // redeliveries for the next owner. Not waited for: a synchronous broker call
+            // inside librdkafka's callback can stall the group's rebalance.
+            if let Err(e) = consumer.commit(&tpl, CommitMode::Async) {
+                tracing::info!(topic = %self.topic, error = %e, "pgbox kafka: commit on revoke failed");
+            }
+        }
+        tracing::info!(topic = %self.topic, partitions = list.count(), "pgbox kafka partitions revoked");
+    }
+}
+
+impl TopicConsumer {
+    /// Files a message fetched from the broker.
+    fn file(&self, message: OwnedMessage) {
+        let mut state = self.state.lock().expect("kafka state");
+        let state = &mut *state;
+        let Some(part) = state.partitions.get_mut(&message.partition()) else {
+            return;
+        };
+        if !part.assigned {
+            return;
+        }
+        let offset = message.offset();
+        if part.received_through.is_none()
+            && part.prior.committed >= 0
+            && offset != part.prior.committed
+        {
+            tracing::warn!(topic = %self.topic, partition = message.partition(), offset, committed = part.prior.committed, "pgbox kafka: the broker returned a partition from a later offset than the committed one (compacted topic, or a broker that skips records)");
+        }
+        tracing::trace!(topic = %self.topic, partition = message.partition(), offset, "pgbox kafka filed");
+        part.received_through = Some(part.received_through.unwrap_or(0).max(offset + 1));
+        part.open.insert(offset);
+        match decode(&self.topic, &message) {
+            Ok(envelope) => {
+                let deliveries = part.prior.deliveries(offset);
+                part.buffer.insert(
+                    offset,
+                    Pending {
+                        envelope,
+                        deliveries,
+                        not_before: None,
+                    },
+                );
+                state.buffered += 1;
+            }
+            Err(e) => {
+                tracing::warn!(topic = %self.topic, partition = message.partition(), offset, error = %e, "pgbox kafka: not a pgbox message; it goes to the dead-letter topic");
+                state.foreign.push((part.generation, message));
+            }
+        }
+    }
+
+    /// Hands out up to `max` messages whose key is free; returns them and when the next
+    /// delayed message becomes ready.
+    fn take_ready(
+        &self,
+        max: usize,
+        visibility: Duration,
+    ) -> (Vec<KafkaDelivery>, Option<Instant>) {
+        let now = Instant::now();
+        let mut out = Vec::new();
+        let mut wake: Option<Instant> = None;
+        let mut state = self.state.lock().expect("kafka state");
+        let state = &mut *state;
+        // Messages in hand past their visibility timeout go back to the front of their
+        // partition (a lost delivery, or a handler slower than the timeout): their key is
+        // free again, and the old hand-out's settle reports stale.
+        for (&id, part) in state.partitions.iter_mut() {
+            let expired: Vec<i64> = part
+                .in_hand
+                .iter()
+                .filter(|(_, h)| h.expires <= now)
+                .map(|(&o, _)| o)
+                .collect();
+            for offset in expired {
+                let h = part.in_hand.remove(&offset).expect("in hand");
+                tracing::info!(topic = %self.topic, partition = id, offset, attempt = h.attempt, "pgbox kafka: visibility timeout passed; the message is handed out again");
+                if let Some(k) = &h.envelope.ordering_key
+                    && state.busy.get(&(id, k.clone())) == Some(&h.lease)
+                {
+                    state.busy.remove(&(id, k.clone()));
+                }
+                part.buffer.insert(
+                    offset,
+                    Pending {
+                        envelope: h.envelope,
+                        deliveries: h.attempt,
+                        not_before: None,
+                    },
+                );
+                state.buffered += 1;
+            }
+            if let Some(first) = part.in_hand.values().map(|h| h.expires).min() {
+                wake = Some(wake.map_or(first, |w| w.min(first)));
+            }
+        }
+        let mut ids: Vec<i32> = state.partitions.keys().copied().collect();
+        // Start at a different partition each time, so none is starved by a small `max`.
+        if !ids.is_empty() {
+            ids.sort_unstable();
+            let shift = fastrand::usize(..ids.len());
+            ids.rotate_left(shift);
+        }
+        for id in ids {
+            if out.len() >= max {
+                break;
+            }
+            let part = state.partitions.get_mut(&id).expect("partition");
+            if !part.assigned {
+                continue;
+            }
+            let mut blocked: HashSet<&str> = HashSet::new();
+            let mut taken = Vec::new();
+            for (&offset, pending) in &part.buffer {
+                if out.len() + taken.len() >= max {
+                    break;
+                }
+                let key = pending.envelope.ordering_key.as_deref();
+                if let Some(k) = key
+                    && (blocked.contains(k) || state.busy.contains_key(&(id, k.to_owned())))
+                {
+                    blocked.insert(k);
+                    continue;
+                }
+                if let Some(at) = pending.not_before
+                    && at > now
+                {
+                    wake = Some(wake.map_or(at, |w| w.min(at)));
+                    if let Some(k) = key {
+                        blocked.insert(k);
+                    }
+                    continue;
+                }
+                if let Some(k) = key {
+                    blocked.insert(k);
+                }
+                taken.push(offset);
+            }
+            for offset in taken {
+                let pending = part.buffer.remove(&offset).expect("buffered");
+                state.buffered -= 1;
+                let attempt = pending.deliveries + 1;
+                state.next_lease += 1;
+                let lease = state.next_lease;
+                part.in_hand.insert(
+                    offset,
+                    InHand {
+                        attempt,
+                        lease,
+                        expires: now + visibility,
+                        envelope: pending.envelope.clone(),
+                    },
+                );
+                part.handed_through = part.handed_through.max(offset + 1);
+                if let Some(k) = &pending.envelope.ordering_key {
+                    state.busy.insert((id, k.clone()), lease);
+                }
+                out.push(KafkaDelivery {
+                    envelope: pending.envelope,
+                    attempt,
+                    partition: id,
+                    offset,
+                    lease,
+                });
+            }
+        }
+        (out, wake)
+    }
+
+    /// Commits that must be durable before messages are handed out (their attempt
+    /// counts), or that are due (settled messages, at most one per commit interval).
+    fn due_commits(&self, durable: bool, interval: Duration) -> Vec<Commit> {
+        let now = Instant::now();
+        let mut state = self.state.lock().expect("kafka state");
+        let mut commits = Vec::new();
+        for (&id, part) in state.partitions.iter_mut() {
+            if !part.assigned {
+                continue;
+            }
+            let Some(frontier) = part.frontier() else {
+                continue;
+            };
+            let wanted = if durable {
+                part.handed_through > part.durable_through
+            } else {
+                frontier > part.committed
+                    && (part.in_hand.is_empty()
+                        || part.last_commit.is_none_or(|t| now - t >= interval))
+            };
+            if wanted {
+                commits.push(Commit {
+                    topic: self.topic.clone(),
+                    partition: id,
+                    offset: frontier,
+                    metadata: part.metadata(frontier),
+                });
+                part.committed = part.committed.max(frontier);
+                part.last_commit = Some(now);
+                if durable {
+                    part.durable_through = part.handed_through;
+                }
+            }
+        }
+        commits
+    }
+
+    fn commit_async(&self, commits: &[Commit]) {
+        if let Some(tpl) = Commit::list(commits)
+            && let Err(e) = self.consumer.commit(&tpl, CommitMode::Async)
+        {
+            tracing::debug!(topic = %self.topic, error = %e, "pgbox kafka: offset commit failed; redelivery covers it");
+        }
+    }
+
+    /// Settles a delivery: `true` if it was still this consumer's.
+    fn settle(&self, delivery: &KafkaDelivery, requeue: Option<Duration>) -> bool {
+        let mut state = self.state.lock().expect("kafka state");
+        let state = &mut *state;
+        if let Some(k) = &delivery.envelope.ordering_key {
+            let slot = (delivery.partition, k.clone());
+            if state.busy.get(&slot) == Some(&delivery.lease) {
+                state.busy.remove(&slot);
+            }
+        }
+        let Some(part) = state.partitions.get_mut(&delivery.partition) else {
+            return false;
+        };
+        if !part.assigned
+            || part
+                .in_hand
+                .get(&delivery.offset)
+                .is_none_or(|h| h.lease != delivery.lease)
+        {
+            return false;
+        }
+        let held = part.in_hand.remove(&delivery.offset).expect("in hand");
+        if let Some(delay) = requeue {
+            part.buffer.insert(
+                delivery.offset,
+                Pending {
+                    envelope: held.envelope,
+                    deliveries: delivery.attempt,
+                    not_before: (!delay.is_zero()).then(|| Instant::now() + delay),
+                },
+            );
+            state.buffered += 1;
+            return true;
+        }
+        part.open.remove(&delivery.offset);
+        true
+    }
+
+    fn pause_or_resume(&self, max_buffered: usize) {
+        let mut state = self.state.lock().expect("kafka state");
+        let pause = if !state.paused && state.buffered >= max_buffered {
+            true
+        } else if state.paused && state.buffered <= max_buffered / 2 {
+            false
+        } else {
+            return;
+        };
+        state.paused = pause;
+        drop(state);
+        let Ok(assignment) = self.consumer.assignment() else {
+            return;
+        };
+        let result = if pause {
+            self.consumer.pause(&assignment)
+        } else {
+            self.consumer.resume(&assignment)
+        };
+        if let Err(e) = result {
+            tracing::debug!(topic = %self.topic, pause, error = %e, "pgbox kafka: pause/resume failed");
+        }
+    }
+}
+
+impl Kafka {
+    /// Copies the messages that are not pgbox's to the dead-letter topic, then settles them.
+    async fn forward_foreign(&self, tc: &TopicConsumer) {
+        let foreign = std::mem::take(&mut tc.state.lock().expect("kafka state").foreign);
+        for (generation, m) in foreign {
+            let headers = m
+                .headers()
+                .map(|h| h.as_borrowed().detach())
+                .unwrap_or_default()
+                .insert(Header {
+                    key: ERROR,
+                    value: Some("not a pgbox message (no pgbox-id/pgbox-meta headers)"),
+                });
+            let sent = self
+                .send_dead_letter(&tc.topic, m.key(), m.payload().unwrap_or_default(), headers)
+                .await;
+            let mut state = tc.state.lock().expect("kafka state");
+            match sent {
+                Ok(()) => {
+                    if let Some(part) = state.partitions.get_mut(&m.partition())
+                        && part.generation == generation
+                    {
+                        part.open.remove(&m.offset());
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(topic = %tc.topic, error = %e, "pgbox kafka: cannot dead-letter a foreign message yet");
+                    state.foreign.push((generation, m));
+                }
+            }
+        }
+    }
+}
+
+impl Subscriber for Kafka {
+    type Delivery = KafkaDelivery;
+
+    async fn receive(
+        &self,
+        topic: &str,
+        max: usize,
+        visibility: Duration,
+    ) -> Result<Vec<KafkaDelivery>> {
+        let tc = self.consumer(topic).await?;
+        let config = &self.inner.config;
+        let deadline = Instant::now() + config.receive_wait;
+        let max = max.max(1);
+        if !tc.state.lock().expect("kafka state").foreign.is_empty() {
+            self.forward_foreign(&tc).await;
+        }
+        let due = tc.due_commits(false, config.commit_interval);
+        tc.commit_async(&due);
+        // Bounded by the deadline: every wait below ends by it.
+        loop {
+            let (out, wake) = tc.take_ready(max, visibility);
+            if !out.is_empty() {
+                // The attempt counts of what is handed out must survive this consumer.
+                let durable = tc.due_commits(true, config.commit_interval);
+                if let Some(tpl) = Commit::list(&durable) {
+                    let tc2 = tc.clone();
+                    let committed = tokio::task::spawn_blocking(move || {
+                        tc2.consumer.commit(&tpl, CommitMode::Sync)
+                    })
+                    .await;
+                    match committed {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => {
+                            tracing::debug!(topic, error = %e, "pgbox kafka: attempt bookkeeping commit failed");
+                        }
+                        Err(e) => {
+                            tracing::debug!(topic, error = %e, "pgbox kafka: attempt bookkeeping commit failed");
+                        }
+                    }
+                }
+                for d in &out {
+                    tracing::debug!(topic, message_id = %d.envelope.id, partition = d.partition, offset = d.offset, attempt = d.attempt, "pgbox kafka received");
+                }
+                return Ok(out);
+            }
+            let now = Instant::now();
+            let until = wake.map_or(deadline, |w| w.min(deadline));
+            if now >= deadline {
+                tc.pause_or_resume(config.max_buffered);
+                return Ok(Vec::new());
+            }
+            let wait = until.saturating_duration_since(now);
+            match tokio::time::timeout(wait, tc.consumer.recv()).await {
+                Ok(Ok(m)) => {
+                    tc.file(m.detach());
+                    // Take what else is already fetched, without waiting.
+                    for _ in 0..max.saturating_mul(4).min(10_000) {
+                        match tc.consumer.recv().now_or_never() {
+                            Some(Ok(m)) => tc.file(m.detach()),
+                            Some(Err(e)) => {
+                                tracing::debug!(topic, error = %e, "pgbox kafka fetch error");
+                                break;
+                            }
+                            None => break,
+                        }
+                    }
+                    tc.pause_or_resume(config.max_buffered);
+                    if !tc.state.lock().expect("kafka state").foreign.is_empty() {
+                        self.forward_foreign(&tc).await;
+                    }
+                }
+                Ok(Err(e)) => {
+                    tracing::debug!(topic, error = %e, "pgbox kafka fetch error");
+                    tokio::time::sleep(Duration::from_millis(20).min(wait)).await;
+                }
+                Err(_) => {}
+            }
+        }
+    }
+
+    fn envelope<'d>(&self, delivery: &'d KafkaDelivery) -> &'d Envelope {
+        &delivery.envelope
+    }
+
+    fn attempt(&self, delivery: &KafkaDelivery) -> i32 {
+        delivery.attempt
+    }
+
+    async fn ack(&self, delivery: &KafkaDelivery) -> Result<bool> {
+        let tc = self.consumer(&delivery.envelope.topic).await?;
+        let fresh = tc.settle(delivery, None);
+        if fresh {
+            let due = tc.due_commits(false, self.inner.config.commit_interval);
+            tc.commit_async(&due);
+        }
+        tracing::debug!(message_id = %delivery.envelope.id, partition = delivery.partition, offset = delivery.offset, fresh, "pgbox kafka ack");
+        Ok(fresh)
+    }
+
+    async fn nack(&self, delivery: &KafkaDelivery, delay: Duration, error: &str) -> Result<bool> {
+        let tc = self.consumer(&delivery.envelope.topic).await?;
+        let fresh = tc.settle(delivery, Some(delay));
+        tracing::info!(message_id = %delivery.envelope.id, ?delay, error, fresh, "pgbox kafka nack; will redeliver");
+        Ok(fresh)
+    }
+
+    async fn dead_letter(&self, delivery: &KafkaDelivery, error: &str) -> Result<bool> {
+        let tc = self.consumer(&delivery.envelope.topic).await?;
+        let envelope = &delivery.envelope;
+        let error_text = truncate(&error.replace(['\r', '\n'], " "), MAX_ERROR_BYTES).to_owned();
+        let attempt = delivery.attempt.to_string();
+        let map = headers(envelope)
+            .map_err(|PublishError(e)| broker_error("dead letter", e))?
+            .insert(Header {
+                key: ERROR,
+                value: Some(error_text.as_str()),
+            })
+            .insert(Header {
+                key: DELIVERIES,
+                value: Some(attempt.as_str()),
+            });
+        self.send_dead_letter(
+            &envelope.topic,
+            envelope.ordering_key.as_deref().map(str::as_bytes),
+            &envelope.payload,
+            map,
+        )
+        .await?;
+        let fresh = tc.settle(delivery, None);
+        if fresh {
+            let due = tc.due_commits(false, self.inner.config.commit_interval);
+            tc.commit_async(&due);
+        }
+        tracing::warn!(message_id = %envelope.id, attempt = delivery.attempt, error, "pgbox kafka message dead-lettered");
+        Ok(fresh)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn topic_names() {
+        assert!(valid_topic("orders.paid-v2_x"));
+        assert!(!valid_topic(""));
+        assert!(!valid_topic("."));
+        assert!(!valid_topic(".."));
+        assert!(!valid_topic("a b"));
+        assert!(!valid_topic("ü"));
+        assert!(!valid_topic(&"a".repeat(250)));
+        assert!(valid_topic(&"a".repeat(249)));
+    }
+
+    #[test]
+    fn prior_deliveries_from_metadata() {
+        let p = Prior::parse(10, "pgbox:1:13:3");
+        assert_eq!(p.deliveries(10), 3, "the head was delivered 3 times");
+        assert_eq!(p.deliveries(12), 1, "handed out once before");
+        assert_eq!(p.deliveries(13), 0, "never handed out");
+        let none = Prior::parse(10, "");
+        assert_eq!(none.deliveries(10), 0);
+        let foreign = Prior::parse(10, "something else");
+        assert_eq!(foreign.deliveries(10), 0);
+    }
+
+    #[test]
+    fn builder_refuses_settings_pgbox_owns() {
+        for key in ["enable.auto.commit", "acks", "enable.idempotence"] {
+            let err = Kafka::builder("127.0.0.1:9092")
+                .set(key, "x")
+                .build()
+                .unwrap_err();
+            assert!(matches!(err, Error::InvalidConfig(_)), "{key}");
+        }
+        assert!(Kafka::builder("127.0.0.1:9092").build().is_ok());
+        assert!(Kafka::builder(" ").build().is_err());
+        assert!(Kafka::builder("x:1").group("a b").build().is_err());
+    }
+}
