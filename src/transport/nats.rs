@@ -34,13 +34,20 @@
 //!
 //! # Receiving
 //!
-//! `receive` pulls a batch from the durable consumer, waiting up to
-//! [`NatsBuilder::receive_wait`]. The `visibility` argument does not apply: the consumer's
-//! `ack_wait` is the visibility timeout (a message not acked in time is redelivered). The
-//! attempt is JetStream's `num_delivered`. A nack with a delay is a `NAK` with that delay
-//! (the server redelivers no earlier). A dead letter is copied (with publish ack) to the
-//! dead-letter stream with the error in `Pgbox-Error`, then terminated (`TERM`) so it is
-//! never redelivered; inspect them with [`Nats::dead_letters`] or any NATS tool.
+//! `receive` pulls from the durable consumer and returns as soon as it has messages: first up
+//! to `max` of those already there, without waiting; if there are none, it waits up to
+//! [`NatsBuilder::receive_wait`] for one, then takes up to `max - 1` more of those there by
+//! then, without waiting. So a receive returns at once with what there is, or when the first
+//! message arrives, or with nothing after `receive_wait`. A pull whose reply does not come (a
+//! connection cut with the request in flight) is given up 1 s past the server's own deadline;
+//! messages the server had sent it come back after `ack_wait`.
+//!
+//! The `visibility` argument does not apply: the consumer's `ack_wait` is the visibility
+//! timeout (a message not acked in time is redelivered). The attempt is JetStream's
+//! `num_delivered`. A nack with a delay is a `NAK` with that delay (the server redelivers no
+//! earlier). A dead letter is copied (with publish ack) to the dead-letter stream with the
+//! error in `Pgbox-Error`, then terminated (`TERM`) so it is never redelivered; inspect them
+//! with [`Nats::dead_letters`] or any NATS tool.
 //!
 //! **Order**: a stream keeps publication order per subject, but a pull consumer hands
 //! messages to whoever pulls, and redeliveries come back later. pgbox does not claim
@@ -76,6 +83,15 @@ const ID: &str = "Pgbox-Id";
 const MAX_ERROR_BYTES: usize = 4096;
 /// Acks awaited at once; bigger batches go in chunks of this size.
 const ACK_CHUNK: usize = 1000;
+/// How long past the server's own deadline a pull waits for its reply before it counts as
+/// lost (see `Nats::pull`).
+const LOST_PULL: Duration = Duration::from_secs(1);
+
+/// The pause before connection attempt number `attempts` (from 1): none before the first,
+/// then 100 ms more per failed attempt, up to 2 s.
+fn reconnect_delay(attempts: usize) -> Duration {
+    Duration::from_millis((attempts.saturating_sub(1) as u64 * 100).min(2000))
+}
 
 fn broker_error(what: &str, e: impl fmt::Display) -> Error {
     Error::Transport {
@@ -151,7 +167,7 @@ impl NatsBuilder {
         self
     }
 
-    /// How long `receive` waits for messages (default 200 ms).
+    /// How long `receive` waits for a message when none is there (default 200 ms).
     pub fn receive_wait(mut self, wait: Duration) -> Self {
         self.receive_wait = wait;
         self
@@ -332,9 +348,9 @@ impl Nats {
             .get_or_try_init(|| async {
                 let client = async_nats::ConnectOptions::new()
                     .connection_timeout(Duration::from_secs(10))
-                    .reconnect_delay_callback(|attempts| {
-                        Duration::from_millis((attempts as u64 * 100).min(2000))
-                    })
+                    // `attempts` counts the attempt about to be made, from 1: the first
+                    // connect and the first try after a break go at once.
+                    .reconnect_delay_callback(reconnect_delay)
                     .event_callback(|event| async move {
                         tracing::info!(%event, "pgbox nats connection event");
                     })
@@ -436,6 +452,78 @@ impl Nats {
             .expect("consumers")
             .insert(topic.to_owned(), consumer.clone());
         Ok(consumer)
+    }
+
+    /// One pull of up to `max` messages of `topic` into `out`: without waiting (`wait`
+    /// `None`: the server answers at once with what it has) or for up to `wait`. Every step
+    /// is bounded: a reply lost with a cut connection (the client reconnects and
+    /// resubscribes, but nothing answers a request sent before the cut; a no-wait pull has no
+    /// timer of its own) ends the pull after [`LOST_PULL`] past the server's own deadline.
+    /// Messages the server sent to a pull given up on come back after `ack_wait`.
+    async fn pull(
+        &self,
+        topic: &str,
+        consumer: &PullConsumer,
+        max: usize,
+        wait: Option<Duration>,
+        out: &mut Vec<NatsDelivery>,
+    ) -> Result<()> {
+        let started = match wait {
+            None => {
+                tokio::time::timeout(LOST_PULL, consumer.fetch().max_messages(max).messages()).await
+            }
+            Some(wait) => {
+                tokio::time::timeout(
+                    LOST_PULL,
+                    consumer.batch().max_messages(max).expires(wait).messages(),
+                )
+                .await
+            }
+        };
+        let mut batch = match started {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => {
+                // The consumer may be gone (deleted, or expired while idle): look it up
+                // again next time.
+                self.inner
+                    .consumers
+                    .lock()
+                    .expect("consumers")
+                    .remove(topic);
+                return Err(broker_error("pull", e));
+            }
+            Err(_) => return Err(broker_error("pull", "request not sent in time")),
+        };
+        // Bounded: at most `max` messages, each within `wait` + LOST_PULL.
+        let patience = wait.unwrap_or_default() + LOST_PULL;
+        loop {
+            let message = match tokio::time::timeout(patience, batch.next()).await {
+                Ok(Some(Ok(m))) => m,
+                Ok(None) => return Ok(()),
+                Ok(Some(Err(e))) => return Err(broker_error("pull", e)),
+                Err(_) => {
+                    return Err(broker_error(
+                        "pull",
+                        format!("no reply within {patience:?} (connection lost?)"),
+                    ));
+                }
+            };
+            let attempt = message.info().map(|i| i.delivered).unwrap_or(1);
+            let empty = HeaderMap::new();
+            let headers = message.headers.as_ref().unwrap_or(&empty);
+            match decode(topic, headers, &message.payload) {
+                Ok(envelope) => out.push(NatsDelivery {
+                    envelope,
+                    attempt: i32::try_from(attempt).unwrap_or(i32::MAX),
+                    message,
+                }),
+                Err(e) => {
+                    // Not a pgbox message: never redeliver it.
+                    tracing::warn!(topic, error = %e, "pgbox nats: undecodable message terminated");
+                    let _ = tokio::time::timeout(LOST_PULL, message.ack_with(AckKind::Term)).await;
+                }
+            }
+        }
     }
 
     /// Up to `max` dead letters of `topic`, oldest first (read from the dead-letter stream,
@@ -604,53 +692,36 @@ impl Subscriber for Nats {
         _visibility: Duration,
     ) -> Result<Vec<NatsDelivery>> {
         let consumer = self.consumer(topic).await?;
-        let mut batch = match consumer
-            .batch()
-            .max_messages(max.max(1))
-            .expires(self.inner.config.receive_wait)
-            .messages()
-            .await
-        {
-            Ok(b) => b,
-            Err(e) => {
-                // The consumer may be gone (deleted, or expired while idle): look it up
-                // again next time.
-                self.inner
-                    .consumers
-                    .lock()
-                    .expect("consumers")
-                    .remove(topic);
-                return Err(broker_error("pull", e));
-            }
-        };
+        let max = max.max(1);
         let mut out = Vec::new();
-        // Bounded by the batch's own `max_messages` and `expires`.
-        while let Some(next) = batch.next().await {
-            let message = match next {
-                Ok(m) => m,
-                Err(e) => {
-                    if out.is_empty() {
-                        return Err(broker_error("pull", e));
-                    }
-                    tracing::warn!(topic, error = %e, "pgbox nats pull ended early");
-                    break;
-                }
-            };
-            let attempt = message.info().map(|i| i.delivered).unwrap_or(1);
-            let empty = HeaderMap::new();
-            let headers = message.headers.as_ref().unwrap_or(&empty);
-            match decode(topic, headers, &message.payload) {
-                Ok(envelope) => out.push(NatsDelivery {
-                    envelope,
-                    attempt: i32::try_from(attempt).unwrap_or(i32::MAX),
-                    message,
-                }),
-                Err(e) => {
-                    // Not a pgbox message: never redeliver it.
-                    tracing::warn!(topic, error = %e, "pgbox nats: undecodable message terminated");
-                    let _ = message.ack_with(AckKind::Term).await;
-                }
+        // What is there now, without waiting. An error here (the consumer at its
+        // `max_ack_pending`, say) is left to the waiting pull below to report.
+        match self.pull(topic, &consumer, max, None, &mut out).await {
+            Ok(()) if !out.is_empty() => return Ok(out),
+            Ok(()) => {}
+            Err(e) if out.is_empty() => {
+                tracing::debug!(topic, error = %e, "pgbox nats no-wait pull failed; waiting pull next");
             }
+            Err(e) => {
+                tracing::warn!(topic, error = %e, "pgbox nats pull ended early");
+                return Ok(out);
+            }
+        }
+        // Nothing yet: wait for one message, which ends the pull as soon as it comes (a
+        // pull for more would hold it until the rest came or the pull expired).
+        let wait = self.inner.config.receive_wait;
+        if let Err(e) = self.pull(topic, &consumer, 1, Some(wait), &mut out).await {
+            if out.is_empty() {
+                return Err(e);
+            }
+            tracing::warn!(topic, error = %e, "pgbox nats pull ended early");
+        }
+        // Then whatever came with it, without waiting.
+        if out.len() == 1
+            && max > 1
+            && let Err(e) = self.pull(topic, &consumer, max - 1, None, &mut out).await
+        {
+            tracing::debug!(topic, error = %e, "pgbox nats no-wait pull after a wait failed");
         }
         Ok(out)
     }
@@ -725,6 +796,13 @@ impl Subscriber for Nats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_first_connect_attempt_does_not_wait() {
+        assert_eq!(reconnect_delay(1), Duration::ZERO);
+        assert_eq!(reconnect_delay(2), Duration::from_millis(100));
+        assert_eq!(reconnect_delay(100), Duration::from_secs(2));
+    }
 
     #[test]
     fn tokens_are_subject_safe_and_distinct() {
