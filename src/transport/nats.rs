@@ -96,6 +96,7 @@ pub struct NatsBuilder {
     max_ack_pending: i64,
     max_age: Duration,
     duplicate_window: Duration,
+    replicas: usize,
     receive_wait: Duration,
     inactive_threshold: Option<Duration>,
 }
@@ -148,6 +149,14 @@ impl NatsBuilder {
     /// The stream's duplicate window for `Nats-Msg-Id` (default 2 minutes).
     pub fn duplicate_window(mut self, window: Duration) -> Self {
         self.duplicate_window = window;
+        self
+    }
+
+    /// Copies of each stream kept on a JetStream cluster (default 1; 3 or 5 on a cluster of
+    /// at least as many servers). Applies when pgbox creates the streams; their durable
+    /// consumers get the stream's replicas.
+    pub fn replicas(mut self, n: usize) -> Self {
+        self.replicas = n;
         self
     }
 
@@ -294,7 +303,10 @@ pub fn token(topic: &str) -> String {
 }
 
 impl Nats {
-    /// A transport for the server at `url` (`nats://host:port`).
+    /// A transport for the server at `url` (`nats://host:port`), or for any server of a
+    /// cluster given as a comma-separated list (`nats://a:4222,nats://b:4222`): the client
+    /// connects to one of them and fails over to the others (and to the servers the
+    /// cluster announces).
     pub fn builder(url: impl Into<String>) -> NatsBuilder {
         NatsBuilder {
             url: url.into(),
@@ -306,6 +318,7 @@ impl Nats {
             max_ack_pending: 1000,
             max_age: Duration::from_secs(7 * 24 * 3600),
             duplicate_window: Duration::from_secs(120),
+            replicas: 1,
             receive_wait: Duration::from_millis(200),
             inactive_threshold: None,
         }
@@ -338,7 +351,14 @@ impl Nats {
                     .event_callback(|event| async move {
                         tracing::info!(%event, "pgbox nats connection event");
                     })
-                    .connect(self.inner.config.url.as_str())
+                    .connect(
+                        self.inner
+                            .config
+                            .url
+                            .split(',')
+                            .map(str::trim)
+                            .collect::<Vec<_>>(),
+                    )
                     .await
                     .map_err(|e| broker_error("connect", e))?;
                 tracing::info!(url = %self.inner.config.url, "pgbox nats connected");
@@ -375,6 +395,7 @@ impl Nats {
                     duplicate_window: config.duplicate_window,
                     storage: jetstream::stream::StorageType::File,
                     allow_direct: true,
+                    num_replicas: config.replicas,
                     ..Default::default()
                 })
                 .await
