@@ -12,7 +12,8 @@
 //! subject token. With [`NatsBuilder::declare`] on (the default), pgbox creates, if missing:
 //! - the stream (default `PGBOX`) on `<prefix>.>`, file storage, limits retention with
 //!   [`NatsBuilder::max_age`] (default 7 days) and the duplicate window
-//!   [`NatsBuilder::duplicate_window`] (default 2 minutes);
+//!   [`NatsBuilder::duplicate_window`] (default 2 minutes), and [`NatsBuilder::replicas`]
+//!   copies (default 1; 3 on a cluster);
 //! - the dead-letter stream `<stream>_DEAD` on `<prefix>-dead.>`;
 //! - per topic, a durable pull consumer `<durable>_<token(T)>` (default durable `pgbox`)
 //!   filtered on the topic's subject, explicit acks, `ack_wait` =
@@ -112,6 +113,7 @@ pub struct NatsBuilder {
     max_ack_pending: i64,
     max_age: Duration,
     duplicate_window: Duration,
+    replicas: usize,
     receive_wait: Duration,
     inactive_threshold: Option<Duration>,
 }
@@ -167,6 +169,14 @@ impl NatsBuilder {
         self
     }
 
+    /// Copies of each stream kept on a JetStream cluster (default 1; 3 or 5 on a cluster of
+    /// at least as many servers). Applies when pgbox creates the streams; their durable
+    /// consumers get the stream's replicas.
+    pub fn replicas(mut self, n: usize) -> Self {
+        self.replicas = n;
+        self
+    }
+
     /// How long `receive` waits for a message when none is there (default 200 ms).
     pub fn receive_wait(mut self, wait: Duration) -> Self {
         self.receive_wait = wait;
@@ -201,6 +211,11 @@ impl NatsBuilder {
             return Err(Error::InvalidConfig(
                 "nats subject prefix must be dot-separated non-empty tokens without wildcards"
                     .into(),
+            ));
+        }
+        if self.replicas == 0 {
+            return Err(Error::InvalidConfig(
+                "nats replicas must be at least 1".into(),
             ));
         }
         if self.receive_wait < Duration::from_millis(10) || self.ack_wait.is_zero() {
@@ -310,7 +325,10 @@ pub fn token(topic: &str) -> String {
 }
 
 impl Nats {
-    /// A transport for the server at `url` (`nats://host:port`).
+    /// A transport for the server at `url` (`nats://host:port`), or for any server of a
+    /// cluster given as a comma-separated list (`nats://a:4222,nats://b:4222`): the client
+    /// connects to one of them and fails over to the others (and to the servers the
+    /// cluster announces).
     pub fn builder(url: impl Into<String>) -> NatsBuilder {
         NatsBuilder {
             url: url.into(),
@@ -322,6 +340,7 @@ impl Nats {
             max_ack_pending: 1000,
             max_age: Duration::from_secs(7 * 24 * 3600),
             duplicate_window: Duration::from_secs(120),
+            replicas: 1,
             receive_wait: Duration::from_millis(200),
             inactive_threshold: None,
         }
@@ -354,7 +373,14 @@ impl Nats {
                     .event_callback(|event| async move {
                         tracing::info!(%event, "pgbox nats connection event");
                     })
-                    .connect(self.inner.config.url.as_str())
+                    .connect(
+                        self.inner
+                            .config
+                            .url
+                            .split(',')
+                            .map(str::trim)
+                            .collect::<Vec<_>>(),
+                    )
                     .await
                     .map_err(|e| broker_error("connect", e))?;
                 tracing::info!(url = %self.inner.config.url, "pgbox nats connected");
@@ -391,6 +417,7 @@ impl Nats {
                     duplicate_window: config.duplicate_window,
                     storage: jetstream::stream::StorageType::File,
                     allow_direct: true,
+                    num_replicas: config.replicas,
                     ..Default::default()
                 })
                 .await
