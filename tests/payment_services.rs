@@ -86,6 +86,41 @@ async fn demo_keeps_its_invariants_while_services_are_killed() {
     assert_eq!((paid, ledger), (60, 60 * 30));
 }
 
+/// The two services over Kafka (the shared test broker, tansu), killed and restarted
+/// mid-run: the same invariants.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_on_kafka_keeps_its_invariants_while_services_are_killed() {
+    let db = TestDb::empty().await;
+    let url = db.url();
+    let text = run_demo(
+        &[
+            "--transport",
+            "kafka",
+            "--orders",
+            "60",
+            "--users",
+            "6",
+            "--clients",
+            "4",
+            "--kills",
+            "2",
+            "--timeout-secs",
+            "90",
+        ],
+        &[("DATABASE_URL", &url)],
+    )
+    .await;
+    assert!(text.contains("[ok] no order rewarded twice"));
+    let (paid, ledger): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM payments.orders WHERE status = 'paid'), \
+                (SELECT coalesce(sum(points), 0)::bigint FROM points.ledger)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((paid, ledger), (60, 60 * 30));
+}
+
 /// The number on the demo's summary line starting with `label`.
 fn summary_count(text: &str, label: &str) -> i64 {
     let line = text
@@ -418,6 +453,7 @@ async fn a_dead_broker_makes_a_service_unready_not_dead() {
     for (name, transport, broker) in [
         ("points", "rabbitmq", "amqp://guest:guest@127.0.0.1:1/%2f"),
         ("payments", "nats", "nats://127.0.0.1:1"),
+        ("points", "kafka", "127.0.0.1:1"),
     ] {
         let addr = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()

@@ -417,3 +417,11 @@ async fn tansu_fetch_from_inside_a_batch_skips_its_rest() {
          one-message-per-batch setting from the tests and this limit from the README"
     );
 }
+
+/// The payment/points example over Kafka keeps its invariants under every fault flag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payment_points_example_keeps_its_invariants() {
+    support::init_tracing();
+    let db = support::TestDb::empty().await;
+    brokers::payment_points_on(&db.pool, &db.url(), "kafka").await;
+}

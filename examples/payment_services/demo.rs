@@ -310,6 +310,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<bool> {
         }
         TransportKind::Kafka => {
             env.push(("BROKER_URL".into(), crate::brokers::kafka_url().await));
+            // The demo's broker is tansu 0.6, which skips the rest of a record batch when a
+            // consumer restarts inside it: one message per batch.
+            env.push(("KAFKA_SETTINGS".into(), "batch.num.messages=1".into()));
             common.extend(["--topic".into(), format!("payment-succeeded-{run}")]);
         }
     }

@@ -122,9 +122,18 @@ impl ServiceArgs {
     }
 
     pub fn kafka(&self) -> anyhow::Result<pgbox::transport::kafka::Kafka> {
-        Ok(pgbox::transport::kafka::Kafka::builder(self.broker_url())
-            .group("points-service")
-            .build()?)
+        let mut builder =
+            pgbox::transport::kafka::Kafka::builder(self.broker_url()).group("points-service");
+        // librdkafka settings, `name=value,name=value` (security, timeouts...).
+        if let Ok(settings) = std::env::var("KAFKA_SETTINGS") {
+            for pair in settings.split(',').filter(|p| !p.trim().is_empty()) {
+                let (name, value) = pair
+                    .split_once('=')
+                    .ok_or_else(|| anyhow::anyhow!("KAFKA_SETTINGS: `{pair}` is not name=value"))?;
+                builder = builder.set(name.trim(), value.trim());
+            }
+        }
+        Ok(builder.build()?)
     }
 
     /// Refuses fault rates outside 0..=1.
