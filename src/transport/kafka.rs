@@ -34,7 +34,9 @@
 //! committed (never auto-commit): a partition's committed offset is its lowest unsettled
 //! message, so a crash or a rebalance redelivers what was not yet processed (the inbox
 //! makes those duplicates harmless) and never skips anything. Commits are batched, at most
-//! one per partition every [`KafkaBuilder::commit_interval`] (default 50 ms).
+//! one per partition every [`KafkaBuilder::commit_interval`] (default 50 ms). Fetches wait
+//! up to 100 ms for records (`fetch.wait.max.ms`; a broker answers as soon as records
+//! arrive; tansu 0.6 waits the whole time, so set it lower there).
 //!
 //! **Order**: at most one message per ordering key is in hand at a time, and a key's
 //! messages are handed out in partition order, also across a nack (the nacked message
@@ -77,7 +79,7 @@ use rdkafka::consumer::{
 };
 use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::{Header, Headers, Message, OwnedHeaders, OwnedMessage};
-use rdkafka::producer::{FutureProducer, FutureRecord};
+use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use rdkafka::types::RDKafkaRespErr;
 use rdkafka::{ClientContext, Offset, TopicPartitionList};
 use serde::{Deserialize, Serialize};
@@ -489,6 +491,13 @@ impl Kafka {
                 }
             }
         }
+        // Wait (bounded) until the producer sees the topic with a leader for every
+        // partition, so the first publish does not wait for metadata.
+        let kafka = self.clone();
+        let name = topic.to_owned();
+        tokio::task::spawn_blocking(move || kafka.await_leaders(&name))
+            .await
+            .map_err(|e| broker_error("topic metadata", e))??;
         tracing::info!(topic, dead_letters = %dead, "pgbox kafka topics ready");
         self.inner
             .declared
@@ -496,6 +505,31 @@ impl Kafka {
             .expect("declared")
             .insert(topic.to_owned());
         Ok(())
+    }
+
+    /// Blocks until the producer's metadata shows `topic` with a leader for each partition
+    /// (at most 10 s; a topic that exists but shows no leaders by then is left to the
+    /// producer's own retries).
+    fn await_leaders(&self, topic: &str) -> Result<()> {
+        let producer = self.producer()?;
+        let start = Instant::now();
+        // Bounded by time.
+        loop {
+            let metadata = producer
+                .client()
+                .fetch_metadata(Some(topic), Duration::from_secs(5))
+                .map_err(|e| broker_error("topic metadata", e))?;
+            let ready = metadata.topics().iter().any(|t| {
+                t.name() == topic
+                    && t.error().is_none()
+                    && !t.partitions().is_empty()
+                    && t.partitions().iter().all(|p| p.leader() >= 0)
+            });
+            if ready || start.elapsed() > Duration::from_secs(10) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Asks the cluster for its metadata (bounded by 5 s): `Ok` if a broker answered.
@@ -542,7 +576,7 @@ impl Kafka {
                     .max(100)
                     .to_string(),
             )
-            .set("fetch.wait.max.ms", "20");
+            .set("fetch.wait.max.ms", "100");
         for (k, v) in &config.settings {
             c.set(k, v);
         }
@@ -1448,24 +1482,11 @@ impl Subscriber for Kafka {
         loop {
             let (out, wake) = tc.take_ready(max, visibility);
             if !out.is_empty() {
-                // The attempt counts of what is handed out must survive this consumer.
+                // The attempt counts of what is handed out should survive this consumer:
+                // the mark is sent now, ahead of the handlers' database work (not waited
+                // for: a synchronous commit per receive cost ~35 ms of latency).
                 let durable = tc.due_commits(true, config.commit_interval);
-                if let Some(tpl) = Commit::list(&durable) {
-                    let tc2 = tc.clone();
-                    let committed = tokio::task::spawn_blocking(move || {
-                        tc2.consumer.commit(&tpl, CommitMode::Sync)
-                    })
-                    .await;
-                    match committed {
-                        Ok(Ok(())) => {}
-                        Ok(Err(e)) => {
-                            tracing::debug!(topic, error = %e, "pgbox kafka: attempt bookkeeping commit failed");
-                        }
-                        Err(e) => {
-                            tracing::debug!(topic, error = %e, "pgbox kafka: attempt bookkeeping commit failed");
-                        }
-                    }
-                }
+                tc.commit_async(&durable);
                 for d in &out {
                     tracing::debug!(topic, message_id = %d.envelope.id, partition = d.partition, offset = d.offset, attempt = d.attempt, "pgbox kafka received");
                 }
