@@ -86,7 +86,7 @@ use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use super::{PublishError, Publisher, Subscriber};
+use super::{PublishError, Publisher, Subscriber, truncate};
 use crate::error::{Error, Result};
 use crate::outbox::{Envelope, TRACEPARENT};
 
@@ -775,17 +775,6 @@ fn decode<M: Message>(topic: &str, message: &M) -> Result<Envelope> {
             .map_err(|_| bad("creation time out of range"))?,
         attempts: 0,
     })
-}
-
-fn truncate(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
 
 impl Publisher for Kafka {

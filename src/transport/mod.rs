@@ -27,6 +27,20 @@ pub use self::postgres::{Delivery, PgQueue, QueueDeadLetter, QueueDeadLetters};
 use crate::error::Result;
 use crate::outbox::Envelope;
 
+/// `s` cut to at most `max` bytes, at a character boundary (error texts the brokers carry
+/// in a header).
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+fn truncate(s: &str, max: usize) -> &str {
+    if s.len() <= max {
+        return s;
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    &s[..end]
+}
+
 /// Why a message could not be published.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]

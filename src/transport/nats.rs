@@ -70,7 +70,7 @@ use time::OffsetDateTime;
 use tokio::sync::OnceCell;
 use uuid::Uuid;
 
-use super::{PublishError, Publisher, Subscriber};
+use super::{PublishError, Publisher, Subscriber, truncate};
 use crate::error::{Error, Result};
 use crate::outbox::{Envelope, TRACEPARENT};
 
@@ -641,17 +641,6 @@ fn decode(topic: &str, headers: &HeaderMap, payload: &[u8]) -> Result<Envelope> 
             .map_err(|_| bad("creation time out of range"))?,
         attempts: 0,
     })
-}
-
-fn truncate(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
 
 impl Publisher for Nats {

@@ -99,7 +99,7 @@ use time::format_description::well_known::Rfc3339;
 use tokio::sync::Mutex;
 use uuid::Uuid;
 
-use super::{PublishError, Publisher, Subscriber};
+use super::{PublishError, Publisher, Subscriber, truncate};
 use crate::error::{Error, Result};
 use crate::outbox::Envelope;
 
@@ -763,17 +763,6 @@ fn is_broker_header(name: &str) -> bool {
         || name == DELIVERY_COUNT
         || name.starts_with("x-first-death-")
         || name.starts_with("x-last-death-")
-}
-
-fn truncate(s: &str, max: usize) -> &str {
-    if s.len() <= max {
-        return s;
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    &s[..end]
 }
 
 fn short(s: &str) -> Result<ShortString> {
