@@ -46,7 +46,7 @@
 //!
 //! **Attempts across consumers**: each commit carries, as the offset's metadata, how far
 //! the partition was handed out and the attempt of the message at the committed offset
-//! (committed synchronously before messages past the last such mark are handed out). A
+//! (sent, not waited for, whenever messages past the last such mark are handed out). A
 //! consumer that takes the partition over counts a message delivered before as attempt 2
 //! or more, so `max_deliveries` also stops a message that crashes its consumer. This needs
 //! a broker that keeps offset-commit metadata, as Apache Kafka does; tansu 0.6 returns it
