@@ -479,24 +479,7 @@ async fn e1_latency(
     let consumer = consumer_of(env, args, t, &topic, acked.clone(), shutdown.clone());
     let relay = spawn_relay(env, args, t, shutdown.clone())?;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let outbox = Outbox::new();
-    let mut committed = HashMap::new();
-    let interval = Duration::from_secs_f64(1.0 / args.rate);
-    let duration = Duration::from_secs_f64(args.seconds);
-    let started = Instant::now();
-    let mut next = started;
-    while started.elapsed() < duration {
-        let mut tx = env.pool.begin().await?;
-        let id = outbox
-            .enqueue(&mut tx, Message::bytes(&topic, vec![b'x'; args.payload]))
-            .await?;
-        tx.commit().await?;
-        committed.insert(id, Instant::now());
-        next += interval;
-        if let Some(wait) = next.checked_duration_since(Instant::now()) {
-            tokio::time::sleep(wait).await;
-        }
-    }
+    let committed = produce_at_rate(env, args, &topic).await?;
     until_acked(&acked, committed.len(), Duration::from_secs(30)).await?;
     stop_consumer(shutdown, consumer).await?;
     relay.await??;
@@ -508,6 +491,35 @@ async fn e1_latency(
         .collect();
     lat.sort();
     Ok((percentile(&lat, 0.5), percentile(&lat, 0.99)))
+}
+
+/// Commits one message per transaction to `topic` at `args.rate` for `args.seconds`;
+/// returns when each was committed.
+async fn produce_at_rate(
+    env: &Env,
+    args: &Args,
+    topic: &str,
+) -> anyhow::Result<HashMap<uuid::Uuid, Instant>> {
+    let outbox = Outbox::new();
+    let mut committed = HashMap::new();
+    let interval = Duration::from_secs_f64(1.0 / args.rate);
+    let duration = Duration::from_secs_f64(args.seconds);
+    let started = Instant::now();
+    let mut next = started;
+    // Bounded by `args.seconds`.
+    while started.elapsed() < duration {
+        let mut tx = env.pool.begin().await?;
+        let id = outbox
+            .enqueue(&mut tx, Message::bytes(topic, vec![b'x'; args.payload]))
+            .await?;
+        tx.commit().await?;
+        committed.insert(id, Instant::now());
+        next += interval;
+        if let Some(wait) = next.checked_duration_since(Instant::now()) {
+            tokio::time::sleep(wait).await;
+        }
+    }
+    Ok(committed)
 }
 
 async fn fill(pool: &PgPool, topic: &str, n: usize, payload: &[u8]) -> anyhow::Result<()> {
@@ -607,24 +619,7 @@ async fn latency<P: Publisher + 'static>(
         async move { relay.run(s).await }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let outbox = Outbox::new();
-    let mut committed = HashMap::new();
-    let interval = Duration::from_secs_f64(1.0 / args.rate);
-    let duration = Duration::from_secs_f64(args.seconds);
-    let started = Instant::now();
-    let mut next = started;
-    while started.elapsed() < duration {
-        let mut tx = env.pool.begin().await?;
-        let id = outbox
-            .enqueue(&mut tx, Message::bytes(topic, vec![b'x'; args.payload]))
-            .await?;
-        tx.commit().await?;
-        committed.insert(id, Instant::now());
-        next += interval;
-        if let Some(wait) = next.checked_duration_since(Instant::now()) {
-            tokio::time::sleep(wait).await;
-        }
-    }
+    let committed = produce_at_rate(env, args, topic).await?;
     let deadline = Instant::now() + Duration::from_secs(10);
     while timed.confirmed.lock().unwrap().len() < committed.len() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
