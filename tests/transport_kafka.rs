@@ -425,3 +425,107 @@ async fn payment_points_example_keeps_its_invariants() {
     let db = support::TestDb::empty().await;
     brokers::payment_points_on(&db.pool, &db.url(), "kafka").await;
 }
+
+/// A record's key and headers count against what the producer accepts, not only its
+/// payload: a message whose headers are too large is refused by pgbox with a reason, and
+/// its neighbours in the batch are still published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_headers_are_refused_with_a_reason() {
+    use pgbox::transport::Publisher;
+    let h = harness().await;
+    let topic = h.fresh_topic().await;
+    let kafka = transport(&h.broker.bootstrap());
+    let fits = conformance::envelope(&topic, vec![1u8; MAX_BYTES]);
+    let mut too_big = conformance::envelope(&topic, vec![2u8; MAX_BYTES]);
+    too_big.headers.insert("note".into(), "x".repeat(4096));
+    let after = conformance::envelope(&topic, b"small".to_vec());
+    let results = kafka.publish(&[fits, too_big, after]).await;
+    assert!(results[0].is_ok(), "{:?}", results[0]);
+    let refused = results[1].as_ref().expect_err("headers over the limit");
+    assert!(
+        refused.to_string().contains("headers"),
+        "the reason names the headers: {refused}"
+    );
+    assert!(results[2].is_ok(), "{:?}", results[2]);
+}
+
+/// A member whose buffer filled up (so it paused fetching) loses its partitions to a new
+/// member and gets them back when that member leaves: it fetches them again, and every
+/// message is received.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_paused_by_a_full_buffer_fetches_again_after_a_rebalance() {
+    use pgbox::transport::{Publisher, Subscriber};
+    use std::collections::HashSet;
+    use std::time::Instant;
+
+    const N: usize = 200;
+    let h = harness().await;
+    let topic = h.fresh_topic().await;
+    let batch: Vec<Envelope> = (0..N)
+        .map(|i| {
+            let mut e = conformance::envelope(&topic, format!("{i}").into_bytes());
+            e.ordering_key = Some(format!("k{i}"));
+            e
+        })
+        .collect();
+    let published = transport(&h.broker.bootstrap()).publish(&batch).await;
+    assert!(published.iter().all(Result::is_ok), "{published:?}");
+    let small_buffer = || {
+        Kafka::builder(h.broker.bootstrap())
+            .partitions(4)
+            .session_timeout(Duration::from_secs(3))
+            .receive_wait(Duration::from_millis(100))
+            .set("batch.num.messages", "1")
+            // Incremental rebalancing: partitions A keeps are not assigned again, so its
+            // pause must be lifted by pgbox, not by a new assignment.
+            .set("partition.assignment.strategy", "cooperative-sticky")
+            .max_buffered(8)
+            .build()
+            .expect("valid config")
+    };
+    let visibility = Duration::from_secs(60);
+    let mut seen = HashSet::new();
+    // A takes one message at a time and settles none: its buffer fills and it pauses.
+    let a = small_buffer();
+    let mut held = Vec::new();
+    for _ in 0..30 {
+        for d in a.receive(&topic, 1, visibility).await.expect("receive") {
+            seen.insert(a.envelope(&d).id);
+            held.push(d);
+        }
+    }
+    assert!(held.len() >= 8, "A received {} messages", held.len());
+    // B joins and takes partitions; A keeps polling (its rebalance callback runs there).
+    let b = small_buffer();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut b_got = 0;
+    while b_got == 0 {
+        assert!(Instant::now() < deadline, "B got no partition within 30 s");
+        for d in b.receive(&topic, 50, visibility).await.expect("receive") {
+            seen.insert(b.envelope(&d).id);
+            b.ack(&d).await.expect("ack");
+            b_got += 1;
+        }
+        for d in a.receive(&topic, 1, visibility).await.expect("receive") {
+            seen.insert(a.envelope(&d).id);
+            held.push(d);
+        }
+    }
+    drop(b);
+    // A settles what it holds and takes everything else, its partitions back from B.
+    for d in held.drain(..) {
+        a.ack(&d).await.expect("ack");
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while seen.len() < N {
+        assert!(
+            Instant::now() < deadline,
+            "A received {} of {N} messages within 60 s of B leaving (B took {b_got})",
+            seen.len()
+        );
+        for d in a.receive(&topic, 50, visibility).await.expect("receive") {
+            seen.insert(a.envelope(&d).id);
+            a.ack(&d).await.expect("ack");
+        }
+    }
+}

@@ -25,8 +25,11 @@
 //! byte-exact) and `traceparent`/`tracestate` travel as Kafka headers. A relay that re-sends
 //! a message after a lost acknowledgement makes a second copy in the topic (Kafka has no
 //! message-id deduplication outside transactions, which pgbox does not use): the consumer's
-//! inbox absorbs it. Messages larger than [`KafkaBuilder::message_max_bytes`] (default
-//! 1 MiB, the broker's usual limit) are refused.
+//! inbox absorbs it. Messages whose payload is larger than
+//! [`KafkaBuilder::message_max_bytes`] (default 1 MiB, the broker's usual limit), or whose
+//! ordering key and headers take more than 3 KiB, are refused with a typed error before
+//! they reach the producer; the producer's own limit is set above both (the broker's
+//! `message.max.bytes` must allow it too).
 //!
 //! # Receiving
 //!
@@ -96,6 +99,8 @@ const META: &str = "pgbox-meta";
 const ERROR: &str = "pgbox-error";
 const DELIVERIES: &str = "pgbox-deliveries";
 const MAX_ERROR_BYTES: usize = 4096;
+/// Bytes a published record may spend on its key and headers, beyond the payload limit.
+const RECORD_EXTRA_BYTES: usize = 3072;
 /// The offset metadata's prefix: `pgbox:1:<handed-out-through>:<head attempt>`.
 const METADATA_PREFIX: &str = "pgbox:1:";
 /// Bound on the broker calls made inside librdkafka's rebalance callback.
@@ -413,7 +418,9 @@ impl Kafka {
             .set("client.id", "pgbox")
             .set(
                 "message.max.bytes",
-                (config.message_max_bytes + 4096).to_string(),
+                // Room for the key and headers, a dead letter's error header, and framing.
+                (config.message_max_bytes + RECORD_EXTRA_BYTES + MAX_ERROR_BYTES + 1024)
+                    .to_string(),
             );
         for (k, v) in &config.settings {
             c.set(k, v);
@@ -809,7 +816,23 @@ impl Publisher for Kafka {
                     envelope.payload.len()
                 )))
             } else {
-                match headers(envelope) {
+                match headers(envelope).and_then(|h| {
+                    // The producer's limit is the payload's plus 4 KiB (client_config): the
+                    // key and headers get 3 KiB of it, the record's framing the rest.
+                    let extra = envelope.ordering_key.as_ref().map_or(0, String::len)
+                        + h.iter()
+                            .map(|h| h.key.len() + h.value.map_or(0, <[u8]>::len))
+                            .sum::<usize>();
+                    if extra > RECORD_EXTRA_BYTES {
+                        Err(PublishError(format!(
+                            "the ordering key and headers of message {} take {extra} bytes, \
+                             over the {RECORD_EXTRA_BYTES} a Kafka record has for them",
+                            envelope.id
+                        )))
+                    } else {
+                        Ok(h)
+                    }
+                }) {
                     Ok(h) => {
                         let mut record = FutureRecord::to(&envelope.topic)
                             .payload(&envelope.payload[..])
@@ -941,8 +964,10 @@ struct Partition {
     received_through: Option<i64>,
     /// One past the highest offset ever handed out (or the prior owner's).
     handed_through: i64,
-    /// `handed_through` as last committed with a synchronous commit.
+    /// `handed_through` as last sent in a commit's metadata.
     durable_through: i64,
+    /// The head offset and its delivery count as last sent in a commit's metadata.
+    marked_head: (i64, i32),
     /// The offset last committed.
     committed: i64,
     last_commit: Option<Instant>,
@@ -954,13 +979,33 @@ impl Partition {
         self.open.first().copied().or(self.received_through)
     }
 
-    fn metadata(&self, frontier: i64) -> String {
-        let head = self
-            .in_hand
+    /// Deliveries so far of the message at `frontier`.
+    fn head_deliveries(&self, frontier: i64) -> i32 {
+        self.in_hand
             .get(&frontier)
             .map(|h| h.attempt)
             .or_else(|| self.buffer.get(&frontier).map(|p| p.deliveries))
-            .unwrap_or_else(|| self.prior.deliveries(frontier));
+            .unwrap_or_else(|| self.prior.deliveries(frontier))
+    }
+
+    /// Whether the attempt counts of what is in hand are ahead of what the last commit's
+    /// metadata says: a new offset handed out, or the head handed out again (a redelivery
+    /// the next owner must count).
+    fn mark_behind(&self, frontier: i64) -> bool {
+        if self.handed_through > self.durable_through {
+            return true;
+        }
+        let (offset, deliveries) = self.marked_head;
+        self.in_hand
+            .get(&frontier)
+            .is_some_and(|h| h.attempt > 1 && (offset != frontier || deliveries < h.attempt))
+    }
+
+    /// The commit metadata for `frontier`, remembered as the latest mark.
+    fn metadata(&mut self, frontier: i64) -> String {
+        let head = self.head_deliveries(frontier);
+        self.durable_through = self.durable_through.max(self.handed_through);
+        self.marked_head = (frontier, head);
         format!("{METADATA_PREFIX}{}:{head}", self.handed_through)
     }
 }
@@ -1098,11 +1143,16 @@ impl GroupContext {
                 prior,
                 handed_through: prior.handed_through,
                 durable_through: prior.handed_through,
+                marked_head: (prior.committed, prior.head_attempt),
                 committed: prior.committed,
                 ..Partition::default()
             };
         }
-        state.paused = false;
+        // Under incremental (cooperative) rebalancing, partitions this member keeps are
+        // not assigned again and stay paused if they were. Marking the member paused makes
+        // the next receive resume the whole assignment once the buffer is low, from the
+        // runner's task rather than from inside this callback.
+        state.paused = true;
         tracing::info!(topic = %self.topic, partitions = list.count(), "pgbox kafka partitions assigned");
     }
 
@@ -1112,6 +1162,11 @@ impl GroupContext {
         {
             let mut state = self.state.lock().expect("kafka state");
             let state = &mut *state;
+            let revoked: HashSet<i32> = list
+                .elements_for_topic(&self.topic)
+                .iter()
+                .map(|e| e.partition())
+                .collect();
             for elem in list.elements_for_topic(&self.topic) {
                 let Some(part) = state.partitions.get_mut(&elem.partition()) else {
                     continue;
@@ -1135,7 +1190,10 @@ impl GroupContext {
                 part.received_through = None;
                 part.generation = u64::MAX;
             }
-            state.foreign.clear();
+            // Under cooperative rebalancing the other partitions stay this member's.
+            state
+                .foreign
+                .retain(|(_, m)| !revoked.contains(&m.partition()));
         }
         if let Some(tpl) = Commit::list(&commits) {
             // Hand the partitions over with their progress; a failure only means more
@@ -1161,6 +1219,14 @@ impl TopicConsumer {
             return;
         }
         let offset = message.offset();
+        if part.open.contains(&offset) {
+            // Fetched again while still held (librdkafka re-fetching after a connection
+            // loss, or a broker answering from an earlier offset). Filing it twice would
+            // hand one offset out twice at once. A settled offset fetched again is filed:
+            // the inbox absorbs it, and nothing is skipped on a broker's word.
+            tracing::debug!(topic = %self.topic, partition = message.partition(), offset, "pgbox kafka: a record fetched again; ignored");
+            return;
+        }
         if part.received_through.is_none()
             && part.prior.committed >= 0
             && offset != part.prior.committed
@@ -1321,7 +1387,7 @@ impl TopicConsumer {
                 continue;
             };
             let wanted = if durable {
-                part.handed_through > part.durable_through
+                part.mark_behind(frontier)
             } else {
                 frontier > part.committed
                     && (part.in_hand.is_empty()
@@ -1336,9 +1402,6 @@ impl TopicConsumer {
                 });
                 part.committed = part.committed.max(frontier);
                 part.last_commit = Some(now);
-                if durable {
-                    part.durable_through = part.handed_through;
-                }
             }
         }
         commits
@@ -1600,6 +1663,63 @@ mod tests {
         assert_eq!(none.deliveries(10), 0);
         let foreign = Prior::parse(10, "something else");
         assert_eq!(foreign.deliveries(10), 0);
+    }
+
+    fn envelope(offset: i64) -> Envelope {
+        crate::transport::conformance::envelope("t", format!("m{offset}"))
+    }
+
+    /// A new owner that hands the committed head out again must send the new count, or
+    /// a message that kills every consumer it reaches would restart its count each time.
+    #[test]
+    fn a_new_owner_marks_the_head_it_hands_out_again() {
+        let prior = Prior::parse(10, "pgbox:1:13:2");
+        let mut part = Partition {
+            assigned: true,
+            prior,
+            handed_through: prior.handed_through,
+            durable_through: prior.handed_through,
+            marked_head: (prior.committed, prior.head_attempt),
+            committed: prior.committed,
+            ..Partition::default()
+        };
+        part.open.insert(10);
+        assert!(!part.mark_behind(10), "nothing handed out yet");
+        part.in_hand.insert(
+            10,
+            InHand {
+                attempt: prior.deliveries(10) + 1,
+                lease: 1,
+                expires: Instant::now(),
+                envelope: envelope(10),
+            },
+        );
+        assert!(
+            part.mark_behind(10),
+            "the head's third delivery is not marked"
+        );
+        assert_eq!(part.metadata(10), "pgbox:1:13:3");
+        assert!(!part.mark_behind(10), "marked");
+        // Settled: the next offset was handed out once before, by the previous owner.
+        part.in_hand.clear();
+        part.open.remove(&10);
+        part.open.insert(11);
+        part.in_hand.insert(
+            11,
+            InHand {
+                attempt: prior.deliveries(11) + 1,
+                lease: 2,
+                expires: Instant::now(),
+                envelope: envelope(11),
+            },
+        );
+        assert!(part.mark_behind(11), "its second delivery is not marked");
+        assert_eq!(part.metadata(11), "pgbox:1:13:2");
+        // A first delivery past what was handed out moves `handed_through`.
+        part.handed_through = 14;
+        assert!(part.mark_behind(11));
+        assert_eq!(part.metadata(11), "pgbox:1:14:2");
+        assert!(!part.mark_behind(11));
     }
 
     #[test]
