@@ -10,9 +10,21 @@
 //! - **E1** end to end: producers enqueue (10 messages per business transaction) while the
 //!   relay and the consumer run, as a service does; messages/s from the first enqueue to
 //!   the last committed effect, exactly-once checked (effects = messages, none twice).
+//! - **R1** receive → ack alone: a published backlog received and acked in batches of the
+//!   runner's concurrency, no inbox and no database work: what the transport costs the
+//!   consumer side.
+//! - **I1** the inbox alone, same run: `inbox.process` with the one-row effect, committed,
+//!   from as many tasks as the runner's concurrency, no transport. R1 / I1 says whether the
+//!   transport or the inbox bounds the consumer (C1).
 //! - **E1 latency**: at a fixed rate, enqueue commit → effect commit (the runner's ack,
 //!   which follows its commit), p50 and p99.
 //! - **O3**: at a fixed rate, enqueue commit → publish confirmed.
+//!
+//! Where the time goes: for O2, R1, I1, C1 and E1 the run also reads CPU time from
+//! `/proc` (Linux, and only for processes on this machine): this process (the client:
+//! relay, producers, runner), every PostgreSQL server process, and the broker's processes
+//! (`beam.smp`, `nats-server`, `tansu`), per message, in microseconds. On a machine whose
+//! few cores are shared by all three, throughput follows their sum.
 //!
 //! ```sh
 //! cargo run --release --example bench_brokers            # full run
@@ -342,6 +354,108 @@ async fn until_acked(
     }
 }
 
+/// CPU time read from `/proc/<pid>/stat`, summed per role, in clock ticks (USER_HZ, 100
+/// per second on Linux).
+#[derive(Clone, Copy, Default)]
+struct CpuTicks {
+    client: u64,
+    postgres: Option<u64>,
+    broker: Option<u64>,
+}
+
+/// CPU spent per message by one arm, in microseconds.
+#[derive(Clone, Copy)]
+struct CpuPerMessage {
+    client: f64,
+    postgres: Option<f64>,
+    broker: Option<f64>,
+}
+
+impl CpuTicks {
+    const USER_HZ: f64 = 100.0;
+
+    /// Utime + stime of `pid`, and its command name.
+    fn of(pid: &str) -> Option<(String, u64)> {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let open = stat.find('(')?;
+        let close = stat.rfind(')')?;
+        let comm = stat[open + 1..close].to_owned();
+        // Fields after the command: state is the 3rd field, utime the 14th, stime the 15th.
+        let rest: Vec<&str> = stat[close + 2..].split(' ').collect();
+        let utime: u64 = rest.get(11)?.parse().ok()?;
+        let stime: u64 = rest.get(12)?.parse().ok()?;
+        Some((comm, utime + stime))
+    }
+
+    /// Reads the client's, PostgreSQL's and `broker`'s processes (by command name).
+    fn now(broker: Option<Transport>) -> CpuTicks {
+        let broker_comm = match broker {
+            Some(Transport::RabbitMq) => Some("beam.smp"),
+            Some(Transport::Nats) => Some("nats-server"),
+            Some(Transport::Kafka) => Some("tansu"),
+            _ => None,
+        };
+        let client = Self::of("self").map_or(0, |(_, t)| t);
+        let (mut postgres, mut brokers) = (None::<u64>, None::<u64>);
+        if let Ok(dir) = std::fs::read_dir("/proc") {
+            for entry in dir.flatten() {
+                let name = entry.file_name();
+                let Some(pid) = name
+                    .to_str()
+                    .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
+                else {
+                    continue;
+                };
+                let Some((comm, ticks)) = Self::of(pid) else {
+                    continue;
+                };
+                if comm == "postgres" {
+                    *postgres.get_or_insert(0) += ticks;
+                } else if Some(comm.as_str()) == broker_comm {
+                    *brokers.get_or_insert(0) += ticks;
+                }
+            }
+        }
+        CpuTicks {
+            client,
+            postgres,
+            broker: brokers,
+        }
+    }
+
+    /// CPU per message since `self`, `n` messages later.
+    fn per_message(self, later: CpuTicks, n: usize) -> CpuPerMessage {
+        let us = |ticks: u64| ticks as f64 / Self::USER_HZ * 1e6 / n as f64;
+        let diff = |a: Option<u64>, b: Option<u64>| Some(us(b?.saturating_sub(a?)));
+        CpuPerMessage {
+            client: us(later.client.saturating_sub(self.client)),
+            postgres: diff(self.postgres, later.postgres),
+            broker: diff(self.broker, later.broker),
+        }
+    }
+}
+
+/// Medians of CPU per message over rounds, as "client / postgres / broker" µs.
+fn cpu_cell(samples: Option<&Vec<CpuPerMessage>>) -> String {
+    let Some(samples) = samples.filter(|s| !s.is_empty()) else {
+        return "-".into();
+    };
+    let part = |f: &dyn Fn(&CpuPerMessage) -> Option<f64>| {
+        let v: Vec<f64> = samples.iter().filter_map(f).collect();
+        if v.len() == samples.len() {
+            format!("{:.0}", median(v))
+        } else {
+            "-".into()
+        }
+    };
+    format!(
+        "{} / {} / {}",
+        part(&|c| Some(c.client)),
+        part(&|c| c.postgres),
+        part(&|c| c.broker)
+    )
+}
+
 /// Effects = messages, none twice.
 async fn exactly_once(env: &Env, n: usize) -> anyhow::Result<()> {
     let (total, distinct): (i64, i64) =
@@ -371,20 +485,139 @@ async fn stop_consumer(
 }
 
 /// C1: the backlog O2 just published, consumed through the runner and the inbox; msgs/s.
-async fn c1(env: &Env, args: &Args, t: Transport, topic: &str) -> anyhow::Result<f64> {
+async fn c1(
+    env: &Env,
+    args: &Args,
+    t: Transport,
+    topic: &str,
+) -> anyhow::Result<(f64, CpuPerMessage)> {
     let acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>> = Arc::default();
     let shutdown = CancellationToken::new();
+    let cpu = CpuTicks::now(Some(t));
     let started = Instant::now();
     let task = consumer_of(env, args, t, topic, acked.clone(), shutdown.clone());
     let last = until_acked(&acked, args.backlog, Duration::from_secs(300)).await?;
+    let cpu = cpu.per_message(CpuTicks::now(Some(t)), args.backlog);
     stop_consumer(shutdown, task).await?;
     exactly_once(env, args.backlog).await?;
-    Ok(args.backlog as f64 / last.duration_since(started).as_secs_f64())
+    Ok((
+        args.backlog as f64 / last.duration_since(started).as_secs_f64(),
+        cpu,
+    ))
+}
+
+/// R1: a backlog published to `t` (untimed), then received and acked alone, in batches of
+/// the runner's concurrency, acks in parallel; msgs/s.
+async fn r1(
+    env: &Env,
+    args: &Args,
+    t: Transport,
+    round: usize,
+) -> anyhow::Result<(f64, CpuPerMessage)> {
+    async fn go<P: Publisher, S: Subscriber>(
+        env: &Env,
+        args: &Args,
+        publisher: P,
+        subscriber: S,
+        topic: &str,
+        t: Transport,
+    ) -> anyhow::Result<(f64, CpuPerMessage)> {
+        let n = args.backlog;
+        fill(&env.pool, topic, n, &vec![b'x'; args.payload]).await?;
+        drain(&env.pool, publisher, args.batch, n).await?;
+        let mut seen = std::collections::HashSet::with_capacity(n);
+        let limit = Duration::from_secs(300);
+        let cpu = CpuTicks::now(Some(t));
+        let started = Instant::now();
+        while seen.len() < n {
+            anyhow::ensure!(
+                started.elapsed() < limit,
+                "R1: only {} of {n} received after {limit:?}",
+                seen.len()
+            );
+            let batch = subscriber
+                .receive(topic, args.concurrency, Duration::from_secs(60))
+                .await?;
+            let acks = futures_util::future::join_all(batch.iter().map(|d| subscriber.ack(d)));
+            for (d, acked) in batch.iter().zip(acks.await) {
+                anyhow::ensure!(acked?, "R1: an ack found its delivery stale");
+                seen.insert(subscriber.envelope(d).id);
+            }
+        }
+        let rate = n as f64 / started.elapsed().as_secs_f64();
+        Ok((rate, cpu.per_message(CpuTicks::now(Some(t)), n)))
+    }
+    let topic = format!("r1-{}-{round}-{}", t.short(), env.run);
+    env.prepare(t, &topic).await?;
+    reset(env).await?;
+    let queue = || PgQueue::new(env.pool.clone());
+    match t {
+        Transport::Noop => unreachable!("the no-op publisher has no consumer side"),
+        Transport::Postgres => go(env, args, queue(), queue(), &topic, t).await,
+        Transport::RabbitMq => {
+            let r = env.rabbit();
+            let rate = go(env, args, r.clone(), r.clone(), &topic, t).await;
+            r.close().await;
+            rate
+        }
+        Transport::Nats => go(env, args, env.nats(), env.nats(), &topic, t).await,
+        Transport::Kafka => go(env, args, env.kafka(), env.kafka(), &topic, t).await,
+    }
+}
+
+/// I1: the inbox alone, as the runner drives it: `inbox.process` with the one-row effect,
+/// one transaction per message, from `concurrency` tasks; msgs/s, exactly-once checked.
+async fn i1(env: &Env, args: &Args) -> anyhow::Result<(f64, CpuPerMessage)> {
+    reset(env).await?;
+    let n = args.backlog;
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let cpu = CpuTicks::now(None);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..args.concurrency {
+        let pool = env.pool.clone();
+        let next = next.clone();
+        tasks.push(tokio::spawn(async move {
+            let inbox = Inbox::new("bench")?;
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < n {
+                let id = uuid::Uuid::now_v7();
+                let mut tx = pool.begin().await?;
+                let outcome = inbox
+                    .process(&mut tx, id, async |conn: &mut HandlerConnection<'_>| {
+                        sqlx::query("INSERT INTO bench_effects (message_id) VALUES ($1)")
+                            .bind(id)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(pgbox::Error::from)?;
+                        Ok::<(), pgbox::Error>(())
+                    })
+                    .await?;
+                anyhow::ensure!(
+                    outcome.is_processed(),
+                    "I1: a new key came back {outcome:?}"
+                );
+                tx.commit().await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu.per_message(CpuTicks::now(None), n);
+    exactly_once(env, n).await?;
+    Ok((rate, cpu))
 }
 
 /// E1: producers, relay and consumer at once; msgs/s from the first enqueue to the last
 /// committed effect.
-async fn e1(env: &Env, args: &Args, t: Transport, round: usize) -> anyhow::Result<f64> {
+async fn e1(
+    env: &Env,
+    args: &Args,
+    t: Transport,
+    round: usize,
+) -> anyhow::Result<(f64, CpuPerMessage)> {
     let topic = format!("e1-{}-{round}-{}", t.short(), env.run);
     env.prepare(t, &topic).await?;
     reset(env).await?;
@@ -394,6 +627,7 @@ async fn e1(env: &Env, args: &Args, t: Transport, round: usize) -> anyhow::Resul
     let relay = spawn_relay(env, args, t, shutdown.clone())?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let n = args.backlog;
+    let cpu = CpuTicks::now(Some(t));
     let started = Instant::now();
     const PRODUCERS: usize = 4;
     const PER_TX: usize = 10;
@@ -426,6 +660,7 @@ async fn e1(env: &Env, args: &Args, t: Transport, round: usize) -> anyhow::Resul
     }
     let enqueued = started.elapsed();
     let last = until_acked(&acked, n, Duration::from_secs(300)).await?;
+    let cpu = cpu.per_message(CpuTicks::now(Some(t)), n);
     stop_consumer(shutdown, consumer).await?;
     relay.await??;
     exactly_once(env, n).await?;
@@ -435,7 +670,7 @@ async fn e1(env: &Env, args: &Args, t: Transport, round: usize) -> anyhow::Resul
         t.name(),
         n as f64 / enqueued.as_secs_f64()
     );
-    Ok(rate)
+    Ok((rate, cpu))
 }
 
 fn spawn_relay(
@@ -570,17 +805,20 @@ async fn drain<P: Publisher>(
 }
 
 /// O2, then (for a transport with a consumer side) C1 on what it published.
+type Stage = (f64, CpuPerMessage);
+
 async fn o2(
     env: &Env,
     args: &Args,
     t: Transport,
     round: usize,
-) -> anyhow::Result<(f64, Option<f64>)> {
+) -> anyhow::Result<(Stage, Option<Stage>)> {
     let topic = format!("o2-{}-{round}-{}", t.short(), env.run);
     env.prepare(t, &topic).await?;
     reset(env).await?;
     fill(&env.pool, &topic, args.backlog, &vec![b'x'; args.payload]).await?;
     let (pool, batch, n) = (&env.pool, args.batch, args.backlog);
+    let cpu = CpuTicks::now(Some(t));
     let rate = match t {
         Transport::Noop => drain(pool, DiscardPublisher, batch, n).await?,
         Transport::Postgres => drain(pool, PgQueue::new(pool.clone()), batch, n).await?,
@@ -593,11 +831,12 @@ async fn o2(
         Transport::Nats => drain(pool, env.nats(), batch, n).await?,
         Transport::Kafka => drain(pool, env.kafka(), batch, n).await?,
     };
+    let cpu = cpu.per_message(CpuTicks::now(Some(t)), n);
     let consumed = match t {
         Transport::Noop => None,
         _ => Some(c1(env, args, t, &topic).await?),
     };
-    Ok((rate, consumed))
+    Ok(((rate, cpu), consumed))
 }
 
 async fn latency<P: Publisher + 'static>(
@@ -739,6 +978,10 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
     let mut ends: HashMap<Transport, Vec<f64>> = HashMap::new();
     let mut lats: HashMap<Transport, Vec<(Duration, Duration)>> = HashMap::new();
     let mut e_lats: HashMap<Transport, Vec<(Duration, Duration)>> = HashMap::new();
+    let mut receives: HashMap<Transport, Vec<f64>> = HashMap::new();
+    let mut inbox_alone: Vec<f64> = Vec::new();
+    // CPU per message per (stage, transport); I1 under Noop.
+    let mut cpu: HashMap<(&str, Transport), Vec<CpuPerMessage>> = HashMap::new();
     for round in 0..args.rounds {
         // Rotate the order each round, so no transport always goes first.
         let order = |list: &[Transport]| -> Vec<Transport> {
@@ -747,21 +990,44 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
                 .collect()
         };
         for t in order(&transports) {
-            let (rate, consumed) = o2(env, args, t, round).await?;
+            let ((rate, o2_cpu), consumed) = o2(env, args, t, round).await?;
             eprintln!(
                 "round {round}: O2 {} {rate:.0} msgs/s; C1 {}",
                 t.name(),
-                consumed.map_or("-".into(), |c| format!("{c:.0} msgs/s"))
+                consumed.map_or("-".into(), |c| format!("{:.0} msgs/s", c.0))
             );
             drains.entry(t).or_default().push(rate);
-            if let Some(c) = consumed {
+            cpu.entry(("O2", t)).or_default().push(o2_cpu);
+            if let Some((c, c1_cpu)) = consumed {
                 consumes.entry(t).or_default().push(c);
+                cpu.entry(("C1", t)).or_default().push(c1_cpu);
+            }
+        }
+        // I1 goes at a different place among the R1 arms each round.
+        let mut r_arms: Vec<Option<Transport>> =
+            order(&with_consumer).into_iter().map(Some).collect();
+        r_arms.insert(round % (r_arms.len() + 1), None);
+        for arm in r_arms {
+            match arm {
+                Some(t) => {
+                    let (rate, r1_cpu) = r1(env, args, t, round).await?;
+                    eprintln!("round {round}: R1 {} {rate:.0} msgs/s", t.name());
+                    receives.entry(t).or_default().push(rate);
+                    cpu.entry(("R1", t)).or_default().push(r1_cpu);
+                }
+                None => {
+                    let (rate, i1_cpu) = i1(env, args).await?;
+                    eprintln!("round {round}: I1 inbox alone {rate:.0} msgs/s");
+                    inbox_alone.push(rate);
+                    cpu.entry(("I1", Transport::Noop)).or_default().push(i1_cpu);
+                }
             }
         }
         for t in order(&with_consumer) {
-            let rate = e1(env, args, t, round).await?;
+            let (rate, e1_cpu) = e1(env, args, t, round).await?;
             eprintln!("round {round}: E1 {} {rate:.0} msgs/s", t.name());
             ends.entry(t).or_default().push(rate);
+            cpu.entry(("E1", t)).or_default().push(e1_cpu);
         }
         for t in order(&with_consumer) {
             let l = e1_latency(env, args, t, round).await?;
@@ -780,11 +1046,22 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
         }
     }
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let i1_rate = if inbox_alone.is_empty() {
+        f64::NAN
+    } else {
+        median(inbox_alone.clone())
+    };
     println!();
     println!(
-        "| transport | O2 relay drain msgs/s | C1 consumer + inbox msgs/s | E1 end to end msgs/s | E1 / slowest stage | E1 commit→effect p50 | p99 | O3 commit→publish p50 | p99 |"
+        "I1 the inbox alone (inbox.process + effect, {} tasks): {i1_rate:.0} msgs/s; CPU µs per message client / postgres / broker: {}",
+        args.concurrency,
+        cpu_cell(cpu.get(&("I1", Transport::Noop)))
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!();
+    println!(
+        "| transport | O2 relay drain msgs/s | R1 receive → ack alone msgs/s | R1 / I1 | C1 consumer + inbox msgs/s | E1 end to end msgs/s | E1 / slowest stage | E1 commit→effect p50 | p99 | O3 commit→publish p50 | p99 |"
+    );
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for t in &transports {
         let d = median(drains[t].clone());
         let (p50, p99) = (
@@ -793,7 +1070,7 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
         );
         if *t == Transport::Noop {
             println!(
-                "| {} | {d:.0} | - | - | - | - | - | {:.1} ms | {:.1} ms |",
+                "| {} | {d:.0} | - | - | - | - | - | - | - | {:.1} ms | {:.1} ms |",
                 t.name(),
                 ms(p50),
                 ms(p99)
@@ -801,6 +1078,7 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
             continue;
         }
         let c = median(consumes[t].clone());
+        let r = median(receives[t].clone());
         let e = median(ends[t].clone());
         let (e50, e99) = (
             median(e_lats[t].iter().map(|l| l.0).collect()),
@@ -808,13 +1086,33 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
         );
         let slowest = if d < c { "relay" } else { "consumer" };
         println!(
-            "| {} | {d:.0} | {c:.0} | {e:.0} | {:.2}× ({slowest}) | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
+            "| {} | {d:.0} | {r:.0} | {:.2}× | {c:.0} | {e:.0} | {:.2}× ({slowest}) | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
             t.name(),
+            r / i1_rate,
             e / d.min(c),
             ms(e50),
             ms(e99),
             ms(p50),
             ms(p99)
+        );
+    }
+    println!();
+    println!(
+        "CPU per message, µs (client / postgres / broker; `-` where the process is not on this machine):"
+    );
+    println!();
+    println!(
+        "| transport | O2 relay drain | R1 receive → ack | C1 consumer + inbox | E1 end to end |"
+    );
+    println!("|---|---|---|---|---|");
+    for t in &transports {
+        println!(
+            "| {} | {} | {} | {} | {} |",
+            t.name(),
+            cpu_cell(cpu.get(&("O2", *t))),
+            cpu_cell(cpu.get(&("R1", *t))),
+            cpu_cell(cpu.get(&("C1", *t))),
+            cpu_cell(cpu.get(&("E1", *t))),
         );
     }
     Ok(())
