@@ -10,9 +10,9 @@
 //! - **E1** end to end: producers enqueue (10 messages per business transaction) while the
 //!   relay and the consumer run, as a service does; messages/s from the first enqueue to
 //!   the last committed effect, exactly-once checked (effects = messages, none twice).
-//! - **R1** receive → ack alone: a published backlog received and acked in batches of the
-//!   runner's concurrency, no inbox and no database work: what the transport costs the
-//!   consumer side.
+//! - **R1** receive → ack alone: a published backlog received and acked as the runner
+//!   does it (up to its concurrency in hand, receiving while acks run), no inbox and no
+//!   database work: what the transport costs the consumer side.
 //! - **I1** the inbox alone, same run: `inbox.process` with the one-row effect, committed,
 //!   from as many tasks as the runner's concurrency, no transport. R1 / I1 says whether the
 //!   transport or the inbox bounds the consumer (C1).
@@ -506,8 +506,8 @@ async fn c1(
     ))
 }
 
-/// R1: a backlog published to `t` (untimed), then received and acked alone, in batches of
-/// the runner's concurrency, acks in parallel; msgs/s.
+/// R1: a backlog published to `t` (untimed), then received and acked alone, up to the
+/// runner's concurrency in hand; msgs/s.
 async fn r1(
     env: &Env,
     args: &Args,
@@ -529,19 +529,53 @@ async fn r1(
         let limit = Duration::from_secs(300);
         let cpu = CpuTicks::now(Some(t));
         let started = Instant::now();
+        // As the runner does: up to `concurrency` messages in hand, receiving more while
+        // earlier ones are being acked.
+        let mut acking = futures_util::stream::FuturesUnordered::new();
         while seen.len() < n {
             anyhow::ensure!(
                 started.elapsed() < limit,
                 "R1: only {} of {n} received after {limit:?}",
                 seen.len()
             );
-            let batch = subscriber
-                .receive(topic, args.concurrency, Duration::from_secs(60))
-                .await?;
-            let acks = futures_util::future::join_all(batch.iter().map(|d| subscriber.ack(d)));
-            for (d, acked) in batch.iter().zip(acks.await) {
-                anyhow::ensure!(acked?, "R1: an ack found its delivery stale");
-                seen.insert(subscriber.envelope(d).id);
+            let free = args.concurrency.saturating_sub(acking.len());
+            if free > 0 {
+                // Acks keep running while the receive waits (they may hold connections
+                // of the pool the receive needs), as in the runner.
+                let receive = subscriber.receive(topic, free, Duration::from_secs(60));
+                tokio::pin!(receive);
+                let batch = loop {
+                    tokio::select! {
+                        r = &mut receive => break r?,
+                        Some(acked) = futures_util::StreamExt::next(&mut acking), if !acking.is_empty() => {
+                            seen.insert(acked?);
+                        }
+                    }
+                };
+                let received = batch.len();
+                for d in batch {
+                    let subscriber = &subscriber;
+                    acking.push(async move {
+                        let fresh = subscriber.ack(&d).await?;
+                        anyhow::ensure!(fresh, "R1: an ack found its delivery stale");
+                        Ok(subscriber.envelope(&d).id)
+                    });
+                }
+                if received == free {
+                    continue;
+                }
+            }
+            // Wait for an ack, or (none in flight) for messages to arrive.
+            match futures_util::StreamExt::next(&mut acking).await {
+                Some(acked) => {
+                    seen.insert(acked?);
+                }
+                None => tokio::time::sleep(Duration::from_millis(1)).await,
+            }
+            while let Some(Some(acked)) =
+                futures_util::FutureExt::now_or_never(futures_util::StreamExt::next(&mut acking))
+            {
+                seen.insert(acked?);
             }
         }
         let rate = n as f64 / started.elapsed().as_secs_f64();

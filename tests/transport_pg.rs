@@ -90,3 +90,141 @@ impl Harness for PgHarness {
 }
 
 pgbox::conformance_tests!(harness());
+
+/// Publishes `n` messages to a fresh topic and receives them all.
+async fn received(queue: &PgQueue, n: usize) -> Vec<pgbox::transport::Delivery> {
+    use pgbox::transport::Publisher;
+    let topic = format!("acks-{}", uuid::Uuid::now_v7().simple());
+    let batch: Vec<pgbox::Envelope> = (0..n)
+        .map(|i| pgbox::transport::conformance::envelope(&topic, format!("{i}")))
+        .collect();
+    assert!(queue.publish(&batch).await.iter().all(Result::is_ok));
+    let deliveries = queue
+        .receive(&topic, n, Duration::from_secs(60))
+        .await
+        .expect("receive");
+    assert_eq!(deliveries.len(), n);
+    deliveries
+}
+
+async fn queued(db: &TestDb) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pgbox.queue")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// Acks made at once are deleted together, and each is still fenced to its own delivery: a
+/// stale ack (an earlier delivery) reports `false` and deletes nothing, the same delivery
+/// acked twice is fresh once.
+#[tokio::test]
+async fn acks_made_together_are_each_fenced_to_their_delivery() {
+    let h = harness().await;
+    let queue = PgQueue::new(h.db.pool.clone());
+    let deliveries = received(&queue, 300).await;
+    // Counts the DELETE statements on the queue (this test's own database).
+    sqlx::raw_sql(
+        "CREATE TABLE delete_statements (at timestamptz DEFAULT now()); \
+         CREATE FUNCTION count_delete() RETURNS trigger LANGUAGE plpgsql AS \
+           $$ BEGIN INSERT INTO delete_statements DEFAULT VALUES; RETURN NULL; END $$; \
+         CREATE TRIGGER count_delete AFTER DELETE ON pgbox.queue \
+           FOR EACH STATEMENT EXECUTE FUNCTION count_delete();",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    let stale: Vec<_> = deliveries[..20]
+        .iter()
+        .map(|d| {
+            let mut stale = d.clone();
+            stale.delivery -= 1;
+            stale
+        })
+        .collect();
+    // Stale acks first, alone: nothing is deleted by them.
+    let results = futures_util::future::join_all(stale.iter().map(|d| queue.ack(d))).await;
+    assert!(
+        results.iter().all(|r| matches!(r, Ok(false))),
+        "{results:?}"
+    );
+    assert_eq!(queued(&h.db).await, 300, "a stale ack deleted a row");
+    // Then every delivery, the first 50 twice, mixed with the stale ones again.
+    let all: Vec<&pgbox::transport::Delivery> = deliveries
+        .iter()
+        .chain(&deliveries[..50])
+        .chain(&stale)
+        .collect();
+    let results = futures_util::future::join_all(all.iter().map(|d| queue.ack(d))).await;
+    let fresh = results
+        .iter()
+        .map(|r| r.as_ref().expect("ack"))
+        .filter(|f| **f)
+        .count();
+    assert_eq!(fresh, 300, "each delivery fresh once: {results:?}");
+    assert!(
+        results[320..].iter().all(|r| matches!(r, Ok(false))),
+        "stale acks report false"
+    );
+    assert_eq!(queued(&h.db).await, 0);
+    let statements: i64 = sqlx::query_scalar("SELECT count(*) FROM delete_statements")
+        .fetch_one(&h.db.pool)
+        .await
+        .unwrap();
+    assert!(
+        statements <= 10,
+        "390 acks made together took {statements} statements"
+    );
+}
+
+/// An ack whose caller stops waiting (a runner cancelled mid-ack) strands no other ack:
+/// the grouped statement runs in a task of its own.
+#[tokio::test]
+async fn abandoned_acks_strand_no_other_ack() {
+    let h = harness().await;
+    let queue = PgQueue::new(h.db.pool.clone());
+    let deliveries = received(&queue, 200).await;
+    for d in deliveries.iter().step_by(2) {
+        // Polled once, then dropped.
+        let _ = tokio::time::timeout(Duration::ZERO, queue.ack(d)).await;
+    }
+    let results = tokio::time::timeout(
+        Duration::from_secs(30),
+        futures_util::future::join_all(deliveries.iter().map(|d| queue.ack(d))),
+    )
+    .await
+    .expect("acks complete");
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    assert!(
+        results
+            .iter()
+            .skip(1)
+            .step_by(2)
+            .all(|r| matches!(r, Ok(true))),
+        "acks never abandoned are fresh"
+    );
+    assert_eq!(queued(&h.db).await, 0);
+}
+
+/// When the grouped statement fails, each ack runs alone and reports its own error; none
+/// waits forever.
+#[tokio::test]
+async fn acks_report_errors_when_the_database_is_gone() {
+    let h = harness().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&h.db.url())
+        .await
+        .unwrap();
+    let queue = PgQueue::new(pool.clone());
+    let deliveries = received(&queue, 20).await;
+    pool.close().await;
+    let results = tokio::time::timeout(
+        Duration::from_secs(30),
+        futures_util::future::join_all(deliveries.iter().map(|d| queue.ack(d))),
+    )
+    .await
+    .expect("acks end");
+    assert!(results.iter().all(Result::is_err), "{results:?}");
+    assert_eq!(queued(&h.db).await, 20, "nothing acked");
+}

@@ -1,13 +1,14 @@
 //! The built-in transport: a durable per-topic queue in PostgreSQL.
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, HashSet};
+use std::sync::{Arc, Mutex as StdMutex, MutexGuard};
 use std::time::Duration;
 
 use sqlx::postgres::PgRow;
 use sqlx::types::Json;
 use sqlx::{AssertSqlSafe, PgPool, Row};
 use time::OffsetDateTime;
+use tokio::sync::oneshot;
 use uuid::Uuid;
 
 use super::{PublishError, Publisher, Subscriber};
@@ -41,6 +42,61 @@ pub struct PgQueue {
     inner: Arc<Statements>,
     pooler: Pooler,
     session_pool: Option<PgPool>,
+    acks: Arc<AckGroup>,
+}
+
+/// Most acks deleted by one statement.
+const MAX_ACKS_PER_STATEMENT: usize = 1000;
+
+/// Acks that arrive together are deleted together: one statement (and one commit) for all
+/// the acks made while the previous statement ran, instead of one each. The statement runs
+/// in a task of its own, so an ack whose caller stops waiting strands no other.
+#[derive(Debug, Default)]
+struct AckGroup {
+    state: StdMutex<AckGroupState>,
+}
+
+#[derive(Debug, Default)]
+struct AckGroupState {
+    waiting: Vec<WaitingAck>,
+    /// A task is deleting, and takes what is waiting when it is done.
+    flushing: bool,
+}
+
+#[derive(Debug)]
+struct WaitingAck {
+    seq: i64,
+    delivery: i32,
+    /// `Some(fresh)`, or `None` when the group's statement failed: the ack then runs alone
+    /// and reports its own error.
+    answer: oneshot::Sender<Option<bool>>,
+}
+
+impl AckGroup {
+    fn lock(&self) -> MutexGuard<'_, AckGroupState> {
+        // Nothing in the state can be half-updated by a panic: a poisoned lock is fine.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Ends a flushing task's turn however it ends: if it unwinds or is dropped (its runtime
+/// shutting down), the acks still waiting are told to run alone, and the next ack starts a
+/// new task.
+struct FlushTurn {
+    group: Arc<AckGroup>,
+    finished: bool,
+}
+
+impl Drop for FlushTurn {
+    fn drop(&mut self) {
+        if !self.finished {
+            let mut state = self.group.lock();
+            state.flushing = false;
+            for waiting in state.waiting.drain(..) {
+                let _ = waiting.answer.send(None);
+            }
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -49,6 +105,7 @@ struct Statements {
     publish: String,
     receive: String,
     ack: String,
+    ack_group: String,
     nack: String,
     dead_letter: String,
 }
@@ -83,6 +140,15 @@ impl PgQueue {
             // the `queue_receive` function (migration V6), which pins its plan.
             receive: format!("SELECT {COLUMNS} FROM {s}.queue_receive($1, $2, $3)"),
             ack: format!("DELETE FROM {s}.queue WHERE seq = $1 AND deliveries = $2"),
+            // `seq = ANY` keeps the plan on the primary key whatever the statistics say;
+            // the pair fences each ack to its own delivery.
+            ack_group: format!(
+                "DELETE FROM {s}.queue AS q WHERE q.seq = ANY($1::bigint[]) \
+                 AND (q.seq, q.deliveries) IN (SELECT a.seq, a.deliveries \
+                   FROM ROWS FROM (pg_catalog.unnest($1::bigint[]), pg_catalog.unnest($2::integer[])) \
+                     AS a(seq, deliveries)) \
+                 RETURNING q.seq, q.deliveries"
+            ),
             nack: format!(
                 "UPDATE {s}.queue SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => $3), last_error = $4 \
                  WHERE seq = $1 AND deliveries = $2"
@@ -101,6 +167,7 @@ impl PgQueue {
             inner: Arc::new(inner),
             pooler: Pooler::None,
             session_pool: None,
+            acks: Arc::default(),
         }
     }
 
@@ -156,7 +223,85 @@ impl PgQueue {
 
     /// Deletes a delivered message. `false` if this delivery is stale (the message was
     /// redelivered since, or already acked).
+    ///
+    /// Acks made at the same time (the runner's handlers finishing together) are deleted by
+    /// one statement; `Ok` means this message's row is deleted and committed.
     pub async fn ack(&self, delivery: &Delivery) -> Result<bool> {
+        let (answer, answered) = oneshot::channel();
+        let lead = {
+            let mut state = self.acks.lock();
+            state.waiting.push(WaitingAck {
+                seq: delivery.queue_seq,
+                delivery: delivery.delivery,
+                answer,
+            });
+            !std::mem::replace(&mut state.flushing, true)
+        };
+        if lead {
+            tokio::spawn(self.clone().flush_acks());
+        }
+        let fresh = match answered.await {
+            Ok(Some(fresh)) => fresh,
+            _ => self.ack_alone(delivery).await?,
+        };
+        tracing::debug!(message_id = %delivery.envelope.id, fresh, "pgbox queue ack");
+        Ok(fresh)
+    }
+
+    /// Deletes what acks are waiting, a group at a time, until none is.
+    async fn flush_acks(self) {
+        let mut turn = FlushTurn {
+            group: self.acks.clone(),
+            finished: false,
+        };
+        loop {
+            let group: Vec<WaitingAck> = {
+                let mut state = self.acks.lock();
+                if state.waiting.is_empty() {
+                    state.flushing = false;
+                    turn.finished = true;
+                    return;
+                }
+                let n = state.waiting.len().min(MAX_ACKS_PER_STATEMENT);
+                state.waiting.drain(..n).collect()
+            };
+            let seqs: Vec<i64> = group.iter().map(|w| w.seq).collect();
+            let deliveries: Vec<i32> = group.iter().map(|w| w.delivery).collect();
+            let deleted: Result<Vec<(i64, i32)>> = async {
+                let mut unit = self.pooler.unit(&self.pool).await?;
+                let rows = sqlx::query_as(AssertSqlSafe(self.inner.ack_group.clone()))
+                    .persistent(self.pooler.persistent())
+                    .bind(&seqs)
+                    .bind(&deliveries)
+                    .fetch_all(&mut *unit)
+                    .await?;
+                unit.finish().await?;
+                Ok(rows)
+            }
+            .await;
+            match deleted {
+                Ok(rows) => {
+                    tracing::trace!(acks = group.len(), "pgbox queue acks deleted together");
+                    let mut deleted: HashSet<(i64, i32)> = rows.into_iter().collect();
+                    for waiting in group {
+                        // `remove`: the same delivery acked twice in one group is fresh once.
+                        let fresh = deleted.remove(&(waiting.seq, waiting.delivery));
+                        let _ = waiting.answer.send(Some(fresh));
+                    }
+                }
+                Err(e) => {
+                    tracing::debug!(acks = group.len(), error = %e, "pgbox queue group ack failed; each ack runs alone");
+                    for waiting in group {
+                        let _ = waiting.answer.send(None);
+                    }
+                }
+            }
+        }
+    }
+
+    /// One ack, one statement: what an ack falls back to when its group's statement failed,
+    /// so that it reports its own error.
+    async fn ack_alone(&self, delivery: &Delivery) -> Result<bool> {
         let mut unit = self.pooler.unit(&self.pool).await?;
         let done = sqlx::query(AssertSqlSafe(self.inner.ack.clone()))
             .persistent(self.pooler.persistent())
@@ -165,7 +310,6 @@ impl PgQueue {
             .execute(&mut *unit)
             .await?;
         unit.finish().await?;
-        tracing::debug!(message_id = %delivery.envelope.id, "pgbox queue ack");
         Ok(done.rows_affected() == 1)
     }
 
