@@ -529,3 +529,72 @@ async fn a_member_paused_by_a_full_buffer_fetches_again_after_a_rebalance() {
         }
     }
 }
+
+/// A record that is not pgbox's (another producer's, without pgbox's headers) is copied to
+/// the dead-letter topic as it is, and settled there; the pgbox messages around it in its
+/// partition are delivered, and the group's offset moves past it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_that_are_not_pgboxs_go_to_the_dead_letter_topic() {
+    use pgbox::transport::{Publisher, Subscriber};
+    use rdkafka::ClientConfig;
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    use std::collections::HashSet;
+    use std::time::Instant;
+
+    let h = harness().await;
+    let topic = h.fresh_topic().await;
+    let kafka = transport(&h.broker.bootstrap());
+    let mut before = conformance::envelope(&topic, b"before".to_vec());
+    before.ordering_key = Some("k".into());
+    assert!(kafka.publish(&[before.clone()]).await[0].is_ok());
+    let raw: FutureProducer = ClientConfig::new()
+        .set("bootstrap.servers", h.broker.bootstrap())
+        .create()
+        .expect("producer");
+    raw.send(
+        FutureRecord::to(&topic).key("k").payload("someone else's"),
+        Duration::from_secs(10),
+    )
+    .await
+    .expect("raw record");
+    let mut after = conformance::envelope(&topic, b"after".to_vec());
+    after.ordering_key = Some("k".into());
+    assert!(kafka.publish(&[after.clone()]).await[0].is_ok());
+
+    let mut got = HashSet::new();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while got.len() < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "pgbox messages received: {got:?}"
+        );
+        for d in kafka
+            .receive(&topic, 10, Duration::from_secs(30))
+            .await
+            .expect("receive")
+        {
+            got.insert(kafka.envelope(&d).id);
+            assert!(kafka.ack(&d).await.expect("ack"));
+        }
+    }
+    assert_eq!(got, HashSet::from([before.id, after.id]));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let dead = loop {
+        let dead = kafka.dead_letters(&topic, 10).await.expect("dead letters");
+        if !dead.is_empty() || Instant::now() > deadline {
+            break dead;
+        }
+        // The copy is made on a receive.
+        let _ = kafka.receive(&topic, 10, Duration::from_secs(30)).await;
+    };
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(dead[0].envelope.payload, b"someone else's");
+    assert!(
+        dead[0]
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("not a pgbox message")),
+        "{:?}",
+        dead[0].error
+    );
+}

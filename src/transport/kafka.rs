@@ -105,6 +105,9 @@ const RECORD_EXTRA_BYTES: usize = 3072;
 const METADATA_PREFIX: &str = "pgbox:1:";
 /// Bound on the broker calls made inside librdkafka's rebalance callback.
 const REBALANCE_CALL: Duration = Duration::from_secs(10);
+/// How long after a failed copy of not-pgbox records to the dead-letter topic the next
+/// try waits.
+const FOREIGN_RETRY: Duration = Duration::from_secs(1);
 
 fn broker_error(what: &str, e: impl fmt::Display) -> Error {
     Error::Transport {
@@ -891,11 +894,14 @@ struct State {
     busy: HashMap<(i32, String), u64>,
     /// Messages received and not yet handed out, all partitions.
     buffered: usize,
-    paused: bool,
+    /// Partitions this member paused (its buffer was full) and has not resumed.
+    paused: HashSet<i32>,
     next_generation: u64,
     next_lease: u64,
     /// Messages that are not pgbox's, to copy to the dead-letter topic.
     foreign: Vec<(u64, OwnedMessage)>,
+    /// No copy of them is tried before this (a copy failed).
+    foreign_retry_at: Option<Instant>,
 }
 
 /// What a previous owner of a partition left in its committed offset's metadata.
@@ -1148,11 +1154,13 @@ impl GroupContext {
                 ..Partition::default()
             };
         }
-        // Under incremental (cooperative) rebalancing, partitions this member keeps are
-        // not assigned again and stay paused if they were. Marking the member paused makes
-        // the next receive resume the whole assignment once the buffer is low, from the
-        // runner's task rather than from inside this callback.
-        state.paused = true;
+        // A partition assigned (again) starts fetching unpaused. Under incremental
+        // (cooperative) rebalancing the partitions this member keeps are not assigned again
+        // and stay paused if they were: they stay in `paused`, to be resumed when the
+        // buffer is low.
+        for elem in list.elements_for_topic(&self.topic) {
+            state.paused.remove(&elem.partition());
+        }
         tracing::info!(topic = %self.topic, partitions = list.count(), "pgbox kafka partitions assigned");
     }
 
@@ -1189,6 +1197,7 @@ impl GroupContext {
                 part.assigned = false;
                 part.received_through = None;
                 part.generation = u64::MAX;
+                state.paused.remove(&elem.partition());
             }
             // Under cooperative rebalancing the other partitions stay this member's.
             state
@@ -1453,24 +1462,46 @@ impl TopicConsumer {
         true
     }
 
+    /// Pauses fetching when the buffer is full; resumes what it paused once the buffer is
+    /// half empty. Only partitions this member paused are ever resumed: librdkafka's resume
+    /// of a partition that is not paused still starts a new version of it, which drops the
+    /// records already fetched for it without fetching them again.
     fn pause_or_resume(&self, max_buffered: usize) {
         let mut state = self.state.lock().expect("kafka state");
-        let pause = if !state.paused && state.buffered >= max_buffered {
+        let pause = if state.paused.is_empty() && state.buffered >= max_buffered {
             true
-        } else if state.paused && state.buffered <= max_buffered / 2 {
+        } else if !state.paused.is_empty() && state.buffered <= max_buffered / 2 {
             false
         } else {
             return;
         };
-        state.paused = pause;
-        drop(state);
         let Ok(assignment) = self.consumer.assignment() else {
             return;
         };
-        let result = if pause {
-            self.consumer.pause(&assignment)
+        let mut list = TopicPartitionList::new();
+        for elem in assignment.elements_for_topic(&self.topic) {
+            let p = elem.partition();
+            if pause || state.paused.contains(&p) {
+                list.add_partition(&self.topic, p);
+            }
+        }
+        if pause {
+            state.paused = list
+                .elements_for_topic(&self.topic)
+                .iter()
+                .map(|e| e.partition())
+                .collect();
         } else {
-            self.consumer.resume(&assignment)
+            state.paused.clear();
+        }
+        drop(state);
+        if list.count() == 0 {
+            return;
+        }
+        let result = if pause {
+            self.consumer.pause(&list)
+        } else {
+            self.consumer.resume(&list)
         };
         if let Err(e) = result {
             tracing::debug!(topic = %self.topic, pause, error = %e, "pgbox kafka: pause/resume failed");
@@ -1479,10 +1510,18 @@ impl TopicConsumer {
 }
 
 impl Kafka {
-    /// Copies the messages that are not pgbox's to the dead-letter topic, then settles them.
+    /// Copies the messages that are not pgbox's to the dead-letter topic, all at once, then
+    /// settles them. After a failed copy the next try waits [`FOREIGN_RETRY`]: a dead-letter
+    /// topic that cannot be written does not slow every receive down.
     async fn forward_foreign(&self, tc: &TopicConsumer) {
-        let foreign = std::mem::take(&mut tc.state.lock().expect("kafka state").foreign);
-        for (generation, m) in foreign {
+        let foreign = {
+            let mut state = tc.state.lock().expect("kafka state");
+            if state.foreign_retry_at.is_some_and(|at| Instant::now() < at) {
+                return;
+            }
+            std::mem::take(&mut state.foreign)
+        };
+        let sent = join_all(foreign.into_iter().map(|(generation, m)| async move {
             let headers = m
                 .headers()
                 .map(|h| h.as_borrowed().detach())
@@ -1494,7 +1533,12 @@ impl Kafka {
             let sent = self
                 .send_dead_letter(&tc.topic, m.key(), m.payload().unwrap_or_default(), headers)
                 .await;
-            let mut state = tc.state.lock().expect("kafka state");
+            (generation, m, sent)
+        }))
+        .await;
+        let mut state = tc.state.lock().expect("kafka state");
+        let mut failed = false;
+        for (generation, m, sent) in sent {
             match sent {
                 Ok(()) => {
                     if let Some(part) = state.partitions.get_mut(&m.partition())
@@ -1505,10 +1549,12 @@ impl Kafka {
                 }
                 Err(e) => {
                     tracing::warn!(topic = %tc.topic, error = %e, "pgbox kafka: cannot dead-letter a foreign message yet");
+                    failed = true;
                     state.foreign.push((generation, m));
                 }
             }
         }
+        state.foreign_retry_at = failed.then(|| Instant::now() + FOREIGN_RETRY);
     }
 }
 
