@@ -980,6 +980,20 @@ struct Partition {
 }
 
 impl Partition {
+    /// A partition just assigned to this member, where `prior` left it.
+    fn assigned(generation: u64, prior: Prior) -> Partition {
+        Partition {
+            assigned: true,
+            generation,
+            prior,
+            handed_through: prior.handed_through,
+            durable_through: prior.handed_through,
+            marked_head: (prior.committed, prior.head_attempt),
+            committed: prior.committed,
+            ..Partition::default()
+        }
+    }
+
     /// Where the group's committed offset should be: the lowest unsettled message.
     fn frontier(&self) -> Option<i64> {
         self.open.first().copied().or(self.received_through)
@@ -1143,16 +1157,7 @@ impl GroupContext {
             });
             let part = state.partitions.entry(elem.partition()).or_default();
             state.buffered -= part.buffer.len();
-            *part = Partition {
-                assigned: true,
-                generation: state.next_generation,
-                prior,
-                handed_through: prior.handed_through,
-                durable_through: prior.handed_through,
-                marked_head: (prior.committed, prior.head_attempt),
-                committed: prior.committed,
-                ..Partition::default()
-            };
+            *part = Partition::assigned(state.next_generation, prior);
         }
         // A partition assigned (again) starts fetching unpaused. Under incremental
         // (cooperative) rebalancing the partitions this member keeps are not assigned again
@@ -1720,15 +1725,7 @@ mod tests {
     #[test]
     fn a_new_owner_marks_the_head_it_hands_out_again() {
         let prior = Prior::parse(10, "pgbox:1:13:2");
-        let mut part = Partition {
-            assigned: true,
-            prior,
-            handed_through: prior.handed_through,
-            durable_through: prior.handed_through,
-            marked_head: (prior.committed, prior.head_attempt),
-            committed: prior.committed,
-            ..Partition::default()
-        };
+        let mut part = Partition::assigned(1, prior);
         part.open.insert(10);
         assert!(!part.mark_behind(10), "nothing handed out yet");
         part.in_hand.insert(
