@@ -108,45 +108,60 @@ impl DerefMut for Unit {
 /// connection of the pool reads it. A direct connection or a pooler in session mode never
 /// shows the value there; a pooler in transaction mode does whenever it hands the second
 /// connection the server connection the first one just released (PgBouncer reuses the most
-/// recently released one by default). `Some(false)` can be a miss on a busy pooler, `Some(true)`
-/// is never a false alarm. `None`: the pool could not lend a second connection at once.
+/// recently released one by default, but another client, or a server connection it opened
+/// meanwhile, can take that turn). So the probe is made up to [`PROBE_ATTEMPTS`] times, the
+/// two connections taking turns at writing: `Some(true)` is never a false alarm, and
+/// `Some(false)` after every attempt missed is a miss only on a pooler busy with other
+/// clients. `None`: the pool could not lend a second connection within 2 seconds.
 ///
-/// Both statements use the simple protocol, which any pooler passes through whole; the
+/// Every statement uses the simple protocol, which any pooler passes through whole; the
 /// setting (`pgbox.pooler_probe`) is reset afterwards and inert.
 pub(crate) async fn shares_sessions(pool: &PgPool) -> Result<Option<bool>> {
-    let marker = uuid::Uuid::now_v7().simple().to_string();
     let mut first = pool.acquire().await?;
-    // Only [0-9a-f] in the marker: safe as a literal.
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "SELECT pg_catalog.set_config('pgbox.pooler_probe', '{marker}', false)"
-    )))
-    .execute(&mut *first)
-    .await?;
-    let can_open = pool.size() < pool.options().get_max_connections();
+    // A pool busy with other work may free a connection shortly: wait a little for one.
     let second = match pool.try_acquire() {
         Some(conn) => Some(conn),
-        None if can_open => tokio::time::timeout(std::time::Duration::from_secs(2), pool.acquire())
+        None => tokio::time::timeout(std::time::Duration::from_secs(2), pool.acquire())
             .await
             .ok()
             .transpose()?,
-        None => None,
     };
-    let seen = match second {
-        Some(mut second) => {
-            let row =
-                sqlx::raw_sql("SELECT pg_catalog.current_setting('pgbox.pooler_probe', true)")
-                    .fetch_optional(&mut *second)
-                    .await?;
-            let value: Option<String> = match row {
-                Some(row) => sqlx::Row::try_get(&row, 0)?,
-                None => None,
-            };
-            Some(value.as_deref() == Some(marker.as_str()))
-        }
-        None => None,
+    let Some(mut second) = second else {
+        return Ok(None);
     };
-    sqlx::raw_sql("SELECT pg_catalog.set_config('pgbox.pooler_probe', '', false)")
-        .execute(&mut *first)
+    let mut seen = false;
+    for attempt in 0..PROBE_ATTEMPTS {
+        let (writer, reader) = if attempt % 2 == 0 {
+            (&mut first, &mut second)
+        } else {
+            (&mut second, &mut first)
+        };
+        let marker = uuid::Uuid::now_v7().simple().to_string();
+        // Only [0-9a-f] in the marker: safe as a literal.
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "SELECT pg_catalog.set_config('pgbox.pooler_probe', '{marker}', false)"
+        )))
+        .execute(&mut **writer)
         .await?;
-    Ok(seen)
+        let row = sqlx::raw_sql("SELECT pg_catalog.current_setting('pgbox.pooler_probe', true)")
+            .fetch_optional(&mut **reader)
+            .await?;
+        let value: Option<String> = match row {
+            Some(row) => sqlx::Row::try_get(&row, 0)?,
+            None => None,
+        };
+        if value.as_deref() == Some(marker.as_str()) {
+            seen = true;
+            break;
+        }
+    }
+    for conn in [&mut first, &mut second] {
+        sqlx::raw_sql("SELECT pg_catalog.set_config('pgbox.pooler_probe', '', false)")
+            .execute(&mut **conn)
+            .await?;
+    }
+    Ok(Some(seen))
 }
+
+/// How many times [`shares_sessions`] looks before it answers that sessions are not shared.
+const PROBE_ATTEMPTS: usize = 6;
