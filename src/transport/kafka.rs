@@ -755,6 +755,27 @@ fn headers(envelope: &Envelope) -> Result<OwnedHeaders, PublishError> {
     Ok(map)
 }
 
+/// `headers`, if the envelope's ordering key and they fit in [`RECORD_EXTRA_BYTES`]: the
+/// room a record has beside its payload under the producer's limit (see `client_config`).
+fn within_record_extra(
+    envelope: &Envelope,
+    headers: OwnedHeaders,
+) -> Result<OwnedHeaders, PublishError> {
+    let extra = envelope.ordering_key.as_ref().map_or(0, String::len)
+        + headers
+            .iter()
+            .map(|h| h.key.len() + h.value.map_or(0, <[u8]>::len))
+            .sum::<usize>();
+    if extra > RECORD_EXTRA_BYTES {
+        return Err(PublishError(format!(
+            "the ordering key and headers of message {} take {extra} bytes, \
+             over the {RECORD_EXTRA_BYTES} a Kafka record has for them",
+            envelope.id
+        )));
+    }
+    Ok(headers)
+}
+
 fn decode<M: Message>(topic: &str, message: &M) -> Result<Envelope> {
     let bad = |reason| Error::InvalidField {
         field: "kafka message",
@@ -819,23 +840,7 @@ impl Publisher for Kafka {
                     envelope.payload.len()
                 )))
             } else {
-                match headers(envelope).and_then(|h| {
-                    // The producer's limit is the payload's plus 4 KiB (client_config): the
-                    // key and headers get 3 KiB of it, the record's framing the rest.
-                    let extra = envelope.ordering_key.as_ref().map_or(0, String::len)
-                        + h.iter()
-                            .map(|h| h.key.len() + h.value.map_or(0, <[u8]>::len))
-                            .sum::<usize>();
-                    if extra > RECORD_EXTRA_BYTES {
-                        Err(PublishError(format!(
-                            "the ordering key and headers of message {} take {extra} bytes, \
-                             over the {RECORD_EXTRA_BYTES} a Kafka record has for them",
-                            envelope.id
-                        )))
-                    } else {
-                        Ok(h)
-                    }
-                }) {
+                match headers(envelope).and_then(|h| within_record_extra(envelope, h)) {
                     Ok(h) => {
                         let mut record = FutureRecord::to(&envelope.topic)
                             .payload(&envelope.payload[..])
@@ -1202,12 +1207,12 @@ impl GroupContext {
                 part.assigned = false;
                 part.received_through = None;
                 part.generation = u64::MAX;
-                state.paused.remove(&elem.partition());
             }
             // Under cooperative rebalancing the other partitions stay this member's.
             state
                 .foreign
                 .retain(|(_, m)| !revoked.contains(&m.partition()));
+            state.paused.retain(|p| !revoked.contains(p));
         }
         if let Some(tpl) = Commit::list(&commits) {
             // Hand the partitions over with their progress; a failure only means more
@@ -1483,25 +1488,24 @@ impl TopicConsumer {
         let Ok(assignment) = self.consumer.assignment() else {
             return;
         };
-        let mut list = TopicPartitionList::new();
-        for elem in assignment.elements_for_topic(&self.topic) {
-            let p = elem.partition();
-            if pause || state.paused.contains(&p) {
-                list.add_partition(&self.topic, p);
-            }
-        }
+        let partitions: Vec<i32> = assignment
+            .elements_for_topic(&self.topic)
+            .iter()
+            .map(|e| e.partition())
+            .filter(|p| pause || state.paused.contains(p))
+            .collect();
         if pause {
-            state.paused = list
-                .elements_for_topic(&self.topic)
-                .iter()
-                .map(|e| e.partition())
-                .collect();
+            state.paused = partitions.iter().copied().collect();
         } else {
             state.paused.clear();
         }
         drop(state);
-        if list.count() == 0 {
+        if partitions.is_empty() {
             return;
+        }
+        let mut list = TopicPartitionList::new();
+        for p in partitions {
+            list.add_partition(&self.topic, p);
         }
         let result = if pause {
             self.consumer.pause(&list)
