@@ -110,11 +110,26 @@ async fn pipeline_survives_cut_connections_without_loss_or_double_effects() {
     .await;
 }
 
-/// The consumer process of `pipeline_survives_a_consumer_killed_mid_batch`; a no-op in a
-/// normal test run.
+/// The consumer process of `pipeline_survives_a_consumer_killed_mid_batch` and
+/// `a_consumer_restarted_under_its_instance_id_takes_over_at_once`; a no-op in a normal
+/// test run. Its `extra` is `<bootstrap>` or `<bootstrap>+<instance id>`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn child_consumer_process() {
-    brokers::child_consumer(transport).await;
+    brokers::child_consumer(|extra: &str| match extra.split_once('+') {
+        None => transport(extra),
+        // A session far longer than the test's limit: the restarted process can only get
+        // the partitions by its instance id, never by the dead one's session running out.
+        Some((bootstrap, id)) => Kafka::builder(bootstrap)
+            .partitions(4)
+            .session_timeout(Duration::from_secs(240))
+            .receive_wait(Duration::from_millis(100))
+            .message_max_bytes(MAX_BYTES)
+            .set("batch.num.messages", "1")
+            .instance_id(id)
+            .build()
+            .expect("valid config"),
+    })
+    .await;
 }
 
 /// Relay → Kafka → consumer process → inbox, with the consumer process killed with SIGKILL
@@ -132,6 +147,27 @@ async fn pipeline_survives_a_consumer_killed_mid_batch() {
         &topic,
         "child_consumer_process",
         &h.broker.bootstrap(),
+    )
+    .await;
+}
+
+/// Static membership: the consumer process, SIGKILLed mid-batch, is started again under
+/// the same instance id and takes its partitions back at once: with a 4-minute session
+/// timeout nothing else could hand them over within the harness's 2-minute limit. This is
+/// also the way past tansu 0.6 keeping a SIGKILLed group leader, under which a new member
+/// can wait for ever (the README's Kafka section). Every message takes effect once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_restarted_under_its_instance_id_takes_over_at_once() {
+    let h = harness().await;
+    let topic = h.fresh_topic().await;
+    let db = support::TestDb::migrated().await;
+    brokers::pipeline_with_killed_consumer(
+        &db.pool,
+        &db.url(),
+        transport(&h.broker.bootstrap()),
+        &topic,
+        "child_consumer_process",
+        &format!("{}+points-{}", h.broker.bootstrap(), &topic[2..10]),
     )
     .await;
 }

@@ -330,7 +330,14 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<bool> {
         }))
     };
     // Points first: on a broker, its queue must exist before payments publishes.
-    let points = service("points", &["--visibility-timeout-ms".into(), "2000".into()])?;
+    let mut points_args = vec!["--visibility-timeout-ms".into(), "2000".into()];
+    if args.transport == TransportKind::Kafka {
+        // Static membership: each restart after a SIGKILL takes the partitions back at
+        // once. Without it, tansu 0.6 can leave a SIGKILLed group leader in charge and the
+        // restarted consumer with no partitions (the README's Kafka section).
+        points_args.extend(["--instance-id".into(), "points-1".into()]);
+    }
+    let points = service("points", &points_args)?;
     let payments = service(
         "payments",
         &[

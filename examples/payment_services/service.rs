@@ -37,6 +37,11 @@ pub struct ServiceArgs {
     /// seconds unused (default: never; the demo's per-run topics use an hour).
     #[arg(long, env = "BROKER_EXPIRES_SECS")]
     pub broker_expires_secs: Option<u64>,
+    /// points on kafka: this replica's stable name in its consumer group (static
+    /// membership): restarted under the same name, it takes its partitions back at once
+    /// instead of waiting for a rebalance. One running process per name.
+    #[arg(long, env = "INSTANCE_ID")]
+    pub instance_id: Option<String>,
     /// Database connections of this process.
     #[arg(long, env = "MAX_CONNECTIONS", default_value_t = 10)]
     pub max_connections: u32,
@@ -124,6 +129,9 @@ impl ServiceArgs {
     pub fn kafka(&self) -> anyhow::Result<pgbox::transport::kafka::Kafka> {
         let mut builder =
             pgbox::transport::kafka::Kafka::builder(self.broker_url()).group("points-service");
+        if let Some(id) = &self.instance_id {
+            builder = builder.instance_id(id);
+        }
         // librdkafka settings, `name=value,name=value` (security, timeouts...).
         if let Ok(settings) = std::env::var("KAFKA_SETTINGS") {
             for pair in settings.split(',').filter(|p| !p.trim().is_empty()) {

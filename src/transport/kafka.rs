@@ -131,6 +131,7 @@ pub struct KafkaBuilder {
     message_max_bytes: usize,
     linger: Duration,
     max_buffered: usize,
+    instance_id: Option<String>,
     settings: BTreeMap<String, String>,
 }
 
@@ -173,7 +174,8 @@ impl KafkaBuilder {
     }
 
     /// How long the group waits for a silent member before giving its partitions to
-    /// others (default 10 s; Kafka's `session.timeout.ms`).
+    /// others (default 10 s; Kafka's `session.timeout.ms`; at most `max.poll.interval.ms`,
+    /// 5 min unless set).
     pub fn session_timeout(mut self, timeout: Duration) -> Self {
         self.session_timeout = timeout;
         self
@@ -204,6 +206,22 @@ impl KafkaBuilder {
         self
     }
 
+    /// Static group membership (Kafka's `group.instance.id`; default none): this process's
+    /// stable name in its consumer groups, e.g. a pod's or a service replica's name.
+    ///
+    /// A consumer restarted under the same id takes its partitions back at once, without
+    /// a rebalance of the group and without waiting for the dead process's session to time
+    /// out (its in-hand messages come again, from the committed offsets, and the inbox
+    /// absorbs what had taken effect). The price: a consumer that stops for good keeps its
+    /// partitions until [`session_timeout`](Self::session_timeout) passes, since a static
+    /// member does not leave its group on shutdown. At most one running process per id:
+    /// the broker fences the older of two. On tansu 0.6 this is also what lets a restarted
+    /// consumer take over from a SIGKILLed predecessor that led the group (see the README).
+    pub fn instance_id(mut self, id: impl Into<String>) -> Self {
+        self.instance_id = Some(id.into());
+        self
+    }
+
     /// Any librdkafka setting for the producer and consumers (security, timeouts...):
     /// applied after pgbox's own, except those pgbox's guarantees rest on
     /// (`enable.idempotence`, `acks`, `enable.auto.commit`, `enable.auto.offset.store`),
@@ -219,21 +237,11 @@ impl KafkaBuilder {
         if self.bootstrap.trim().is_empty() {
             return bad("bootstrap servers are empty");
         }
-        if self.group.is_empty()
-            || !self
-                .group
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
-        {
-            return bad("group: ASCII letters, digits, '.', '_' and '-'");
+        if !kafka_name(&self.group) {
+            return bad("group: 1 to 249 ASCII letters, digits, '.', '_' and '-'");
         }
-        if !self
-            .dead_letter_suffix
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
-            || self.dead_letter_suffix.is_empty()
-        {
-            return bad("dead-letter suffix: ASCII letters, digits, '.', '_' and '-'");
+        if !kafka_name(&self.dead_letter_suffix) {
+            return bad("dead-letter suffix: 1 to 249 ASCII letters, digits, '.', '_' and '-'");
         }
         if self.partitions < 1 || self.replication_factor < 1 {
             return bad("partitions and replication factor must be at least 1");
@@ -242,6 +250,25 @@ impl KafkaBuilder {
             || self.session_timeout < Duration::from_secs(1)
         {
             return bad("receive_wait must be at least 10 ms and session_timeout 1 s");
+        }
+        // librdkafka refuses a consumer whose session outlasts its poll interval.
+        let poll_interval = self
+            .settings
+            .get("max.poll.interval.ms")
+            .and_then(|ms| ms.parse().ok())
+            .map_or(Duration::from_secs(300), Duration::from_millis);
+        if self.session_timeout > poll_interval {
+            return bad(&format!(
+                "session_timeout ({:?}) must not exceed max.poll.interval.ms ({poll_interval:?})",
+                self.session_timeout
+            ));
+        }
+        if self
+            .instance_id
+            .as_deref()
+            .is_some_and(|id| !kafka_name(id))
+        {
+            return bad("instance id: 1 to 249 ASCII letters, digits, '.', '_' and '-'");
         }
         if self.message_max_bytes < 1024 || self.max_buffered == 0 {
             return bad("message_max_bytes must be at least 1 KiB and max_buffered positive");
@@ -258,6 +285,9 @@ impl KafkaBuilder {
                     "kafka: `{key}` is pgbox's to set (its delivery guarantees rest on it)"
                 )));
             }
+        }
+        if self.settings.contains_key("group.instance.id") {
+            return bad("set `group.instance.id` with `instance_id` (it is for consumers only)");
         }
         Ok(Kafka {
             inner: Arc::new(Inner {
@@ -362,15 +392,19 @@ struct Meta {
     headers: BTreeMap<String, String>,
 }
 
-/// Whether `name` is a valid Kafka topic name.
-fn valid_topic(name: &str) -> bool {
+/// Whether `name` is 1 to 249 of Kafka's name characters: ASCII letters, digits, `.`, `_`
+/// and `-`.
+fn kafka_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 249
-        && name != "."
-        && name != ".."
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// Whether `name` is a valid Kafka topic name.
+fn valid_topic(name: &str) -> bool {
+    kafka_name(name) && name != "." && name != ".."
 }
 
 fn check_topic(topic: &str) -> Result<()> {
@@ -400,6 +434,7 @@ impl Kafka {
             message_max_bytes: 1 << 20,
             linger: Duration::from_millis(2),
             max_buffered: 10_000,
+            instance_id: None,
             settings: BTreeMap::new(),
         }
     }
@@ -587,6 +622,9 @@ impl Kafka {
                     .to_string(),
             )
             .set("fetch.wait.max.ms", "100");
+        if let Some(id) = &config.instance_id {
+            c.set("group.instance.id", id);
+        }
         for (k, v) in &config.settings {
             c.set(k, v);
         }
@@ -1781,5 +1819,36 @@ mod tests {
         assert!(Kafka::builder("127.0.0.1:9092").build().is_ok());
         assert!(Kafka::builder(" ").build().is_err());
         assert!(Kafka::builder("x:1").group("a b").build().is_err());
+    }
+
+    #[test]
+    fn builder_checks_the_instance_id() {
+        let build = |id: &str| Kafka::builder("x:1").instance_id(id).build();
+        assert!(build("points-1").is_ok());
+        assert!(build("pod_7.eu-west").is_ok());
+        for bad in ["", "a b", "ü", "a/b", &"x".repeat(250)] {
+            let err = build(bad).unwrap_err();
+            assert!(matches!(err, Error::InvalidConfig(_)), "{bad:?}: {err}");
+        }
+        // Only through `instance_id`, which keeps it off the producer.
+        let err = Kafka::builder("x:1")
+            .set("group.instance.id", "points-1")
+            .build()
+            .unwrap_err();
+        assert!(err.to_string().contains("instance_id"), "{err}");
+    }
+
+    #[test]
+    fn builder_keeps_the_session_within_the_poll_interval() {
+        let session = |secs| Kafka::builder("x:1").session_timeout(Duration::from_secs(secs));
+        assert!(session(300).build().is_ok());
+        let err = session(600).build().unwrap_err();
+        assert!(err.to_string().contains("max.poll.interval.ms"), "{err}");
+        assert!(
+            session(600)
+                .set("max.poll.interval.ms", "900000")
+                .build()
+                .is_ok()
+        );
     }
 }
