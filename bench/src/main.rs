@@ -986,26 +986,26 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         })
     };
-    // BEGIN, claim (inserts nothing, returns no row), read of the stored record, COMMIT.
+    // BEGIN, the claim (inserts nothing; its second branch reads the stored record), COMMIT.
     bench
         .run(
             "I2 inbox.process, 100% duplicates",
             1,
-            "4",
+            "3",
             Some("inbox"),
             Some("B0 BEGIN/INSERT/COMMIT"),
             Some(&preload),
             process_duplicate(Inbox::new("bench")?),
         )
         .await?;
-    // I2c: duplicates through `process_and_commit`: BEGIN, the claim (inserts nothing), the
-    // read of the stored record, ROLLBACK.
+    // I2c: duplicates through `process_and_commit`: BEGIN, the claim (inserts nothing, reads
+    // the stored record), ROLLBACK.
     let inbox = Inbox::new("bench")?;
     bench
         .run(
             "I2c inbox.process_and_commit, 100% duplicates",
             1,
-            "4",
+            "3",
             Some("inbox"),
             Some("B0 BEGIN/INSERT/COMMIT"),
             Some(&preload),
@@ -1516,7 +1516,7 @@ async fn main() -> anyhow::Result<()> {
                         .run(
                             p2_plain,
                             1,
-                            "4",
+                            "3",
                             Some("pgbox.inbox"),
                             None,
                             Some(&preload),

@@ -133,15 +133,24 @@ impl Statements {
         }
         let (lock_watermark, create_watermark, advance_watermark) = watermark_sql(schema);
         Statements {
-            // The common path: a bare INSERT, the cheapest claim there is. No row back means a
-            // committed row holds the key (a concurrent claim was waited for); `read` then
-            // fetches it with a new snapshot under READ COMMITTED. The transaction id comes
-            // back only from an inserted row, so a duplicate assigns none.
+            // The common path: one statement. The INSERT claims a new key; when it inserts
+            // nothing, the second branch reads the row that holds the key (as `read` does),
+            // so a duplicate is decided without a second round trip. That branch reads with
+            // the statement's snapshot: a row committed by a concurrent claim we waited for
+            // is not in it, no row comes back, and `read` fetches it with a new snapshot
+            // under READ COMMITTED. The transaction id comes back only from an inserted row,
+            // so a duplicate assigns none.
             claim: format!(
-                "INSERT INTO {s}.inbox (consumer, key, message_id) VALUES ($1, $2, $3) \
-                 ON CONFLICT (consumer, key) DO NOTHING \
-                 RETURNING true, false, processed_at, message_id, NULL::jsonb, NULL::text, \
-                           pg_catalog.pg_current_xact_id()::text"
+                "WITH claimed AS (INSERT INTO {s}.inbox (consumer, key, message_id) VALUES ($1, $2, $3) \
+                   ON CONFLICT (consumer, key) DO NOTHING \
+                   RETURNING true, false, processed_at, message_id, NULL::jsonb, NULL::text, \
+                             pg_catalog.pg_current_xact_id()::text) \
+                 SELECT * FROM claimed \
+                 UNION ALL \
+                 SELECT false, lease_expires_at IS NOT NULL, processed_at, message_id, outcome, \
+                        rejection, NULL::text \
+                 FROM {s}.inbox WHERE consumer = $1 AND key = $2 \
+                   AND NOT EXISTS (SELECT FROM claimed)"
             )
             .into(),
             claim_bounded: format!("SELECT * FROM {s}.inbox_claim_bounded($1, $2, $3, $4)").into(),
@@ -664,7 +673,7 @@ impl Inbox {
     }
 
     /// Decides a claim from the claim statement's row: `None` when the statement returned
-    /// none (the bare INSERT on a conflict).
+    /// none (a conflict with a row its snapshot does not see: committed while it waited).
     async fn settle_claim(
         &self,
         conn: &mut PgConnection,
