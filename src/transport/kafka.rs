@@ -108,6 +108,8 @@ const REBALANCE_CALL: Duration = Duration::from_secs(10);
 /// How long after a failed copy of not-pgbox records to the dead-letter topic the next
 /// try waits.
 const FOREIGN_RETRY: Duration = Duration::from_secs(1);
+/// How long dropping a consumer waits for it to close (see `TopicConsumer`'s `Drop`).
+const CLOSE_WAIT: Duration = Duration::from_secs(15);
 
 fn broker_error(what: &str, e: impl fmt::Display) -> Error {
     Error::Transport {
@@ -637,7 +639,7 @@ impl Kafka {
         tracing::info!(topic, group = %self.group_of(topic), "pgbox kafka consumer joined");
         let made = Arc::new(TopicConsumer {
             topic: topic.to_owned(),
-            consumer,
+            consumer: Some(consumer),
             state,
         });
         let mut consumers = self.inner.consumers.lock().expect("consumers");
@@ -926,8 +928,43 @@ impl Publisher for Kafka {
 /// One topic's group member and what it holds.
 struct TopicConsumer {
     topic: String,
-    consumer: StreamConsumer<GroupContext>,
+    /// `Some` until dropped (see `Drop`); reached through [`TopicConsumer::client`].
+    consumer: Option<StreamConsumer<GroupContext>>,
     state: Arc<StdMutex<State>>,
+}
+
+impl TopicConsumer {
+    fn client(&self) -> &StreamConsumer<GroupContext> {
+        self.consumer
+            .as_ref()
+            .expect("a consumer is taken only when dropped")
+    }
+}
+
+impl Drop for TopicConsumer {
+    /// rdkafka closes a consumer when it is dropped (revoke, last commits, leaving the group)
+    /// and polls until librdkafka reports it closed, with no bound: a broker that never
+    /// answers, or a connection whose proxy runs on the runtime being shut down, would hold
+    /// the dropping thread (often a tokio worker) for ever. The close runs on a thread of its
+    /// own; this waits for it at most `CLOSE_WAIT`, then leaves it to finish in the background.
+    fn drop(&mut self) {
+        let Some(consumer) = self.consumer.take() else {
+            return;
+        };
+        let (closed, done) = std::sync::mpsc::channel::<()>();
+        let close = std::thread::Builder::new()
+            .name("pgbox-kafka-close".into())
+            .spawn(move || {
+                drop(consumer);
+                let _ = closed.send(());
+            });
+        if let Err(e) = close {
+            // The closure, consumer included, was dropped here, unbounded as rdkafka does.
+            tracing::warn!(topic = %self.topic, error = %e, "pgbox kafka: no thread to close the consumer on");
+        } else if done.recv_timeout(CLOSE_WAIT).is_err() {
+            tracing::warn!(topic = %self.topic, wait = ?CLOSE_WAIT, "pgbox kafka consumer not closed in time; it goes on closing in the background");
+        }
+    }
 }
 
 #[derive(Default)]
@@ -1466,7 +1503,7 @@ impl TopicConsumer {
 
     fn commit_async(&self, commits: &[Commit]) {
         if let Some(tpl) = Commit::list(commits)
-            && let Err(e) = self.consumer.commit(&tpl, CommitMode::Async)
+            && let Err(e) = self.client().commit(&tpl, CommitMode::Async)
         {
             tracing::debug!(topic = %self.topic, error = %e, "pgbox kafka: offset commit failed; redelivery covers it");
         }
@@ -1523,7 +1560,7 @@ impl TopicConsumer {
         } else {
             return;
         };
-        let Ok(assignment) = self.consumer.assignment() else {
+        let Ok(assignment) = self.client().assignment() else {
             return;
         };
         let partitions: Vec<i32> = assignment
@@ -1546,9 +1583,9 @@ impl TopicConsumer {
             list.add_partition(&self.topic, p);
         }
         let result = if pause {
-            self.consumer.pause(&list)
+            self.client().pause(&list)
         } else {
-            self.consumer.resume(&list)
+            self.client().resume(&list)
         };
         if let Err(e) = result {
             tracing::debug!(topic = %self.topic, pause, error = %e, "pgbox kafka: pause/resume failed");
@@ -1644,12 +1681,12 @@ impl Subscriber for Kafka {
                 return Ok(Vec::new());
             }
             let wait = until.saturating_duration_since(now);
-            match tokio::time::timeout(wait, tc.consumer.recv()).await {
+            match tokio::time::timeout(wait, tc.client().recv()).await {
                 Ok(Ok(m)) => {
                     tc.file(m.detach());
                     // Take what else is already fetched, without waiting.
                     for _ in 0..max.saturating_mul(4).min(10_000) {
-                        match tc.consumer.recv().now_or_never() {
+                        match tc.client().recv().now_or_never() {
                             Some(Ok(m)) => tc.file(m.detach()),
                             Some(Err(e)) => {
                                 tracing::debug!(topic, error = %e, "pgbox kafka fetch error");
