@@ -137,6 +137,12 @@ async fn child_consumer_process() {
 /// once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pipeline_survives_a_consumer_killed_mid_batch() {
+    killed_consumer_pipeline(|bootstrap, _| bootstrap.to_owned()).await;
+}
+
+/// `brokers::pipeline_with_killed_consumer` on a fresh topic, the consumer processes given
+/// `extra(bootstrap, topic)` (see `child_consumer_process`).
+async fn killed_consumer_pipeline(extra: impl FnOnce(&str, &str) -> String) {
     let h = harness().await;
     let topic = h.fresh_topic().await;
     let db = support::TestDb::migrated().await;
@@ -146,7 +152,7 @@ async fn pipeline_survives_a_consumer_killed_mid_batch() {
         transport(&h.broker.bootstrap()),
         &topic,
         "child_consumer_process",
-        &h.broker.bootstrap(),
+        &extra(&h.broker.bootstrap(), &topic),
     )
     .await;
 }
@@ -158,18 +164,8 @@ async fn pipeline_survives_a_consumer_killed_mid_batch() {
 /// can wait for ever (the README's Kafka section). Every message takes effect once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_consumer_restarted_under_its_instance_id_takes_over_at_once() {
-    let h = harness().await;
-    let topic = h.fresh_topic().await;
-    let db = support::TestDb::migrated().await;
-    brokers::pipeline_with_killed_consumer(
-        &db.pool,
-        &db.url(),
-        transport(&h.broker.bootstrap()),
-        &topic,
-        "child_consumer_process",
-        &format!("{}+points-{}", h.broker.bootstrap(), &topic[2..10]),
-    )
-    .await;
+    killed_consumer_pipeline(|bootstrap, topic| format!("{bootstrap}+points-{}", &topic[2..10]))
+        .await;
 }
 
 /// Seed 002's rebalance duplicates, for real: two consumers of one group take a keyed
