@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use pgbox::Envelope;
 use pgbox::transport::conformance::{self, Capabilities, DeadLettered, Harness};
-use pgbox::transport::kafka::Kafka;
+use pgbox::transport::kafka::{Kafka, KafkaBuilder};
 use support::brokers::{self, kafka::PrivateKafka};
 
 /// Largest message the test transports send (the broker's usual limit is 1 MiB).
@@ -28,6 +28,11 @@ async fn harness() -> KafkaHarness {
 
 /// Short session timeout so that a dead member is noticed quickly in tests.
 fn transport(bootstrap: &str) -> Kafka {
+    transport_builder(bootstrap).build().expect("valid config")
+}
+
+/// `transport`'s settings, to build on.
+fn transport_builder(bootstrap: &str) -> KafkaBuilder {
     Kafka::builder(bootstrap)
         .partitions(4)
         .session_timeout(Duration::from_secs(3))
@@ -36,8 +41,6 @@ fn transport(bootstrap: &str) -> Kafka {
         // One message per record batch: tansu skips the rest of a batch when a consumer
         // restarts inside it (see tansu_fetch_from_inside_a_batch_skips_its_rest).
         .set("batch.num.messages", "1")
-        .build()
-        .expect("valid config")
 }
 
 impl Harness for KafkaHarness {
@@ -119,12 +122,8 @@ async fn child_consumer_process() {
         None => transport(extra),
         // A session far longer than the test's limit: the restarted process can only get
         // the partitions by its instance id, never by the dead one's session running out.
-        Some((bootstrap, id)) => Kafka::builder(bootstrap)
-            .partitions(4)
+        Some((bootstrap, id)) => transport_builder(bootstrap)
             .session_timeout(Duration::from_secs(240))
-            .receive_wait(Duration::from_millis(100))
-            .message_max_bytes(MAX_BYTES)
-            .set("batch.num.messages", "1")
             .instance_id(id)
             .build()
             .expect("valid config"),

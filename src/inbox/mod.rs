@@ -132,6 +132,13 @@ impl Statements {
             return Self::partitioned(schema);
         }
         let (lock_watermark, create_watermark, advance_watermark) = watermark_sql(schema);
+        // The second column is true for a key under a lease (lease mode's CONSUMING): not
+        // processed yet, and not this transaction's to claim.
+        let read = format!(
+            "SELECT false, lease_expires_at IS NOT NULL, processed_at, message_id, outcome, \
+                    rejection, NULL::text \
+             FROM {s}.inbox WHERE consumer = $1 AND key = $2"
+        );
         Statements {
             // The common path: one statement. The INSERT claims a new key; when it inserts
             // nothing, the second branch reads the row that holds the key (as `read` does),
@@ -147,21 +154,11 @@ impl Statements {
                              pg_catalog.pg_current_xact_id()::text) \
                  SELECT * FROM claimed \
                  UNION ALL \
-                 SELECT false, lease_expires_at IS NOT NULL, processed_at, message_id, outcome, \
-                        rejection, NULL::text \
-                 FROM {s}.inbox WHERE consumer = $1 AND key = $2 \
-                   AND NOT EXISTS (SELECT FROM claimed)"
+                 {read} AND NOT EXISTS (SELECT FROM claimed)"
             )
             .into(),
             claim_bounded: format!("SELECT * FROM {s}.inbox_claim_bounded($1, $2, $3, $4)").into(),
-            // The second column is true for a key under a lease (lease mode's CONSUMING):
-            // not processed yet, and not this transaction's to claim.
-            read: format!(
-                "SELECT false, lease_expires_at IS NOT NULL, processed_at, message_id, outcome, \
-                        rejection, NULL::text \
-                 FROM {s}.inbox WHERE consumer = $1 AND key = $2"
-            )
-            .into(),
+            read: read.into(),
             // An expired lease, taken over by a transactional claim: the row becomes this
             // transaction's like a fresh claim (lease cleared, so the stale holder's
             // complete, extend and release are refused). SKIP LOCKED: never waits, so the

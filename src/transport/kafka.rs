@@ -110,6 +110,8 @@ const REBALANCE_CALL: Duration = Duration::from_secs(10);
 const FOREIGN_RETRY: Duration = Duration::from_secs(1);
 /// How long dropping a consumer waits for it to close (see `TopicConsumer`'s `Drop`).
 const CLOSE_WAIT: Duration = Duration::from_secs(15);
+/// What [`kafka_name`] accepts, for the builder's errors.
+const KAFKA_NAME: &str = "1 to 249 ASCII letters, digits, '.', '_' and '-'";
 
 fn broker_error(what: &str, e: impl fmt::Display) -> Error {
     Error::Transport {
@@ -240,10 +242,10 @@ impl KafkaBuilder {
             return bad("bootstrap servers are empty");
         }
         if !kafka_name(&self.group) {
-            return bad("group: 1 to 249 ASCII letters, digits, '.', '_' and '-'");
+            return bad(&format!("group: {KAFKA_NAME}"));
         }
         if !kafka_name(&self.dead_letter_suffix) {
-            return bad("dead-letter suffix: 1 to 249 ASCII letters, digits, '.', '_' and '-'");
+            return bad(&format!("dead-letter suffix: {KAFKA_NAME}"));
         }
         if self.partitions < 1 || self.replication_factor < 1 {
             return bad("partitions and replication factor must be at least 1");
@@ -270,7 +272,7 @@ impl KafkaBuilder {
             .as_deref()
             .is_some_and(|id| !kafka_name(id))
         {
-            return bad("instance id: 1 to 249 ASCII letters, digits, '.', '_' and '-'");
+            return bad(&format!("instance id: {KAFKA_NAME}"));
         }
         if self.message_max_bytes < 1024 || self.max_buffered == 0 {
             return bad("message_max_bytes must be at least 1 KiB and max_buffered positive");
