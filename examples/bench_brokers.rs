@@ -10,6 +10,8 @@
 //! - **E1** end to end: producers enqueue (10 messages per business transaction) while the
 //!   relay and the consumer run, as a service does; messages/s from the first enqueue to
 //!   the last committed effect, exactly-once checked (effects = messages, none twice).
+//! - **E1b** the same with the runner's `batch_size` (`--consumer-batch`, default 32):
+//!   first deliveries processed many per transaction; run beside E1 every round.
 //! - **R1** receive → ack alone: a published backlog received and acked as the runner
 //!   does it (up to its concurrency in hand, receiving while acks run), no inbox and no
 //!   database work: what the transport costs the consumer side.
@@ -85,6 +87,10 @@ struct Args {
     /// E1 and C1: the consumer runner's concurrency.
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
+    /// E1b: the consumer runner's batch size (messages per transaction) in the batched
+    /// end-to-end arm, run beside E1 (batch size 1, the default) every round.
+    #[arg(long, default_value_t = 32)]
+    consumer_batch: usize,
     /// Only these transports (comma-separated: noop, postgres, rabbitmq, nats, kafka).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -135,11 +141,14 @@ struct Env {
     nats_url: String,
     kafka_url: String,
     run: String,
+    /// Room for the batched arm's full batches (RabbitMQ's default prefetch is 100).
+    rabbit_prefetch: u16,
 }
 
 impl Env {
     fn rabbit(&self) -> RabbitMq {
         RabbitMq::builder(&self.rabbit_url)
+            .prefetch(self.rabbit_prefetch)
             .exchange("pgbox-bench")
             .queue_prefix(format!("pgbox-bench-{}.", self.run))
             .queue_expires(Duration::from_secs(120))
@@ -275,6 +284,7 @@ fn spawn_consumer<S: Subscriber + 'static>(
     topic: &str,
     acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>>,
     shutdown: CancellationToken,
+    batch: usize,
 ) -> tokio::task::JoinHandle<pgbox::Result<pgbox::ConsumerStats>> {
     let consumer = Consumer::builder(
         env.pool.clone(),
@@ -286,6 +296,7 @@ fn spawn_consumer<S: Subscriber + 'static>(
         Inbox::new("bench").expect("inbox name"),
     )
     .concurrency(args.concurrency)
+    .batch_size(batch)
     .poll_interval(Duration::from_millis(10))
     .build()
     .expect("consumer config");
@@ -306,7 +317,7 @@ fn spawn_consumer<S: Subscriber + 'static>(
     })
 }
 
-/// Starts the consumer of transport `t` on `topic`.
+/// Starts the consumer of transport `t` on `topic`, `batch` messages per transaction.
 fn consumer_of(
     env: &Env,
     args: &Args,
@@ -314,6 +325,7 @@ fn consumer_of(
     topic: &str,
     acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>>,
     shutdown: CancellationToken,
+    batch: usize,
 ) -> tokio::task::JoinHandle<pgbox::Result<pgbox::ConsumerStats>> {
     match t {
         Transport::Noop => unreachable!("the no-op publisher has no consumer side"),
@@ -324,10 +336,13 @@ fn consumer_of(
             topic,
             acked,
             shutdown,
+            batch,
         ),
-        Transport::RabbitMq => spawn_consumer(env, args, env.rabbit(), topic, acked, shutdown),
-        Transport::Nats => spawn_consumer(env, args, env.nats(), topic, acked, shutdown),
-        Transport::Kafka => spawn_consumer(env, args, env.kafka(), topic, acked, shutdown),
+        Transport::RabbitMq => {
+            spawn_consumer(env, args, env.rabbit(), topic, acked, shutdown, batch)
+        }
+        Transport::Nats => spawn_consumer(env, args, env.nats(), topic, acked, shutdown, batch),
+        Transport::Kafka => spawn_consumer(env, args, env.kafka(), topic, acked, shutdown, batch),
     }
 }
 
@@ -495,7 +510,7 @@ async fn c1(
     let shutdown = CancellationToken::new();
     let cpu = CpuTicks::now(Some(t));
     let started = Instant::now();
-    let task = consumer_of(env, args, t, topic, acked.clone(), shutdown.clone());
+    let task = consumer_of(env, args, t, topic, acked.clone(), shutdown.clone(), 1);
     let last = until_acked(&acked, args.backlog, Duration::from_secs(300)).await?;
     let cpu = cpu.per_message(CpuTicks::now(Some(t)), args.backlog);
     stop_consumer(shutdown, task).await?;
@@ -645,19 +660,20 @@ async fn i1(env: &Env, args: &Args) -> anyhow::Result<(f64, CpuPerMessage)> {
 }
 
 /// E1: producers, relay and consumer at once; msgs/s from the first enqueue to the last
-/// committed effect.
+/// committed effect. The consumer processes `batch` messages per transaction (E1b > 1).
 async fn e1(
     env: &Env,
     args: &Args,
     t: Transport,
     round: usize,
+    batch: usize,
 ) -> anyhow::Result<(f64, CpuPerMessage)> {
-    let topic = format!("e1-{}-{round}-{}", t.short(), env.run);
+    let topic = format!("e1-{}-{round}-b{batch}-{}", t.short(), env.run);
     env.prepare(t, &topic).await?;
     reset(env).await?;
     let acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>> = Arc::default();
     let shutdown = CancellationToken::new();
-    let consumer = consumer_of(env, args, t, &topic, acked.clone(), shutdown.clone());
+    let consumer = consumer_of(env, args, t, &topic, acked.clone(), shutdown.clone(), batch);
     let relay = spawn_relay(env, args, t, shutdown.clone())?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let n = args.backlog;
@@ -700,7 +716,7 @@ async fn e1(
     exactly_once(env, n).await?;
     let rate = n as f64 / last.duration_since(started).as_secs_f64();
     eprintln!(
-        "  E1 {}: producers enqueued {:.0} msgs/s (relay and consumer running), end to end {rate:.0} msgs/s",
+        "  E1 {} (batch {batch}): producers enqueued {:.0} msgs/s (relay and consumer running), end to end {rate:.0} msgs/s",
         t.name(),
         n as f64 / enqueued.as_secs_f64()
     );
@@ -745,7 +761,7 @@ async fn e1_latency(
     reset(env).await?;
     let acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>> = Arc::default();
     let shutdown = CancellationToken::new();
-    let consumer = consumer_of(env, args, t, &topic, acked.clone(), shutdown.clone());
+    let consumer = consumer_of(env, args, t, &topic, acked.clone(), shutdown.clone(), 1);
     let relay = spawn_relay(env, args, t, shutdown.clone())?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let committed = produce_at_rate(env, args, &topic).await?;
@@ -952,7 +968,9 @@ async fn main() -> anyhow::Result<()> {
         args.rounds = 3;
         args.seconds = args.seconds.min(1.5);
     }
-    anyhow::ensure!(args.rounds >= 1 && args.backlog >= 1 && args.rate > 0.0);
+    anyhow::ensure!(
+        args.rounds >= 1 && args.backlog >= 1 && args.rate > 0.0 && args.consumer_batch >= 2
+    );
     let server = local_pg::database_url()
         .await
         .map_err(|e| anyhow::anyhow!("no PostgreSQL: {e}"))?;
@@ -981,6 +999,9 @@ async fn main() -> anyhow::Result<()> {
         nats_url,
         kafka_url,
         run,
+        rabbit_prefetch: u16::try_from(args.concurrency * args.consumer_batch)
+            .unwrap_or(u16::MAX)
+            .max(100),
     };
     println!(
         "backlog {} × {} B, batch {}, {} rounds (medians); O3 at {}/s for {} s",
@@ -1010,6 +1031,7 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
     let mut drains: HashMap<Transport, Vec<f64>> = HashMap::new();
     let mut consumes: HashMap<Transport, Vec<f64>> = HashMap::new();
     let mut ends: HashMap<Transport, Vec<f64>> = HashMap::new();
+    let mut batched: HashMap<Transport, Vec<f64>> = HashMap::new();
     let mut lats: HashMap<Transport, Vec<(Duration, Duration)>> = HashMap::new();
     let mut e_lats: HashMap<Transport, Vec<(Duration, Duration)>> = HashMap::new();
     let mut receives: HashMap<Transport, Vec<f64>> = HashMap::new();
@@ -1058,10 +1080,25 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
             }
         }
         for t in order(&with_consumer) {
-            let (rate, e1_cpu) = e1(env, args, t, round).await?;
-            eprintln!("round {round}: E1 {} {rate:.0} msgs/s", t.name());
-            ends.entry(t).or_default().push(rate);
-            cpu.entry(("E1", t)).or_default().push(e1_cpu);
+            // E1 and E1b alternate which goes first.
+            let mut arms = [1, args.consumer_batch];
+            if round % 2 == 1 {
+                arms.reverse();
+            }
+            for batch in arms {
+                let (rate, e1_cpu) = e1(env, args, t, round, batch).await?;
+                eprintln!(
+                    "round {round}: E1 {} batch {batch} {rate:.0} msgs/s",
+                    t.name()
+                );
+                if batch == 1 {
+                    ends.entry(t).or_default().push(rate);
+                    cpu.entry(("E1", t)).or_default().push(e1_cpu);
+                } else {
+                    batched.entry(t).or_default().push(rate);
+                    cpu.entry(("E1b", t)).or_default().push(e1_cpu);
+                }
+            }
         }
         for t in order(&with_consumer) {
             let l = e1_latency(env, args, t, round).await?;
@@ -1093,9 +1130,10 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
     );
     println!();
     println!(
-        "| transport | O2 relay drain msgs/s | R1 receive → ack alone msgs/s | R1 / I1 | C1 consumer + inbox msgs/s | E1 end to end msgs/s | E1 / slowest stage | E1 commit→effect p50 | p99 | O3 commit→publish p50 | p99 |"
+        "| transport | O2 relay drain msgs/s | R1 receive → ack alone msgs/s | R1 / I1 | C1 consumer + inbox msgs/s | E1 end to end msgs/s | E1 / slowest stage | E1b batch {} msgs/s | E1b / E1 | E1 commit→effect p50 | p99 | O3 commit→publish p50 | p99 |",
+        args.consumer_batch
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for t in &transports {
         let d = median(drains[t].clone());
         let (p50, p99) = (
@@ -1104,7 +1142,7 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
         );
         if *t == Transport::Noop {
             println!(
-                "| {} | {d:.0} | - | - | - | - | - | - | - | {:.1} ms | {:.1} ms |",
+                "| {} | {d:.0} | - | - | - | - | - | - | - | - | - | {:.1} ms | {:.1} ms |",
                 t.name(),
                 ms(p50),
                 ms(p99)
@@ -1114,16 +1152,18 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
         let c = median(consumes[t].clone());
         let r = median(receives[t].clone());
         let e = median(ends[t].clone());
+        let eb = median(batched[t].clone());
         let (e50, e99) = (
             median(e_lats[t].iter().map(|l| l.0).collect()),
             median(e_lats[t].iter().map(|l| l.1).collect()),
         );
         let slowest = if d < c { "relay" } else { "consumer" };
         println!(
-            "| {} | {d:.0} | {r:.0} | {:.2}× | {c:.0} | {e:.0} | {:.2}× ({slowest}) | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
+            "| {} | {d:.0} | {r:.0} | {:.2}× | {c:.0} | {e:.0} | {:.2}× ({slowest}) | {eb:.0} | {:.2}× | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
             t.name(),
             r / i1_rate,
             e / d.min(c),
+            eb / e,
             ms(e50),
             ms(e99),
             ms(p50),
@@ -1136,17 +1176,18 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
     );
     println!();
     println!(
-        "| transport | O2 relay drain | R1 receive → ack | C1 consumer + inbox | E1 end to end |"
+        "| transport | O2 relay drain | R1 receive → ack | C1 consumer + inbox | E1 end to end | E1b batched |"
     );
-    println!("|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|");
     for t in &transports {
         println!(
-            "| {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} |",
             t.name(),
             cpu_cell(cpu.get(&("O2", *t))),
             cpu_cell(cpu.get(&("R1", *t))),
             cpu_cell(cpu.get(&("C1", *t))),
             cpu_cell(cpu.get(&("E1", *t))),
+            cpu_cell(cpu.get(&("E1b", *t))),
         );
     }
     Ok(())

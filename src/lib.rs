@@ -38,7 +38,8 @@ pub use tokio_util::sync::CancellationToken;
 
 pub use crate::connect::{FIRST_CONNECTION_TIMEOUT, connect};
 pub use crate::consumer::{
-    Consumer, ConsumerBuilder, ConsumerStats, MAX_VISIBILITY_TIMEOUT, MIN_VISIBILITY_TIMEOUT,
+    Consumer, ConsumerBuilder, ConsumerStats, MAX_BATCH_SIZE, MAX_VISIBILITY_TIMEOUT,
+    MIN_VISIBILITY_TIMEOUT,
 };
 pub use crate::error::{DbErrorKind, Error, Result};
 #[cfg(feature = "axum")]

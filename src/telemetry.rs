@@ -29,6 +29,7 @@
 //! | [`CONSUMER_DEAD_LETTERED`] | counter | `consumer`, `topic` |
 //! | [`CONSUMER_HANDLER_ERRORS`] | counter | `consumer`, `topic` |
 //! | [`CONSUMER_HANDLER_PANICS`] | counter | `consumer`, `topic` |
+//! | [`CONSUMER_BATCH_ROLLBACKS`] | counter | `consumer`, `topic` |
 //! | [`CONSUMER_HANDLER_DURATION`] | histogram | `consumer`, `topic` |
 //! | [`CONSUMER_RECEIVE_LAG`] | histogram | `consumer`, `topic` |
 //! | [`RELAY_PUBLISHED`] | counter | `topic` |
@@ -98,6 +99,11 @@ pub const CONSUMER_HANDLER_ERRORS: &str = "pgbox_consumer_handler_errors_total";
 /// Counter: deliveries whose handler panicked; each is then retried or dead-lettered. Labels
 /// `consumer`, `topic`.
 pub const CONSUMER_HANDLER_PANICS: &str = "pgbox_consumer_handler_panics_total";
+
+/// Counter: batches ([`ConsumerBuilder::batch_size`](crate::ConsumerBuilder::batch_size))
+/// rolled back because one of their messages failed, or a statement of pgbox's did; their
+/// other messages then ran one per transaction. Labels `consumer`, `topic`.
+pub const CONSUMER_BATCH_ROLLBACKS: &str = "pgbox_consumer_batch_rollbacks_total";
 
 /// Histogram, seconds: time spent in the handler (success, error or panic), without the
 /// claim, the commit and the ack. Labels `consumer`, `topic`.
@@ -262,6 +268,12 @@ const METRICS: &[(&str, Kind, Unit, &str)] = &[
         Kind::Counter,
         Unit::Count,
         "Deliveries whose handler panicked.",
+    ),
+    (
+        CONSUMER_BATCH_ROLLBACKS,
+        Kind::Counter,
+        Unit::Count,
+        "Consumer batches rolled back, their messages then run one per transaction.",
     ),
     (
         CONSUMER_HANDLER_DURATION,

@@ -11,6 +11,10 @@
 //! replication slot (`WalRelay`: one reader, the other takes over when it is killed), with the
 //! server crash-restarted as in the first run.
 //!
+//! One of the two consumers processes up to 16 messages per transaction
+//! (`ConsumerBuilder::batch_size`): a kill or a crash mid-batch must lose or double nothing
+//! either.
+//!
 //! A second run puts a private PgBouncer in transaction mode between every process and the
 //! server (`Pooler::Transaction` everywhere) and kills and restarts the pooler once, instead
 //! of the server.
@@ -31,7 +35,7 @@ use sqlx::{Connection, Executor, PgConnection, PgPool};
 use support::cluster::Cluster;
 use support::pooler::PgBouncer;
 
-/// Set in a child process: its role (`producer`, `relay` or `consumer`).
+/// Set in a child process: its role (`producer`, `relay`, `consumer` or `batch-consumer`).
 const ROLE_ENV: &str = "PGBOX_CRASH_ROLE";
 /// Set in a child process: the database it works on.
 const URL_ENV: &str = "PGBOX_CRASH_URL";
@@ -178,7 +182,8 @@ async fn relay(url: &str) {
 
 /// A consumer recording each message's effect through the inbox, started again whenever
 /// its run fails.
-async fn consume(url: &str) {
+/// `batch`: messages per transaction (the `batch-consumer` role runs 16).
+async fn consume(url: &str, batch: usize) {
     let pool = pool(url, 6).await;
     let consumer = Consumer::builder(
         pool.clone(),
@@ -190,6 +195,7 @@ async fn consume(url: &str) {
             .expect("consumer name"),
     )
     .concurrency(4)
+    .batch_size(batch)
     .visibility_timeout(Duration::from_secs(2))
     .poll_interval(Duration::from_millis(200))
     .max_deliveries(1_000)
@@ -243,7 +249,8 @@ async fn crash_child() {
             std::future::pending::<()>().await;
         }
         "relay" => relay(&url).await,
-        "consumer" => consume(&url).await,
+        "consumer" => consume(&url, 1).await,
+        "batch-consumer" => consume(&url, 16).await,
         other => panic!("unknown role {other}"),
     }
 }
@@ -382,7 +389,7 @@ async fn harness(mode: Mode) {
     setup.close().await;
 
     let logs = cluster.dir().to_path_buf();
-    let mut processes: Vec<Process> = ["producer", "relay", "relay", "consumer", "consumer"]
+    let mut processes: Vec<Process> = ["producer", "relay", "relay", "consumer", "batch-consumer"]
         .into_iter()
         .map(|role| Process::spawn(role, &process_url, &logs, mode))
         .collect();
@@ -429,7 +436,8 @@ async fn harness(mode: Mode) {
             break;
         }
         if Instant::now() > deadline {
-            let log = std::fs::read_to_string(logs.join("consumer.log")).unwrap_or_default();
+            let mut log = std::fs::read_to_string(logs.join("consumer.log")).unwrap_or_default();
+            log += &std::fs::read_to_string(logs.join("batch-consumer.log")).unwrap_or_default();
             let tail: String = log.lines().rev().take(30).collect::<Vec<_>>().join("\n");
             panic!(
                 "not drained within 120 s: produced {produced}, outbox {outbox}, \
