@@ -19,7 +19,8 @@
 //!   from as many tasks as the runner's concurrency, no transport. R1 / I1 says whether the
 //!   transport or the inbox bounds the consumer (C1).
 //! - **E1 latency**: at a fixed rate, enqueue commit → effect commit (the runner's ack,
-//!   which follows its commit), p50 and p99.
+//!   which follows its commit), p50 and p99; once with batch size 1 and once with
+//!   `--consumer-batch` (E1b: does batching cost latency when messages trickle in?).
 //! - **O3**: at a fixed rate, enqueue commit → publish confirmed.
 //!
 //! Where the time goes: for O2, R1, I1, C1 and E1 the run also reads CPU time from
@@ -749,19 +750,21 @@ fn spawn_relay(
     }
 }
 
-/// E1 latency: at a fixed rate, enqueue commit → effect commit; (p50, p99).
+/// E1 latency: at a fixed rate, enqueue commit → effect commit, the runner processing up
+/// to `batch` messages per transaction; (p50, p99).
 async fn e1_latency(
     env: &Env,
     args: &Args,
     t: Transport,
     round: usize,
+    batch: usize,
 ) -> anyhow::Result<(Duration, Duration)> {
-    let topic = format!("e1l-{}-{round}-{}", t.short(), env.run);
+    let topic = format!("e1l-{}-{round}-{batch}-{}", t.short(), env.run);
     env.prepare(t, &topic).await?;
     reset(env).await?;
     let acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>> = Arc::default();
     let shutdown = CancellationToken::new();
-    let consumer = consumer_of(env, args, t, &topic, acked.clone(), shutdown.clone(), 1);
+    let consumer = consumer_of(env, args, t, &topic, acked.clone(), shutdown.clone(), batch);
     let relay = spawn_relay(env, args, t, shutdown.clone())?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let committed = produce_at_rate(env, args, &topic).await?;
@@ -1034,6 +1037,7 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
     let mut batched: HashMap<Transport, Vec<f64>> = HashMap::new();
     let mut lats: HashMap<Transport, Vec<(Duration, Duration)>> = HashMap::new();
     let mut e_lats: HashMap<Transport, Vec<(Duration, Duration)>> = HashMap::new();
+    let mut eb_lats: HashMap<Transport, Vec<(Duration, Duration)>> = HashMap::new();
     let mut receives: HashMap<Transport, Vec<f64>> = HashMap::new();
     let mut inbox_alone: Vec<f64> = Vec::new();
     // CPU per message per (stage, transport); I1 under Noop.
@@ -1101,14 +1105,24 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
             }
         }
         for t in order(&with_consumer) {
-            let l = e1_latency(env, args, t, round).await?;
-            eprintln!(
-                "round {round}: E1 latency {} p50 {:?} p99 {:?}",
-                t.name(),
-                l.0,
-                l.1
-            );
-            e_lats.entry(t).or_default().push(l);
+            let mut arms = [1, args.consumer_batch];
+            if round % 2 == 1 {
+                arms.reverse();
+            }
+            for batch in arms {
+                let l = e1_latency(env, args, t, round, batch).await?;
+                eprintln!(
+                    "round {round}: E1 latency {} batch {batch} p50 {:?} p99 {:?}",
+                    t.name(),
+                    l.0,
+                    l.1
+                );
+                if batch == 1 {
+                    e_lats.entry(t).or_default().push(l);
+                } else {
+                    eb_lats.entry(t).or_default().push(l);
+                }
+            }
         }
         for t in order(&transports) {
             let l = o3(env, args, t, round).await?;
@@ -1130,10 +1144,10 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
     );
     println!();
     println!(
-        "| transport | O2 relay drain msgs/s | R1 receive → ack alone msgs/s | R1 / I1 | C1 consumer + inbox msgs/s | E1 end to end msgs/s | E1 / slowest stage | E1b batch {} msgs/s | E1b / E1 | E1 commit→effect p50 | p99 | O3 commit→publish p50 | p99 |",
+        "| transport | O2 relay drain msgs/s | R1 receive → ack alone msgs/s | R1 / I1 | C1 consumer + inbox msgs/s | E1 end to end msgs/s | E1 / slowest stage | E1b batch {} msgs/s | E1b / E1 | E1 commit→effect p50 | p99 | E1b commit→effect p50 | p99 | O3 commit→publish p50 | p99 |",
         args.consumer_batch
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for t in &transports {
         let d = median(drains[t].clone());
         let (p50, p99) = (
@@ -1142,7 +1156,7 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
         );
         if *t == Transport::Noop {
             println!(
-                "| {} | {d:.0} | - | - | - | - | - | - | - | - | - | {:.1} ms | {:.1} ms |",
+                "| {} | {d:.0} | - | - | - | - | - | - | - | - | - | - | - | {:.1} ms | {:.1} ms |",
                 t.name(),
                 ms(p50),
                 ms(p99)
@@ -1157,15 +1171,21 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
             median(e_lats[t].iter().map(|l| l.0).collect()),
             median(e_lats[t].iter().map(|l| l.1).collect()),
         );
+        let (b50, b99) = (
+            median(eb_lats[t].iter().map(|l| l.0).collect()),
+            median(eb_lats[t].iter().map(|l| l.1).collect()),
+        );
         let slowest = if d < c { "relay" } else { "consumer" };
         println!(
-            "| {} | {d:.0} | {r:.0} | {:.2}× | {c:.0} | {e:.0} | {:.2}× ({slowest}) | {eb:.0} | {:.2}× | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
+            "| {} | {d:.0} | {r:.0} | {:.2}× | {c:.0} | {e:.0} | {:.2}× ({slowest}) | {eb:.0} | {:.2}× | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
             t.name(),
             r / i1_rate,
             e / d.min(c),
             eb / e,
             ms(e50),
             ms(e99),
+            ms(b50),
+            ms(b99),
             ms(p50),
             ms(p99)
         );

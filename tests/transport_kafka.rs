@@ -171,7 +171,8 @@ async fn a_consumer_restarted_under_its_instance_id_takes_over_at_once() {
 /// stream; a third joins mid-stream (partitions move, and what the old owners held
 /// uncommitted is delivered again to the new ones), then one of the first two leaves (its
 /// partitions move again). The inbox makes every message take effect once, and each key's
-/// effects happen in publication order.
+/// effects happen in publication order. The second and third members process 16 messages
+/// per transaction (`batch_size`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn rebalance_redeliveries_take_effect_once_and_in_key_order() {
     use pgbox::{CancellationToken, Consumer, Inbox, Message, Outbox, Relay};
@@ -220,6 +221,9 @@ async fn rebalance_redeliveries_take_effect_once_and_in_key_order() {
             Inbox::new("effects").unwrap(),
         )
         .concurrency(8)
+        // The first member one message per transaction, the others in batches: a
+        // revoke also catches whole batches in hand.
+        .batch_size(if id == 1 { 1 } else { 16 })
         .poll_interval(Duration::from_millis(10))
         .build()
         .unwrap();

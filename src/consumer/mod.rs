@@ -207,7 +207,9 @@ pub struct ConsumerStats {
 /// Per delivery: begin → [`Inbox::process`] (key from the builder, default the message id)
 /// → commit → ack. A handler error rolls back and nacks with backoff; after
 /// `max_deliveries` the message is dead-lettered. A crash between commit and ack only means
-/// a redelivery, which the inbox reports as a duplicate and which is then acked.
+/// a redelivery, which the inbox reports as a duplicate and which is then acked. With
+/// [`ConsumerBuilder::batch_size`], first deliveries share a transaction: begin → `process`
+/// per message → commit → ack each.
 ///
 /// Every run records its counts, its handler durations and its receive lag as metrics
 /// labelled with the consumer and the topic (see [`telemetry`](crate::telemetry)); install
