@@ -8,7 +8,7 @@ use futures_util::FutureExt;
 use sqlx::{Postgres, Transaction};
 use tracing::Instrument;
 
-use super::{Consumer, Failure, RunMetrics, Settled, database_away, panic_message};
+use super::{Consumer, Failure, RunMetrics, Settled, database_away, handle_span, panic_message};
 use crate::error::{Error, Result};
 use crate::inbox::{HandlerConnection, Key, Outcome, Verdict};
 use crate::outbox::Envelope;
@@ -171,15 +171,7 @@ impl<S: Subscriber> Consumer<S> {
             Ok(key) => key,
             Err(message) => return Err(Stop::Message(format!("key function: {message}"), true)),
         };
-        let span = tracing::info_span!(
-            "pgbox.consumer.handle",
-            topic = %envelope.topic,
-            message_id = %envelope.id,
-            delivery = self.source.attempt(delivery),
-            traceparent = envelope.headers.get(TRACEPARENT).map(String::as_str),
-        );
-        #[cfg(feature = "opentelemetry")]
-        crate::otel::join_producer_trace(&span, &envelope.headers);
+        let span = handle_span(envelope, self.source.attempt(delivery), "batch");
         let key = Key::new(key.as_str()).with_message_id(envelope.id.to_string());
         let incoming = envelope.headers.get(TRACEPARENT).cloned();
         let process = with_incoming(

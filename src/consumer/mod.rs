@@ -488,16 +488,7 @@ impl<S: Subscriber> Consumer<S> {
                     .await;
             }
         };
-        let span = tracing::info_span!(
-            "pgbox.consumer.handle",
-            topic = %envelope.topic,
-            message_id = %envelope.id,
-            delivery = attempt,
-            traceparent = envelope.headers.get(TRACEPARENT).map(String::as_str),
-        );
-        // Before the span is entered: its parent is fixed then.
-        #[cfg(feature = "opentelemetry")]
-        crate::otel::join_producer_trace(&span, &envelope.headers);
+        let span = handle_span(envelope, attempt, "transaction");
         async {
             // A redelivery was often processed already (the ack was lost, or the visibility
             // timeout expired just after the commit): one autocommit read settles it, without
@@ -604,17 +595,7 @@ impl<S: Subscriber> Consumer<S> {
                     .await;
             }
         };
-        let span = tracing::info_span!(
-            "pgbox.consumer.handle",
-            topic = %envelope.topic,
-            message_id = %envelope.id,
-            delivery = attempt,
-            mode = "lease",
-            traceparent = envelope.headers.get(TRACEPARENT).map(String::as_str),
-        );
-        // Before the span is entered: its parent is fixed then.
-        #[cfg(feature = "opentelemetry")]
-        crate::otel::join_producer_trace(&span, &envelope.headers);
+        let span = handle_span(envelope, attempt, "lease");
         async {
             // No redelivery shortcut: the lease statement is itself one autocommit read for
             // a consumed key.
@@ -959,4 +940,21 @@ impl Relisten {
             }
         }
     }
+}
+
+/// The span of one message's handling (`mode`: "transaction", "batch" or "lease"), joined
+/// to the producer's trace when OpenTelemetry is on. Made before it is entered: its parent
+/// is fixed then.
+fn handle_span(envelope: &Envelope, attempt: i32, mode: &'static str) -> tracing::Span {
+    let span = tracing::info_span!(
+        "pgbox.consumer.handle",
+        topic = %envelope.topic,
+        message_id = %envelope.id,
+        delivery = attempt,
+        mode,
+        traceparent = envelope.headers.get(TRACEPARENT).map(String::as_str),
+    );
+    #[cfg(feature = "opentelemetry")]
+    crate::otel::join_producer_trace(&span, &envelope.headers);
+    span
 }
