@@ -8,11 +8,12 @@
 mod support;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::anyhow;
-use pgbox::transport::PgQueue;
+use pgbox::transport::{Delivery, PgQueue, Subscriber};
 use pgbox::{
     Consumer, ConsumerStats, Envelope, Error, HandlerConnection, Inbox, InboxPartitioning,
     LeaseAttempt, Message, Migrator, Outbox, Relay,
@@ -567,6 +568,99 @@ async fn a_run_dropped_mid_batch_commits_nothing_of_it_and_a_new_run_finishes_on
         let key = p.split_once(':').unwrap().0;
         assert_eq!(effects(&db.pool, key, "outer").await, 1, "{key}");
     }
+}
+
+/// The built-in queue, counting how many of its acks are in flight at once.
+struct AckCounting {
+    queue: PgQueue,
+    in_flight: AtomicUsize,
+    /// The most at once, shared with the test.
+    most: Arc<AtomicUsize>,
+}
+
+impl Subscriber for AckCounting {
+    type Delivery = Delivery;
+
+    async fn receive(
+        &self,
+        topic: &str,
+        max: usize,
+        visibility: Duration,
+    ) -> pgbox::Result<Vec<Delivery>> {
+        self.queue.receive(topic, max, visibility).await
+    }
+
+    fn envelope<'d>(&self, delivery: &'d Delivery) -> &'d Envelope {
+        &delivery.envelope
+    }
+
+    fn attempt(&self, delivery: &Delivery) -> i32 {
+        delivery.delivery
+    }
+
+    async fn ack(&self, delivery: &Delivery) -> pgbox::Result<bool> {
+        let now = self.in_flight.fetch_add(1, Ordering::SeqCst) + 1;
+        self.most.fetch_max(now, Ordering::SeqCst);
+        let acked = self.queue.ack(delivery).await;
+        self.in_flight.fetch_sub(1, Ordering::SeqCst);
+        acked
+    }
+
+    async fn nack(&self, delivery: &Delivery, delay: Duration, error: &str) -> pgbox::Result<bool> {
+        self.queue.nack(delivery, delay, error).await
+    }
+
+    async fn dead_letter(&self, delivery: &Delivery, error: &str) -> pgbox::Result<bool> {
+        self.queue.dead_letter(delivery, error).await
+    }
+}
+
+/// A committed batch is acked all at once (the queue then deletes it in one or two
+/// statements), not one ack after another: with one task, every ack in flight together
+/// belongs to one batch.
+#[tokio::test]
+async fn a_committed_batch_is_acked_all_at_once() {
+    support::init_tracing();
+    let db = TestDb::migrated().await;
+    effects_table(&db.pool).await;
+    enqueue(&db.pool, &oks("k", 8)).await;
+    let most = Arc::new(AtomicUsize::new(0));
+    let source = AckCounting {
+        queue: PgQueue::new(db.pool.clone()),
+        in_flight: AtomicUsize::new(0),
+        most: most.clone(),
+    };
+    let consumer = Consumer::builder(db.pool.clone(), source, TOPIC, Inbox::new("batch").unwrap())
+        .batch_size(8)
+        .concurrency(1)
+        .poll_interval(Duration::from_millis(20))
+        .key(|e: &Envelope| split(e).0)
+        .build()
+        .unwrap();
+    let runs = Runs::default();
+    let shutdown = CancellationToken::new();
+    let handler_runs = runs.clone();
+    let run = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move {
+            consumer
+                .run(
+                    async move |e: &Envelope, conn: &mut HandlerConnection<'_>| {
+                        handle(e, conn, &handler_runs).await
+                    },
+                    shutdown,
+                )
+                .await
+        }
+    });
+    settle(&db.pool, 0).await;
+    let stats = stop(shutdown, run).await;
+    assert_eq!(stats.processed, 8, "{stats:?}");
+    assert_eq!(
+        most.load(Ordering::SeqCst),
+        8,
+        "the batch's eight acks were not in flight together"
+    );
 }
 
 #[tokio::test]
