@@ -330,7 +330,13 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<bool> {
         }))
     };
     // Points first: on a broker, its queue must exist before payments publishes.
-    let mut points_args = vec!["--visibility-timeout-ms".into(), "2000".into()];
+    // In batches of 8: a SIGKILL catches whole uncommitted batches in hand.
+    let mut points_args = vec![
+        "--visibility-timeout-ms".into(),
+        "2000".into(),
+        "--batch-size".into(),
+        "8".into(),
+    ];
     if args.transport == TransportKind::Kafka {
         // Static membership: each restart after a SIGKILL takes the partitions back at
         // once. Without it, tansu 0.6 can leave a SIGKILLed group leader in charge and the

@@ -127,6 +127,7 @@ fn spawn_consumer<S: Subscriber + 'static>(
         .build()?;
     let consumer = Consumer::builder(pool.clone(), subscriber, args.topic.clone(), inbox)
         .concurrency(4)
+        .batch_size(args.batch_size)
         .visibility_timeout(Duration::from_millis(args.visibility_timeout_ms))
         .poll_interval(Duration::from_millis(250))
         .backoff(

@@ -42,6 +42,10 @@ pub struct ServiceArgs {
     /// instead of waiting for a rebalance. One running process per name.
     #[arg(long, env = "INSTANCE_ID")]
     pub instance_id: Option<String>,
+    /// points: messages processed per transaction (`ConsumerBuilder::batch_size`): first
+    /// deliveries share one transaction and one commit; 1 to 1,000.
+    #[arg(long, env = "BATCH_SIZE", default_value_t = 1)]
+    pub batch_size: usize,
     /// Database connections of this process.
     #[arg(long, env = "MAX_CONNECTIONS", default_value_t = 10)]
     pub max_connections: u32,
