@@ -750,6 +750,16 @@ fn spawn_relay(
     }
 }
 
+/// The runner's batch sizes of the E1 arm (1) and the E1b arm, alternating which goes first
+/// from round to round.
+fn batch_arms(args: &Args, round: usize) -> [usize; 2] {
+    let mut arms = [1, args.consumer_batch];
+    if round % 2 == 1 {
+        arms.reverse();
+    }
+    arms
+}
+
 /// E1 latency: at a fixed rate, enqueue commit → effect commit, the runner processing up
 /// to `batch` messages per transaction; (p50, p99).
 async fn e1_latency(
@@ -1084,12 +1094,7 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
             }
         }
         for t in order(&with_consumer) {
-            // E1 and E1b alternate which goes first.
-            let mut arms = [1, args.consumer_batch];
-            if round % 2 == 1 {
-                arms.reverse();
-            }
-            for batch in arms {
+            for batch in batch_arms(args, round) {
                 let (rate, e1_cpu) = e1(env, args, t, round, batch).await?;
                 eprintln!(
                     "round {round}: E1 {} batch {batch} {rate:.0} msgs/s",
@@ -1105,11 +1110,7 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
             }
         }
         for t in order(&with_consumer) {
-            let mut arms = [1, args.consumer_batch];
-            if round % 2 == 1 {
-                arms.reverse();
-            }
-            for batch in arms {
+            for batch in batch_arms(args, round) {
                 let l = e1_latency(env, args, t, round, batch).await?;
                 eprintln!(
                     "round {round}: E1 latency {} batch {batch} p50 {:?} p99 {:?}",

@@ -138,7 +138,18 @@ fn builder(
     batch: usize,
     concurrency: usize,
 ) -> pgbox::ConsumerBuilder<PgQueue> {
-    Consumer::builder(pool.clone(), PgQueue::new(pool.clone()), TOPIC, inbox)
+    builder_on(pool, PgQueue::new(pool.clone()), inbox, batch, concurrency)
+}
+
+/// As [`builder`], with the queue on a pool of its own.
+fn builder_on(
+    pool: &PgPool,
+    queue: PgQueue,
+    inbox: Inbox,
+    batch: usize,
+    concurrency: usize,
+) -> pgbox::ConsumerBuilder<PgQueue> {
+    Consumer::builder(pool.clone(), queue, TOPIC, inbox)
         .batch_size(batch)
         .concurrency(concurrency)
         .max_deliveries(3)
@@ -148,8 +159,8 @@ fn builder(
         .key(|e: &Envelope| split(e).0)
 }
 
-fn spawn(
-    consumer: Consumer<PgQueue>,
+fn spawn<S: Subscriber + 'static>(
+    consumer: Consumer<S>,
     runs: Runs,
     shutdown: CancellationToken,
 ) -> tokio::task::JoinHandle<pgbox::Result<ConsumerStats>> {
@@ -415,7 +426,11 @@ async fn concurrent_batched_runners_on_shared_keys_at_every_isolation_level() {
         let runners: Vec<_> = (0..2)
             .map(|_| {
                 // Serialization failures and deadlocks cost deliveries: never dead-letter.
-                let consumer = builder(&pool, Inbox::new("batch").unwrap(), 8, 3)
+                // The inbox's transactions run at `level`; the queue's own statements at the
+                // server's default (at serializable, a failed ack would strand its message
+                // for the visibility timeout, which is not what this test is about).
+                let queue = PgQueue::new(db.pool.clone());
+                let consumer = builder_on(&pool, queue, Inbox::new("batch").unwrap(), 8, 3)
                     .max_deliveries(1000)
                     .build()
                     .unwrap();
@@ -591,11 +606,11 @@ impl Subscriber for AckCounting {
     }
 
     fn envelope<'d>(&self, delivery: &'d Delivery) -> &'d Envelope {
-        &delivery.envelope
+        self.queue.envelope(delivery)
     }
 
     fn attempt(&self, delivery: &Delivery) -> i32 {
-        delivery.delivery
+        self.queue.attempt(delivery)
     }
 
     async fn ack(&self, delivery: &Delivery) -> pgbox::Result<bool> {
@@ -637,22 +652,8 @@ async fn a_committed_batch_is_acked_all_at_once() {
         .key(|e: &Envelope| split(e).0)
         .build()
         .unwrap();
-    let runs = Runs::default();
     let shutdown = CancellationToken::new();
-    let handler_runs = runs.clone();
-    let run = tokio::spawn({
-        let shutdown = shutdown.clone();
-        async move {
-            consumer
-                .run(
-                    async move |e: &Envelope, conn: &mut HandlerConnection<'_>| {
-                        handle(e, conn, &handler_runs).await
-                    },
-                    shutdown,
-                )
-                .await
-        }
-    });
+    let run = spawn(consumer, Runs::default(), shutdown.clone());
     settle(&db.pool, 0).await;
     let stats = stop(shutdown, run).await;
     assert_eq!(stats.processed, 8, "{stats:?}");

@@ -209,7 +209,7 @@ pub struct ConsumerStats {
 /// `max_deliveries` the message is dead-lettered. A crash between commit and ack only means
 /// a redelivery, which the inbox reports as a duplicate and which is then acked. With
 /// [`ConsumerBuilder::batch_size`], first deliveries share a transaction: begin → `process`
-/// per message → commit → ack each.
+/// per message → commit → ack them all together.
 ///
 /// Every run records its counts, its handler durations and its receive lag as metrics
 /// labelled with the consumer and the topic (see [`telemetry`](crate::telemetry)); install
