@@ -584,7 +584,7 @@ impl IdempotencyTx {
             && let Some(pool) = &slot.begin_from
         {
             // The pool stays until the layer closes the slot: a failed begin may be retried.
-            slot.tx = Some(pool.begin().await?);
+            slot.tx = Some(crate::pooler::begin(pool, None).await?);
         }
         MutexGuard::try_map(slot, |slot| slot.tx.as_mut())
             .map(|guard| TxGuard { guard })
@@ -850,9 +850,9 @@ impl Shared {
         S::Response: IntoResponse,
         S::Future: Send,
     {
-        let mut tx = match self.pool.begin().await {
+        let mut tx = match crate::pooler::begin(&self.pool, None).await {
             Ok(tx) => tx,
-            Err(e) => return store_failed("begin", &Error::from(e)),
+            Err(e) => return store_failed("begin", &e),
         };
         let claimed = match self.inbox.claim(&mut tx, inbox_key).await {
             Ok(Claim::Claimed(claimed)) => claimed,

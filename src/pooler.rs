@@ -24,6 +24,7 @@ use std::ops::{Deref, DerefMut};
 
 use sqlx::pool::PoolConnection;
 use sqlx::{PgConnection, PgPool, Postgres, Transaction};
+use tracing::Instrument;
 
 use crate::error::Result;
 
@@ -63,10 +64,104 @@ impl Pooler {
     pub(crate) async fn unit(self, pool: &PgPool) -> Result<Unit> {
         Ok(match self {
             Pooler::None => Unit::Plain(pool.acquire().await?),
-            Pooler::Transaction => Unit::Transaction(pool.begin().await?),
+            Pooler::Transaction => Unit::Transaction(begin(pool, None).await?),
+        })
+    }
+
+    /// Like [`unit`](Self::unit), but the unit runs at `READ COMMITTED` whatever isolation
+    /// level the pool's sessions default to (`default_transaction_isolation`, set by the
+    /// server, the database, the role or the pool's `after_connect`). For pgbox's own short
+    /// statements that pick rows with `FOR UPDATE SKIP LOCKED` and change them (the queue's
+    /// receive, ack, nack): at `REPEATABLE READ` or `SERIALIZABLE`, a row changed by another
+    /// session since the statement's snapshot fails the statement with a serialization
+    /// error instead of being skipped or re-read, and a failed ack leaves its message hidden
+    /// until its visibility timeout.
+    ///
+    /// `default` caches what the pool's sessions default to: learned once (one `SHOW` on the
+    /// first call), a pool at `READ COMMITTED` keeps plain autocommit statements, any other
+    /// level gets a `BEGIN ISOLATION LEVEL READ COMMITTED` transaction. Behind a transaction
+    /// pooler the unit is a transaction anyway and always begins that way.
+    pub(crate) async fn read_committed_unit(
+        self,
+        pool: &PgPool,
+        default: &SessionIsolation,
+    ) -> Result<Unit> {
+        const BEGIN: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+        if self == Pooler::Transaction {
+            return Ok(Unit::Transaction(begin(pool, Some(BEGIN)).await?));
+        }
+        let read_committed = match default.0.get() {
+            Some(known) => *known,
+            None => {
+                let mut conn = pool.acquire().await?;
+                let level: String = sqlx::query_scalar(
+                    "SELECT pg_catalog.current_setting('default_transaction_isolation')",
+                )
+                .fetch_one(&mut *conn)
+                .await?;
+                let read_committed = level == "read committed";
+                if !read_committed {
+                    tracing::debug!(
+                        default_transaction_isolation = level,
+                        "pgbox runs its queue statements in READ COMMITTED transactions"
+                    );
+                }
+                let _ = default.0.set(read_committed);
+                if read_committed {
+                    return Ok(Unit::Plain(conn));
+                }
+                drop(conn);
+                read_committed
+            }
+        };
+        Ok(if read_committed {
+            Unit::Plain(pool.acquire().await?)
+        } else {
+            Unit::Transaction(begin(pool, Some(BEGIN)).await?)
         })
     }
 }
+
+/// Begins a transaction on a connection of `pool` (with `statement`, else a plain `BEGIN`),
+/// safe to cancel.
+///
+/// sqlx 0.9.0's own begin is not: cancelled while it waits for the answer to its `BEGIN`
+/// (a shutdown, a timeout, a `select!`, a client that hung up), it leaves the server session
+/// inside a transaction that nothing ends, and the pool lends the connection on. Whoever
+/// takes it next runs inside that transaction: its autocommit statements are never
+/// committed and hold their locks, and behind a transaction pooler the session pins a
+/// server connection to one client (transact-rs/sqlx#4393, fixed upstream after 0.9.0).
+/// Here the begin runs on a task of its own: if the caller stops waiting, the task still
+/// finishes the begin and then drops the transaction, which sqlx rolls back before the
+/// connection goes back to the pool.
+pub(crate) async fn begin(
+    pool: &PgPool,
+    statement: Option<&'static str>,
+) -> Result<Transaction<'static, Postgres>> {
+    let pool = pool.clone();
+    let task = tokio::spawn(
+        async move {
+            match statement {
+                Some(statement) => pool.begin_with(statement).await,
+                None => pool.begin().await,
+            }
+        }
+        .in_current_span(),
+    );
+    match task.await {
+        Ok(begun) => Ok(begun?),
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(_) => Err(sqlx::Error::Io(std::io::Error::other(
+            "the runtime shut down while a transaction was beginning",
+        ))
+        .into()),
+    }
+}
+
+/// The isolation level a pool's sessions default to, once learned: see
+/// [`Pooler::read_committed_unit`]. Shared by the clones of the component that owns it.
+#[derive(Debug, Default)]
+pub(crate) struct SessionIsolation(std::sync::OnceLock<bool>);
 
 /// See [`Pooler::unit`].
 pub(crate) enum Unit {
@@ -104,15 +199,24 @@ impl DerefMut for Unit {
 }
 
 /// Whether `pool`'s connections share server sessions, the mark of a pooler in transaction
-/// (or statement) mode: one connection sets a session setting to a random value, a second
-/// connection of the pool reads it. A direct connection or a pooler in session mode never
-/// shows the value there; a pooler in transaction mode does whenever it hands the second
-/// connection the server connection the first one just released (PgBouncer reuses the most
-/// recently released one by default, but another client, or a server connection it opened
-/// meanwhile, can take that turn). So the probe is made up to [`PROBE_ATTEMPTS`] times, the
-/// two connections taking turns at writing: `Some(true)` is never a false alarm, and
-/// `Some(false)` after every attempt missed is a miss only on a pooler busy with other
-/// clients. `None`: the pool could not lend a second connection within 2 seconds.
+/// (or statement) mode.
+///
+/// Two connections of the pool take turns: one sets a session setting to a random value and
+/// reports its server backend (`pg_backend_pid()` and the server's start time), the other
+/// reads the setting and reports its backend. Sessions are shared when any of these is seen:
+///
+/// - the value set on one connection read on the other;
+/// - the same backend behind both connections (two live direct connections never share one);
+/// - one connection behind two different backends over the probe (a direct connection, or a
+///   pooler in session mode, keeps its backend for as long as it is connected).
+///
+/// A pooler in transaction mode shows one of them at almost every turn: it hands the next
+/// statement either the server connection the other client just released (PgBouncer reuses
+/// the most recently released one by default) or another one. The probe is made up to
+/// [`PROBE_ATTEMPTS`] times: `Some(true)` is never a false alarm, and `Some(false)` after
+/// every turn saw nothing is a miss only on a pooler that, for every turn, kept each client
+/// on a server connection of its own. `None`: the pool could not lend a second connection
+/// within 2 seconds.
 ///
 /// Every statement uses the simple protocol, which any pooler passes through whole; the
 /// setting (`pgbox.pooler_probe`) is reset afterwards and inert.
@@ -127,31 +231,58 @@ pub(crate) async fn shares_sessions(pool: &PgPool) -> Result<Option<bool>> {
             .transpose()?,
     };
     let Some(mut second) = second else {
+        tracing::debug!("pgbox pooler probe: no second connection within 2 s");
         return Ok(None);
     };
-    let mut seen = false;
+    // The backend each connection was last seen on: (server start time, pid).
+    let mut backends: [Option<(String, i32)>; 2] = [None, None];
+    let mut evidence = None;
     for attempt in 0..PROBE_ATTEMPTS {
-        let (writer, reader) = if attempt % 2 == 0 {
+        let marker = uuid::Uuid::now_v7().simple().to_string();
+        let (writer, reader) = (attempt % 2, 1 - attempt % 2);
+        let (w, r) = if writer == 0 {
             (&mut first, &mut second)
         } else {
             (&mut second, &mut first)
         };
-        let marker = uuid::Uuid::now_v7().simple().to_string();
         // Only [0-9a-f] in the marker: safe as a literal.
-        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-            "SELECT pg_catalog.set_config('pgbox.pooler_probe', '{marker}', false)"
+        let written = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "SELECT pg_catalog.pg_postmaster_start_time()::text, pg_catalog.pg_backend_pid(), \
+             pg_catalog.set_config('pgbox.pooler_probe', '{marker}', false)"
         )))
-        .execute(&mut **writer)
+        .fetch_one(&mut **w)
         .await?;
-        let row = sqlx::raw_sql("SELECT pg_catalog.current_setting('pgbox.pooler_probe', true)")
-            .fetch_optional(&mut **reader)
-            .await?;
-        let value: Option<String> = match row {
-            Some(row) => sqlx::Row::try_get(&row, 0)?,
-            None => None,
+        let read = sqlx::raw_sql(
+            "SELECT pg_catalog.pg_postmaster_start_time()::text, pg_catalog.pg_backend_pid(), \
+             pg_catalog.current_setting('pgbox.pooler_probe', true)",
+        )
+        .fetch_one(&mut **r)
+        .await?;
+        let backend = |row: &sqlx::postgres::PgRow| -> Result<(String, i32)> {
+            Ok((sqlx::Row::try_get(row, 0)?, sqlx::Row::try_get(row, 1)?))
         };
+        let (written_on, read_on) = (backend(&written)?, backend(&read)?);
+        let value: Option<String> = sqlx::Row::try_get(&read, 2)?;
+        tracing::trace!(
+            attempt,
+            writer_pid = written_on.1,
+            reader_pid = read_on.1,
+            seen = value.as_deref() == Some(marker.as_str()),
+            "pgbox pooler probe"
+        );
         if value.as_deref() == Some(marker.as_str()) {
-            seen = true;
+            evidence = Some("a setting made on one connection was read on the other");
+        } else if written_on == read_on {
+            evidence = Some("both connections ran on the same server backend");
+        } else if [(writer, &written_on), (reader, &read_on)]
+            .into_iter()
+            .any(|(i, now)| backends[i].as_ref().is_some_and(|before| before != now))
+        {
+            evidence = Some("one connection ran on two server backends");
+        }
+        backends[writer] = Some(written_on);
+        backends[reader] = Some(read_on);
+        if evidence.is_some() {
             break;
         }
     }
@@ -160,7 +291,12 @@ pub(crate) async fn shares_sessions(pool: &PgPool) -> Result<Option<bool>> {
             .execute(&mut **conn)
             .await?;
     }
-    Ok(Some(seen))
+    tracing::debug!(
+        shared = evidence.is_some(),
+        evidence = evidence.unwrap_or("none"),
+        "pgbox pooler probe"
+    );
+    Ok(Some(evidence.is_some()))
 }
 
 /// How many times [`shares_sessions`] looks before it answers that sessions are not shared.

@@ -145,7 +145,12 @@ impl Inbox {
         T: Serialize,
         E: From<Error>,
     {
-        self.process_and_commit(pool, key.clone(), handler).await
+        // Begun with pgbox's cancel-safe begin (see `pooler::begin`): `process_with_retry`
+        // always has a pool, so a drop mid-`BEGIN` cannot leave a transaction open.
+        self.process_or_reject_and_commit_on_pool(pool, key.clone(), async move |conn| {
+            handler(conn).await.map(crate::Verdict::Accept)
+        })
+        .await
     }
 }
 

@@ -347,6 +347,7 @@ async fn pipeline_through_the_pooler() {
 
     const PRODUCERS: usize = 4;
     const PER_PRODUCER: usize = 100;
+    support::init_tracing();
     let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
     let mut bouncer = PgBouncer::start(&cluster, 4);
     let direct = pooled(&cluster.url("postgres"), 3).await;
@@ -476,6 +477,16 @@ async fn pipeline_through_the_pooler() {
         .collect();
     assert!(prepared_errors.is_empty(), "{prepared_errors:?}");
 
+    // Nothing the pipeline ran is left open on the server: a transaction left idle behind
+    // the pooler pins a server connection to its client and holds its locks and snapshot.
+    let open: Vec<(i32, String, String)> = sqlx::query_as(
+        "SELECT pid, state, query FROM pg_stat_activity \
+         WHERE datname = current_database() AND state LIKE 'idle in transaction%'",
+    )
+    .fetch_all(&direct)
+    .await
+    .unwrap();
+    assert!(open.is_empty(), "transactions left open: {open:?}");
     // The doctor through the pooler, twice (a second run meets server connections the first
     // one used).
     for _ in 0..2 {

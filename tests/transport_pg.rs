@@ -228,3 +228,174 @@ async fn acks_report_errors_when_the_database_is_gone() {
     assert!(results.iter().all(Result::is_err), "{results:?}");
     assert_eq!(queued(&h.db).await, 20, "nothing acked");
 }
+
+/// The queue's own statements run at READ COMMITTED whatever the pool's sessions default to.
+/// Concurrent workers receive, nack and ack on a pool whose sessions default to REPEATABLE
+/// READ, then SERIALIZABLE: at those levels a receive or an ack that meets a row another
+/// worker changed since its snapshot fails with a serialization error (and a failed ack
+/// leaves its message hidden until its visibility timeout). Every call must succeed, and
+/// every message be acked once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn queue_statements_ignore_the_pools_default_isolation() {
+    use pgbox::transport::Publisher;
+    use std::sync::{Arc, Mutex};
+    const MESSAGES: usize = 300;
+    const WORKERS: usize = 6;
+    let h = harness().await;
+    for level in ["repeatable read", "serializable"] {
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(WORKERS as u32 + 2)
+            .after_connect(move |conn, _| {
+                Box::pin(async move {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                        "SET default_transaction_isolation = '{level}'"
+                    )))
+                    .execute(conn)
+                    .await
+                    .map(drop)
+                })
+            })
+            .connect(&h.db.url())
+            .await
+            .unwrap();
+        let shown: String = sqlx::query_scalar("SHOW transaction_isolation")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(shown, level);
+        let queue = PgQueue::new(pool.clone());
+        let topic = format!("isolation-{}", uuid::Uuid::now_v7().simple());
+        // Half the messages keyed (the receive's head-of-key check), half free.
+        let batch: Vec<pgbox::Envelope> = (0..MESSAGES)
+            .map(|i| {
+                let mut e = pgbox::transport::conformance::envelope(&topic, format!("{i}"));
+                if i % 2 == 0 {
+                    e.ordering_key = Some(format!("key-{}", i % 10));
+                }
+                e
+            })
+            .collect();
+        assert!(queue.publish(&batch).await.iter().all(Result::is_ok));
+        let errors = Arc::new(Mutex::new(Vec::<String>::new()));
+        let acked = Arc::new(Mutex::new(Vec::<String>::new()));
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let mut workers = Vec::new();
+        for _ in 0..WORKERS {
+            let (queue, topic) = (queue.clone(), topic.clone());
+            let (errors, acked) = (errors.clone(), acked.clone());
+            workers.push(tokio::spawn(async move {
+                while acked.lock().unwrap().len() < MESSAGES && std::time::Instant::now() < deadline
+                {
+                    let deliveries = match queue.receive(&topic, 4, Duration::from_secs(60)).await {
+                        Ok(d) => d,
+                        Err(e) => {
+                            errors.lock().unwrap().push(format!("receive: {e}"));
+                            continue;
+                        }
+                    };
+                    if deliveries.is_empty() {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                        continue;
+                    }
+                    let settled = deliveries.iter().map(|d| {
+                        let (queue, errors, acked) = (&queue, &errors, &acked);
+                        async move {
+                            let payload = String::from_utf8(d.envelope.payload.clone()).unwrap();
+                            // Every third message is nacked on its first delivery.
+                            let result =
+                                if d.delivery == 1 && payload.parse::<usize>().unwrap() % 3 == 0 {
+                                    queue.nack(d, Duration::ZERO, "once").await.map(|_| ())
+                                } else {
+                                    queue.ack(d).await.map(|fresh| {
+                                        assert!(fresh, "stale ack of {payload}");
+                                        acked.lock().unwrap().push(payload.clone());
+                                    })
+                                };
+                            if let Err(e) = result {
+                                errors
+                                    .lock()
+                                    .unwrap()
+                                    .push(format!("settle {payload}: {e}"));
+                            }
+                        }
+                    });
+                    futures_util::future::join_all(settled).await;
+                }
+            }));
+        }
+        for w in workers {
+            w.await.unwrap();
+        }
+        let errors = errors.lock().unwrap().clone();
+        assert!(
+            errors.is_empty(),
+            "{level}: {} failed calls: {errors:?}",
+            errors.len()
+        );
+        let mut acked = acked.lock().unwrap().clone();
+        acked.sort();
+        let before = acked.len();
+        acked.dedup();
+        assert_eq!(before, acked.len(), "{level}: a message was acked twice");
+        assert_eq!(acked.len(), MESSAGES, "{level}: every message acked");
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.queue WHERE topic = $1")
+            .bind(&topic)
+            .fetch_one(&h.db.pool)
+            .await
+            .unwrap();
+        assert_eq!(left, 0, "{level}");
+        pool.close().await;
+    }
+}
+
+/// A receive dropped at any point leaves no transaction open on its connection. sqlx 0.9.0's
+/// begin, dropped while its `BEGIN` is on the wire, leaves the session inside a transaction
+/// that nothing ends, and the pool lends the connection on (transact-rs/sqlx#4393): behind a
+/// transaction pooler (where every queue statement is a transaction) that pinned a server
+/// connection and ran later statements inside the stale transaction. Receives through a
+/// one-connection pool are dropped after a growing number of yields, so that some are
+/// dropped mid-`BEGIN`; after each, the connection, back in the pool, must be outside any
+/// transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_receive_leaves_no_transaction_open() {
+    let h = harness().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&h.db.url())
+        .await
+        .unwrap();
+    let queue = PgQueue::new(pool.clone()).pooler(pgbox::Pooler::Transaction);
+    let topic = format!("dropped-{}", uuid::Uuid::now_v7().simple());
+    let mut dropped = 0;
+    // Dropped after 0, 2, 4... µs: a local round trip takes tens of µs, so some of the
+    // drops land while the BEGIN's answer is awaited.
+    for micros in (0..1200).step_by(2) {
+        let receive = queue.receive(&topic, 1, Duration::from_secs(30));
+        let until = std::time::Instant::now() + Duration::from_micros(micros);
+        let finished = tokio::select! {
+            biased;
+            r = receive => { r.unwrap(); true }
+            _ = async {
+                while std::time::Instant::now() < until {
+                    tokio::task::yield_now().await;
+                }
+            } => false,
+        };
+        dropped += usize::from(!finished);
+        // The connection is back once the pool lends it again.
+        let mut conn = pool.acquire().await.unwrap();
+        // One simple-protocol statement: its own transaction starts with it, unless one was
+        // left open before.
+        let row = sqlx::raw_sql("SELECT now() <> statement_timestamp(), now()::text")
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        let (inside, xact_start): (bool, String) = (row.get(0), row.get(1));
+        assert!(
+            !inside,
+            "after a receive dropped at {micros} µs, the connection is inside a \
+             transaction begun at {xact_start}"
+        );
+    }
+    assert!(dropped > 0, "no receive was dropped");
+}

@@ -84,10 +84,12 @@ impl<S: Subscriber> Consumer<S> {
             topic = %self.topic,
             messages = batch.len(),
         );
-        let mut tx = match self.pool.begin().instrument(span.clone()).await {
+        let mut tx = match crate::pooler::begin(&self.pool, None)
+            .instrument(span.clone())
+            .await
+        {
             Ok(tx) => tx,
             Err(e) => {
-                let e = Error::from(e);
                 for delivery in &batch {
                     settled.push(self.retry_while_away(delivery, &e).await);
                 }

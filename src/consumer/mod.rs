@@ -659,7 +659,7 @@ impl<S: Subscriber> Consumer<S> {
         // `process_and_commit`: sqlx's own transaction, so the handler's nested units are savepoints.
         with_incoming(
             incoming,
-            self.inbox.process_or_reject_and_commit(
+            self.inbox.process_or_reject_and_commit_on_pool(
                 &self.pool,
                 key,
                 async |conn: &mut HandlerConnection<'_>| {

@@ -12,7 +12,7 @@
 
 use serde::Serialize;
 use sqlx::postgres::PgTransactionManager;
-use sqlx::{Acquire, Postgres};
+use sqlx::{Acquire, PgPool, Postgres, Transaction};
 use sqlx_core::transaction::TransactionManager;
 use tracing::Instrument;
 
@@ -53,7 +53,11 @@ impl Inbox {
     /// Everything [`process`](Self::process) promises holds here too (handler errors and
     /// panics roll back, a swallowed failed statement is caught, nested units of work are
     /// savepoints, invalid keys are refused before any SQL runs). If this future is dropped
-    /// before it finishes, the transaction rolls back (sqlx's rollback on drop).
+    /// before it finishes, the transaction rolls back (sqlx's rollback on drop), except in
+    /// one window that is sqlx 0.9.0's: dropped while sqlx's `BEGIN` awaits its answer, the
+    /// session stays inside a transaction nothing ends (transact-rs/sqlx#4393).
+    /// [`process_with_retry`](Self::process_with_retry) and the [`Consumer`](crate::Consumer)
+    /// begin on a task of their own and are safe there too.
     ///
     /// Passing a connection that is already inside a transaction (a `&mut Transaction`) is
     /// refused with [`Error::InvalidConfig`]: its commit would only release a savepoint, and
@@ -93,7 +97,42 @@ impl Inbox {
         let key = key.into();
         // Refused before a connection is taken from the pool.
         key.validate()?;
-        let mut tx = conn.begin().await.map_err(Error::from)?;
+        let tx = conn.begin().await.map_err(Error::from)?;
+        self.process_or_reject_in_own(tx, key, handler).await
+    }
+
+    /// [`process_or_reject_and_commit`](Self::process_or_reject_and_commit) on a connection of
+    /// `pool`, begun by [`pooler::begin`](crate::pooler::begin): dropped while its `BEGIN` is
+    /// on the wire, it leaves no open transaction behind on the connection (the consumer
+    /// runner's path: a shutdown drops what is in flight).
+    pub(crate) async fn process_or_reject_and_commit_on_pool<T, E, F>(
+        &self,
+        pool: &PgPool,
+        key: Key<'_>,
+        handler: F,
+    ) -> std::result::Result<Outcome<T>, E>
+    where
+        F: AsyncFnOnce(&mut HandlerConnection<'_>) -> std::result::Result<Verdict<T>, E>,
+        T: Serialize,
+        E: From<Error>,
+    {
+        key.validate()?;
+        let tx = crate::pooler::begin(pool, None).await?;
+        self.process_or_reject_in_own(tx, key, handler).await
+    }
+
+    /// The rest of the `*_and_commit` methods, once their transaction has begun.
+    async fn process_or_reject_in_own<T, E, F>(
+        &self,
+        mut tx: Transaction<'_, Postgres>,
+        key: Key<'_>,
+        handler: F,
+    ) -> std::result::Result<Outcome<T>, E>
+    where
+        F: AsyncFnOnce(&mut HandlerConnection<'_>) -> std::result::Result<Verdict<T>, E>,
+        T: Serialize,
+        E: From<Error>,
+    {
         if PgTransactionManager::get_transaction_depth(&tx) != 1 {
             return Err(Error::InvalidConfig(
                 "process_and_commit was given a connection inside a transaction: its commit \

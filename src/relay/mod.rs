@@ -556,7 +556,7 @@ impl<P: Publisher> Relay<P> {
     async fn round(&self) -> Result<RoundReport> {
         let span = tracing::debug_span!("pgbox.relay.round");
         async {
-            let mut tx = self.pool.begin_with(PINNED_BEGIN).await?;
+            let mut tx = crate::pooler::begin(&self.pool, Some(PINNED_BEGIN)).await?;
             let keyed: bool = sqlx::query_scalar(AssertSqlSafe(self.sql.keyed_lock.clone()))
                 .persistent(self.persistent)
                 .fetch_one(&mut *tx)

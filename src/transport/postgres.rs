@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::ident::Identifier;
 use crate::migrate::DEFAULT_SCHEMA;
 use crate::outbox::Envelope;
-use crate::pooler::Pooler;
+use crate::pooler::{Pooler, SessionIsolation, Unit};
 
 /// A message received from a [`PgQueue`]. Ack it, nack it, or dead-letter it; if the
 /// consumer dies instead, it becomes visible again after the visibility timeout.
@@ -43,6 +43,7 @@ pub struct PgQueue {
     pooler: Pooler,
     session_pool: Option<PgPool>,
     acks: Arc<AckGroup>,
+    isolation: Arc<SessionIsolation>,
 }
 
 /// Most acks deleted by one statement.
@@ -168,6 +169,7 @@ impl PgQueue {
             pooler: Pooler::None,
             session_pool: None,
             acks: Arc::default(),
+            isolation: Arc::default(),
         }
     }
 
@@ -204,7 +206,7 @@ impl PgQueue {
         max: usize,
         visibility: Duration,
     ) -> Result<Vec<Delivery>> {
-        let mut unit = self.pooler.unit(&self.pool).await?;
+        let mut unit = self.unit().await?;
         let rows = sqlx::query(AssertSqlSafe(self.inner.receive.clone()))
             .persistent(self.pooler.persistent())
             .bind(topic)
@@ -268,7 +270,7 @@ impl PgQueue {
             let seqs: Vec<i64> = group.iter().map(|w| w.seq).collect();
             let deliveries: Vec<i32> = group.iter().map(|w| w.delivery).collect();
             let deleted: Result<Vec<(i64, i32)>> = async {
-                let mut unit = self.pooler.unit(&self.pool).await?;
+                let mut unit = self.unit().await?;
                 let rows = sqlx::query_as(AssertSqlSafe(self.inner.ack_group.clone()))
                     .persistent(self.pooler.persistent())
                     .bind(&seqs)
@@ -302,7 +304,7 @@ impl PgQueue {
     /// One ack, one statement: what an ack falls back to when its group's statement failed,
     /// so that it reports its own error.
     async fn ack_alone(&self, delivery: &Delivery) -> Result<bool> {
-        let mut unit = self.pooler.unit(&self.pool).await?;
+        let mut unit = self.unit().await?;
         let done = sqlx::query(AssertSqlSafe(self.inner.ack.clone()))
             .persistent(self.pooler.persistent())
             .bind(delivery.queue_seq)
@@ -315,7 +317,7 @@ impl PgQueue {
 
     /// Makes the message visible again after `delay`, recording `error`.
     pub async fn nack(&self, delivery: &Delivery, delay: Duration, error: &str) -> Result<bool> {
-        let mut unit = self.pooler.unit(&self.pool).await?;
+        let mut unit = self.unit().await?;
         let done = sqlx::query(AssertSqlSafe(self.inner.nack.clone()))
             .persistent(self.pooler.persistent())
             .bind(delivery.queue_seq)
@@ -340,7 +342,7 @@ impl PgQueue {
     /// Moves the message to `queue_dead_letters`. Until it is replayed or discarded (see
     /// [`QueueDeadLetters`]), later messages of its ordering key are not delivered.
     pub async fn dead_letter(&self, delivery: &Delivery, error: &str) -> Result<bool> {
-        let mut unit = self.pooler.unit(&self.pool).await?;
+        let mut unit = self.unit().await?;
         let done = sqlx::query(AssertSqlSafe(self.inner.dead_letter.clone()))
             .persistent(self.pooler.persistent())
             .bind(delivery.queue_seq)
@@ -369,13 +371,15 @@ impl Publisher for PgQueue {
         let result: Result<()> = async {
             let chunks = chunk_by_bytes(batch, MAX_STATEMENT_BYTES);
             if let [only] = chunks.as_slice() {
-                let mut unit = self.pooler.unit(&self.pool).await?;
+                let mut unit = self.unit().await?;
                 self.insert(&mut unit, only).await?;
                 return unit.finish().await;
             }
             // Too big for one statement: several, in one transaction, so the batch stays
             // all or nothing.
-            let mut tx = self.pool.begin().await?;
+            let mut tx =
+                crate::pooler::begin(&self.pool, Some("BEGIN ISOLATION LEVEL READ COMMITTED"))
+                    .await?;
             for chunk in &chunks {
                 self.insert(&mut tx, chunk).await?;
             }
@@ -412,6 +416,14 @@ fn chunk_by_bytes(batch: &[Envelope], max: usize) -> Vec<&[Envelope]> {
 }
 
 impl PgQueue {
+    /// A unit for one of the queue's statements: at `READ COMMITTED` whatever the pool's
+    /// sessions default to (see [`Pooler::read_committed_unit`]).
+    async fn unit(&self) -> Result<Unit> {
+        self.pooler
+            .read_committed_unit(&self.pool, &self.isolation)
+            .await
+    }
+
     async fn insert(&self, conn: &mut sqlx::PgConnection, batch: &[Envelope]) -> Result<()> {
         sqlx::query(AssertSqlSafe(self.inner.publish.clone()))
             .persistent(self.pooler.persistent())
