@@ -2,7 +2,8 @@
 //! transaction. The same adversarial matrix as the one-message path: duplicates inside a
 //! batch, handler errors, panics and swallowed failures in the middle of a batch, nested
 //! units and transaction control, every isolation level with concurrent runners on shared
-//! keys, both inbox layouts, keys under a lease, and a run dropped mid-batch. Every check is
+//! keys, both inbox layouts, keys under a lease, a run dropped mid-batch, and runs dropped
+//! at any moment (no transaction left open on the pool). Every check is
 //! on what committed: effects and inbox records per key.
 
 mod support;
@@ -681,4 +682,71 @@ async fn batch_size_is_checked() {
             other => panic!("batch size {bad}: {other:?}"),
         }
     }
+}
+
+/// A run dropped at any moment (its task aborted, a `select!` that took another branch)
+/// leaves no transaction open on the inbox's pool. sqlx 0.9.0's own begin, dropped while its
+/// `BEGIN` awaits the answer, leaves the session inside a transaction nothing ends, and the
+/// pool lends it on (transact-rs/sqlx#4393); the runner begins on a task of its own. Runs on
+/// a one-connection pool, one message at a time and in batches, are dropped after 0 to 30 ms;
+/// after each, the connection, back in the pool, must be outside any transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_dropped_at_any_moment_leaves_no_transaction_open() {
+    let db = TestDb::migrated().await;
+    enqueue(&db.pool, &oks("k", 400)).await;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect(&db.url())
+        .await
+        .unwrap();
+    let runs = Runs::default();
+    let mut dropped = 0;
+    for batch in [1, 8] {
+        for micros in (0..30_000).step_by(150) {
+            let consumer = builder_on(
+                &pool,
+                PgQueue::new(db.pool.clone()),
+                Inbox::new("dropped").unwrap(),
+                batch,
+                1,
+            )
+            .visibility_timeout(Duration::from_secs(1))
+            .build()
+            .unwrap();
+            let run = consumer.run(
+                async |e: &Envelope, conn: &mut HandlerConnection<'_>| handle(e, conn, &runs).await,
+                CancellationToken::new(),
+            );
+            let until = Instant::now() + Duration::from_micros(micros);
+            tokio::select! {
+                biased;
+                r = run => panic!("the run ended by itself: {r:?}"),
+                _ = async {
+                    while Instant::now() < until {
+                        tokio::task::yield_now().await;
+                    }
+                } => dropped += 1,
+            }
+            let mut conn = pool.acquire().await.unwrap();
+            // One simple-protocol statement: its own transaction starts with it, unless one
+            // was left open before.
+            let row = sqlx::raw_sql("SELECT now() <> statement_timestamp(), now()::text")
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap();
+            let (inside, since): (bool, String) =
+                (sqlx::Row::get(&row, 0), sqlx::Row::get(&row, 1));
+            assert!(
+                !inside,
+                "after a run (batch {batch}) dropped at {micros} µs, the connection is inside \
+                 a transaction begun at {since}"
+            );
+        }
+    }
+    assert!(dropped > 0);
+    assert!(
+        runs.lock().unwrap().len() > 10,
+        "the runs processed messages between drops: {}",
+        runs.lock().unwrap().len()
+    );
 }
