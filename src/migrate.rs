@@ -251,7 +251,7 @@ impl Migrator {
     ///
     /// Safe through a pooler in transaction mode: one transaction, unnamed statements.
     pub async fn applied(&self, pool: &PgPool) -> Result<Vec<AppliedMigration>> {
-        let mut tx = pool.begin().await?;
+        let mut tx = crate::pooler::begin(pool, None).await?;
         let exists: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_tables WHERE schemaname = $1 AND tablename = $2)",
         )

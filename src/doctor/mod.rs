@@ -711,7 +711,7 @@ impl Doctor {
             other => other?,
         };
         if applied.is_empty() {
-            let mut tx = pool.begin().await?;
+            let mut tx = crate::pooler::begin(pool, None).await?;
             let taken_at = sqlx::query_scalar("SELECT pg_catalog.now()")
                 .persistent(false)
                 .fetch_one(&mut *tx)
@@ -738,7 +738,7 @@ impl Doctor {
             });
         }
 
-        let mut tx = pool.begin().await?;
+        let mut tx = crate::pooler::begin(pool, None).await?;
         let ms = self.statement_timeout.as_millis().min(i32::MAX as u128);
         sqlx::raw_sql(AssertSqlSafe(format!(
             "SET TRANSACTION READ ONLY; SET LOCAL statement_timeout = {ms}; \

@@ -8,7 +8,7 @@ use super::*;
 
 impl Doctor {
     pub(super) async fn check_wal_slots(&self, pool: &PgPool) -> Result<Vec<Finding>> {
-        let mut tx = pool.begin().await?;
+        let mut tx = crate::pooler::begin(pool, None).await?;
         let rows = sqlx::query(
             "SELECT s.slot_name::text, s.plugin::text, s.active, \
                     coalesce(pg_catalog.pg_wal_lsn_diff(pg_catalog.pg_current_wal_lsn(), s.restart_lsn), 0)::int8, \

@@ -156,7 +156,7 @@ impl WalSlot {
 
     /// The slot's state, `None` if it does not exist.
     pub async fn status(&self, pool: &PgPool) -> Result<Option<WalSlotStatus>> {
-        let mut tx = pool.begin().await?;
+        let mut tx = crate::pooler::begin(pool, None).await?;
         let status = self.read_status(&mut tx).await?;
         tx.commit().await?;
         Ok(status)
