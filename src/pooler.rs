@@ -77,10 +77,12 @@ impl Pooler {
     /// error instead of being skipped or re-read, and a failed ack leaves its message hidden
     /// until its visibility timeout.
     ///
-    /// `default` caches what the pool's sessions default to: learned once (one `SHOW` on the
+    /// `default` caches what the pool's sessions default to: learned once (one query on the
     /// first call), a pool at `READ COMMITTED` keeps plain autocommit statements, any other
     /// level gets a `BEGIN ISOLATION LEVEL READ COMMITTED` transaction. Behind a transaction
-    /// pooler the unit is a transaction anyway and always begins that way.
+    /// pooler the unit is a transaction anyway and always begins that way. The level is read
+    /// on one connection, once: a default changed later (`ALTER ROLE ... SET`, a session
+    /// `SET` left on a pooled connection) is not seen until the component is rebuilt.
     pub(crate) async fn read_committed_unit(
         self,
         pool: &PgPool,
@@ -131,22 +133,19 @@ impl Pooler {
 /// takes it next runs inside that transaction: its autocommit statements are never
 /// committed and hold their locks, and behind a transaction pooler the session pins a
 /// server connection to one client (transact-rs/sqlx#4393, fixed upstream after 0.9.0).
-/// Here the begin runs on a task of its own: if the caller stops waiting, the task still
-/// finishes the begin and then drops the transaction, which sqlx rolls back before the
-/// connection goes back to the pool.
+///
+/// Here the connection is taken by the caller (a wait for a connection is safe to drop, and
+/// a caller that gives up stops waiting), and only the `BEGIN` runs on a task of its own: if
+/// the caller stops waiting then, the task still finishes the begin and drops the
+/// transaction, which sqlx rolls back before the connection goes back to the pool.
 pub(crate) async fn begin(
     pool: &PgPool,
     statement: Option<&'static str>,
 ) -> Result<Transaction<'static, Postgres>> {
-    let pool = pool.clone();
+    let conn = pool.acquire().await?;
     let task = tokio::spawn(
-        async move {
-            match statement {
-                Some(statement) => pool.begin_with(statement).await,
-                None => pool.begin().await,
-            }
-        }
-        .in_current_span(),
+        // sqlx's `Pool::begin` is this call on a connection it has just acquired.
+        Transaction::begin(conn, statement.map(sqlx::SqlSafeStr::into_sql_str)).in_current_span(),
     );
     match task.await {
         Ok(begun) => Ok(begun?),
@@ -207,8 +206,9 @@ impl DerefMut for Unit {
 ///
 /// - the value set on one connection read on the other;
 /// - the same backend behind both connections (two live direct connections never share one);
-/// - one connection behind two different backends over the probe (a direct connection, or a
-///   pooler in session mode, keeps its backend for as long as it is connected).
+/// - one connection behind two different backends of the same server over the probe (a
+///   direct connection, or a pooler in session mode, keeps its backend for as long as it is
+///   connected; a pooler that sends reads to another server is not counted).
 ///
 /// A pooler in transaction mode shows one of them at almost every turn: it hands the next
 /// statement either the server connection the other client just released (PgBouncer reuses
@@ -274,11 +274,16 @@ pub(crate) async fn shares_sessions(pool: &PgPool) -> Result<Option<bool>> {
             evidence = Some("a setting made on one connection was read on the other");
         } else if written_on == read_on {
             evidence = Some("both connections ran on the same server backend");
-        } else if [(writer, &written_on), (reader, &read_on)]
-            .into_iter()
-            .any(|(i, now)| backends[i].as_ref().is_some_and(|before| before != now))
-        {
-            evidence = Some("one connection ran on two server backends");
+        } else if [(writer, &written_on), (reader, &read_on)].into_iter().any(
+            |(i, (started, pid))| {
+                // Two backends of the same server: a pooler that splits reads from writes
+                // (to a standby, another server) may keep sessions all the same.
+                backends[i]
+                    .as_ref()
+                    .is_some_and(|(was_started, was_pid)| was_started == started && was_pid != pid)
+            },
+        ) {
+            evidence = Some("one connection ran on two backends of the same server");
         }
         backends[writer] = Some(written_on);
         backends[reader] = Some(read_on);

@@ -656,7 +656,8 @@ impl<S: Subscriber> Consumer<S> {
         let key = Key::new(key).with_message_id(envelope.id.to_string());
         // Messages the handler enqueues continue this message's trace.
         let incoming = envelope.headers.get(TRACEPARENT).cloned();
-        // `process_and_commit`: sqlx's own transaction, so the handler's nested units are savepoints.
+        // `process_and_commit` on a transaction begun by `pooler::begin` (safe to drop mid-`BEGIN`):
+        // sqlx's own transaction, so the handler's nested units are savepoints.
         with_incoming(
             incoming,
             self.inbox.process_or_reject_and_commit_on_pool(
