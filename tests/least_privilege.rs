@@ -808,3 +808,42 @@ async fn the_cli_grants_and_the_doctor_checks_a_role() {
     let out = pgbox_cli(url.as_str(), &["status"]);
     assert!(out.status.success(), "{}", describe(&out));
 }
+
+/// A relay whose role may not insert into the queue (its outbox grants only) does not try to
+/// move batches into it: it publishes through the queue's own pool, as the owner here. With
+/// the move tried anyway, every round would fail with "permission denied".
+#[tokio::test]
+async fn a_relay_that_may_not_insert_into_the_queue_publishes_through_the_queues_pool() {
+    support::init_tracing();
+    let db = TestDb::empty().await;
+    let role = TestRole::create(&db).await;
+    granted(&db, &role, Migrator::new()).await;
+    db.pool
+        .execute(AssertSqlSafe(format!(
+            "REVOKE INSERT ON pgbox.queue FROM \"{}\"",
+            role.name
+        )))
+        .await
+        .unwrap();
+    let app = role.pool(&db).await;
+    let mut tx = app.begin().await.unwrap();
+    for i in 0..5 {
+        Outbox::new()
+            .enqueue(&mut tx, Message::bytes("orders", format!("o-{i}")))
+            .await
+            .expect("enqueue as the app role");
+    }
+    tx.commit().await.unwrap();
+
+    let relay = Relay::builder(app.clone(), PgQueue::new(db.pool.clone()))
+        .build()
+        .unwrap();
+    let drained = relay.drain().await.expect("relay drain as the app role");
+    assert_eq!(drained.published, 5, "{drained:?}");
+    let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.queue")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(queued, 5);
+    app.close().await;
+}

@@ -1224,8 +1224,10 @@ async fn main() -> anyhow::Result<()> {
 
     // O2: drain an unkeyed backlog; O2k: a keyed one, over 100 keys and over 1 key. Each
     // relay round is BEGIN (with the plan settings), the keyed-drain lock, claim, DELETE of
-    // the published rows, COMMIT (plus the queue's
-    // INSERT, on its own connection, for the built-in queue); the final empty round is BEGIN
+    // the published rows, COMMIT. Into the built-in queue the DELETE also inserts the rows
+    // into the queue (one statement, and the claim leaves the payloads on the server);
+    // published through the queue's pool, the queue's INSERT runs on a connection and in a
+    // transaction of its own, with every payload sent back. The final empty round is BEGIN
     // and claim. The non-atomic no-op publisher (`atomic_batches() == false`) gets waves:
     // one call per position in a key's run, which is a broker round trip each with a real
     // broker.
@@ -1236,9 +1238,18 @@ async fn main() -> anyhow::Result<()> {
     } else {
         (args.backlog as f64 / 5_000.0).max(20.0)
     });
-    let mut drains: Vec<(Option<usize>, Sink)> = vec![(None, Sink::Discard), (None, Sink::Queue)];
+    let mut drains: Vec<(Option<usize>, Sink)> = vec![
+        (None, Sink::Discard),
+        (None, Sink::Queue),
+        (None, Sink::QueuePublished),
+    ];
     for keys in [100usize, 1] {
-        for sink in [Sink::Discard, Sink::Waves, Sink::Queue] {
+        for sink in [
+            Sink::Discard,
+            Sink::Waves,
+            Sink::Queue,
+            Sink::QueuePublished,
+        ] {
             drains.push((Some(keys), sink));
         }
     }
@@ -1971,8 +1982,26 @@ enum Sink {
     Discard,
     /// `Waves`: a no-op that is not atomic, so the relay publishes keyed runs in waves.
     Waves,
-    /// The built-in `PgQueue` (atomic).
+    /// The built-in `PgQueue` in the outbox's database: the relay moves each batch into it
+    /// inside its round (one statement, payloads stay on the server).
     Queue,
+    /// The same queue behind a wrapper that does not name it (`as_pg_queue` is `None`): the
+    /// relay publishes through the queue's pool, in a transaction of the queue's own, as it
+    /// did before it moved batches (the baseline of `Queue`).
+    QueuePublished,
+}
+
+/// Forwards to a `PgQueue` without naming it: the relay publishes through it.
+struct Forwarding(PgQueue);
+
+impl Publisher for Forwarding {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        self.0.publish(batch).await
+    }
+
+    fn atomic_batches(&self) -> bool {
+        true
+    }
 }
 
 impl Sink {
@@ -1981,6 +2010,7 @@ impl Sink {
             Sink::Discard => "no-op publisher",
             Sink::Waves => "no-op publisher, non-atomic",
             Sink::Queue => "built-in queue",
+            Sink::QueuePublished => "built-in queue, published through its pool",
         }
     }
 }
@@ -2084,6 +2114,11 @@ async fn drain_backlog(
                     let relay = Relay::builder(rpool.clone(), PgQueue::new(rpool))
                         .batch_size(batch)
                         .build()?;
+                    relay_rounds(relay, state).await
+                }
+                Sink::QueuePublished => {
+                    let queue = Forwarding(PgQueue::new(rpool.clone()));
+                    let relay = Relay::builder(rpool, queue).batch_size(batch).build()?;
                     relay_rounds(relay, state).await
                 }
             }

@@ -7,6 +7,9 @@
 //!   (the row locks keep them apart);
 //! - a relay that dies mid-batch loses nothing: its transaction rolls back and the messages
 //!   are claimed again (and published again; the consumer's inbox absorbs the duplicate);
+//! - into the built-in queue on the relay's own database (see [`Publisher::as_pg_queue`]), the
+//!   batch is moved into the queue by the round's own transaction, so a round that does not
+//!   commit leaves no copy there;
 //! - keyed messages are claimed by one relay at a time (the holder of a per-round advisory
 //!   lock; the others take unkeyed messages meanwhile): per ordering key, a round claims a run
 //!   of consecutive messages starting at the key's oldest pending one (none while that one
@@ -181,6 +184,8 @@ impl<P: Publisher> RelayBuilder<P> {
             poll_interval: self.poll_interval,
             wake_up,
             sql: Arc::new(sql),
+            keep_published: self.keep_published,
+            local_queue: tokio::sync::OnceCell::new(),
         })
     }
 }
@@ -205,6 +210,10 @@ const PINNED_BEGIN: &str = "BEGIN; SET LOCAL enable_seqscan = off; SET LOCAL ena
 struct Statements {
     claim: String,
     claim_unkeyed: String,
+    /// `claim` and `claim_unkeyed` without the payloads, for rounds that move messages into
+    /// a queue in the same database (the payloads go from table to table on the server).
+    claim_local: String,
+    claim_unkeyed_local: String,
     keyed_lock: String,
     done: String,
     retry: String,
@@ -228,28 +237,10 @@ impl Statements {
             // `available_at` (its producer's transaction start, which is not in `seq` order:
             // skipping it for one round would let a later row of its key overtake it). The
             // LIMIT is a literal: with `$1` the statement is planned anew every round.
-            claim: format!(
-                "WITH blocked AS MATERIALIZED (\
-                   SELECT DISTINCT b.topic, b.ordering_key FROM {s}.outbox AS b \
-                   WHERE b.attempts > 0 AND b.published_at IS NULL AND b.available_at > pg_catalog.now()) \
-                 SELECT seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, attempts \
-                 FROM {s}.outbox AS o \
-                 WHERE o.published_at IS NULL AND (o.attempts = 0 OR o.available_at <= pg_catalog.now()) \
-                   AND (o.ordering_key IS NULL OR (\
-                     NOT EXISTS (SELECT 1 FROM blocked AS b \
-                       WHERE b.topic = o.topic AND b.ordering_key = o.ordering_key) \
-                     AND NOT EXISTS (SELECT 1 FROM {s}.outbox_dead_letters AS d \
-                       WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key))) \
-                 ORDER BY o.seq LIMIT {batch_size} FOR UPDATE SKIP LOCKED"
-            ),
-            // For a relay whose round did not get the keyed-drain lock.
-            claim_unkeyed: format!(
-                "SELECT seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, attempts \
-                 FROM {s}.outbox AS o \
-                 WHERE o.published_at IS NULL AND o.ordering_key IS NULL \
-                   AND (o.attempts = 0 OR o.available_at <= pg_catalog.now()) \
-                 ORDER BY o.seq LIMIT {batch_size} FOR UPDATE SKIP LOCKED"
-            ),
+            claim: claim_sql(s, batch_size, CLAIMED_COLUMNS),
+            claim_unkeyed: claim_unkeyed_sql(s, batch_size, CLAIMED_COLUMNS),
+            claim_local: claim_sql(s, batch_size, CLAIMED_COLUMNS_LOCAL),
+            claim_unkeyed_local: claim_unkeyed_sql(s, batch_size, CLAIMED_COLUMNS_LOCAL),
             keyed_lock: format!(
                 "SELECT pg_catalog.pg_try_advisory_xact_lock({KEYED_DRAIN_CLASS}, pg_catalog.hashtext('{name}'))",
                 name = s.as_str()
@@ -290,6 +281,61 @@ impl Statements {
             ),
         }
     }
+}
+
+/// The columns a round claims, as [`Envelope::from_row`] reads them.
+const CLAIMED_COLUMNS: &str =
+    "seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, attempts";
+/// The same without the payload, for a round that moves its batch into a queue in the same
+/// database: the payload is copied from table to table on the server.
+const CLAIMED_COLUMNS_LOCAL: &str = "seq, message_id, topic, ordering_key, ''::pg_catalog.bytea AS payload, \
+     content_type, headers, created_at, attempts";
+
+/// The claim of the relay that holds the keyed-drain lock (see [`Statements::new`]).
+fn claim_sql(s: &Identifier, batch_size: usize, columns: &str) -> String {
+    format!(
+        "WITH blocked AS MATERIALIZED (\
+           SELECT DISTINCT b.topic, b.ordering_key FROM {s}.outbox AS b \
+           WHERE b.attempts > 0 AND b.published_at IS NULL AND b.available_at > pg_catalog.now()) \
+         SELECT {columns} \
+         FROM {s}.outbox AS o \
+         WHERE o.published_at IS NULL AND (o.attempts = 0 OR o.available_at <= pg_catalog.now()) \
+           AND (o.ordering_key IS NULL OR (\
+             NOT EXISTS (SELECT 1 FROM blocked AS b \
+               WHERE b.topic = o.topic AND b.ordering_key = o.ordering_key) \
+             AND NOT EXISTS (SELECT 1 FROM {s}.outbox_dead_letters AS d \
+               WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key))) \
+         ORDER BY o.seq LIMIT {batch_size} FOR UPDATE SKIP LOCKED"
+    )
+}
+
+/// The claim of a relay whose round did not get the keyed-drain lock: unkeyed rows only.
+fn claim_unkeyed_sql(s: &Identifier, batch_size: usize, columns: &str) -> String {
+    format!(
+        "SELECT {columns} \
+         FROM {s}.outbox AS o \
+         WHERE o.published_at IS NULL AND o.ordering_key IS NULL \
+           AND (o.attempts = 0 OR o.available_at <= pg_catalog.now()) \
+         ORDER BY o.seq LIMIT {batch_size} FOR UPDATE SKIP LOCKED"
+    )
+}
+
+/// The statement that moves a round's confirmed rows (`seq = ANY($1)`) from the outbox into
+/// the queue in `queue_schema`, in seq order so that the queue keeps each key's order: it
+/// deletes them (or marks them published, in audit mode) and inserts them in one go.
+fn move_sql(s: &Identifier, queue_schema: &Identifier, keep_published: bool) -> String {
+    let take = if keep_published {
+        format!("UPDATE {s}.outbox SET published_at = pg_catalog.now() WHERE seq = ANY($1)")
+    } else {
+        format!("DELETE FROM {s}.outbox WHERE seq = ANY($1)")
+    };
+    format!(
+        "WITH moved AS ({take} \
+           RETURNING seq, message_id, topic, ordering_key, payload, content_type, headers, created_at) \
+         INSERT INTO {queue_schema}.queue (message_id, topic, ordering_key, payload, content_type, headers, created_at) \
+         SELECT message_id, topic, ordering_key, payload, content_type, headers, created_at \
+         FROM moved ORDER BY seq"
+    )
 }
 
 /// What [`Relay::drain`] did, over all its rounds.
@@ -342,6 +388,10 @@ pub struct Relay<P> {
     poll_interval: Duration,
     wake_up: WakeUp,
     sql: Arc<Statements>,
+    keep_published: bool,
+    /// Whether the publisher is a queue in the relay's own database, learned on the first
+    /// round: the statement that moves a batch into it, or `None` (publish through it).
+    local_queue: tokio::sync::OnceCell<Option<String>>,
 }
 
 impl<P: Publisher> Relay<P> {
@@ -556,15 +606,17 @@ impl<P: Publisher> Relay<P> {
     async fn round(&self) -> Result<RoundReport> {
         let span = tracing::debug_span!("pgbox.relay.round");
         async {
+            let local = self.local_queue().await?;
             let mut tx = crate::pooler::begin(&self.pool, Some(PINNED_BEGIN)).await?;
             let keyed: bool = sqlx::query_scalar(AssertSqlSafe(self.sql.keyed_lock.clone()))
                 .persistent(self.persistent)
                 .fetch_one(&mut *tx)
                 .await?;
-            let claim = if keyed {
-                &self.sql.claim
-            } else {
-                &self.sql.claim_unkeyed
+            let claim = match (keyed, local.is_some()) {
+                (true, false) => &self.sql.claim,
+                (false, false) => &self.sql.claim_unkeyed,
+                (true, true) => &self.sql.claim_local,
+                (false, true) => &self.sql.claim_unkeyed_local,
             };
             let rows = sqlx::query(AssertSqlSafe(claim.clone()))
                 .persistent(self.persistent)
@@ -584,7 +636,12 @@ impl<P: Publisher> Relay<P> {
                 &tracing::Span::current(),
                 batch.iter().map(|e| (e.id, &e.headers)),
             );
-            let results = self.publish_in_key_order(&batch).await;
+            // Into a queue in this database, the batch moves at the settling below, in this
+            // transaction: it cannot fail apart from the round, and commits with it.
+            let results = match local {
+                Some(_) => vec![Some(Ok(())); batch.len()],
+                None => self.publish_in_key_order(&batch).await,
+            };
             let confirmed_at = OffsetDateTime::now_utc();
             let mut tally = Tally::default();
             let (mut done, mut retry, mut dead) = (Vec::new(), Vec::new(), Vec::new());
@@ -618,11 +675,24 @@ impl<P: Publisher> Relay<P> {
                 }
             }
             if !done.is_empty() {
-                sqlx::query(AssertSqlSafe(self.sql.done.clone()))
+                let settle = local.unwrap_or(&self.sql.done);
+                let settled = sqlx::query(AssertSqlSafe(settle.to_owned()))
                     .persistent(self.persistent)
                     .bind(&done)
                     .execute(&mut *tx)
                     .await?;
+                // The round holds every claimed row locked: all of them move, or the round
+                // rolls back rather than commit a partial move.
+                if local.is_some() && settled.rows_affected() != done.len() as u64 {
+                    return Err(Error::Database {
+                        kind: crate::DbErrorKind::Other,
+                        source: sqlx::Error::Protocol(format!(
+                            "moved {} of {} claimed messages into the queue",
+                            settled.rows_affected(),
+                            done.len()
+                        )),
+                    });
+                }
             }
             if let Some((_, first_error, first_delay)) = retry.first() {
                 // A broker that is down fails every message of the round alike: one line for
@@ -668,12 +738,73 @@ impl<P: Publisher> Relay<P> {
 }
 
 impl<P: Publisher> Relay<P> {
+    /// The statement that moves a round's batch into the publisher's queue, if the publisher
+    /// is a queue in this relay's own database and the relay may insert into it; learned once.
+    ///
+    /// "Same database" is the same server run (`pg_postmaster_start_time()`) and the same
+    /// database name, seen through both pools: a queue pool on another server, another
+    /// database, or a standby keeps the publish path, where the queue's own pool writes.
+    async fn local_queue(&self) -> Result<Option<&str>> {
+        let Some(queue) = self.publisher.as_pg_queue() else {
+            return Ok(None);
+        };
+        let decided = self
+            .local_queue
+            .get_or_try_init(|| async {
+                let queue_schema = queue.schema_identifier();
+                let table = format!("{queue_schema}.queue");
+                let here = identify(&self.pool, self.pooler, Some(&table)).await?;
+                let there = identify(queue.pool(), queue.pooler_setting(), None).await?;
+                let local = here.0 == there.0 && here.1 == there.1;
+                if local && here.2 {
+                    tracing::info!(
+                        queue_schema = queue_schema.as_str(),
+                        "pgbox relay moves messages into the built-in queue in its own transactions (same database)"
+                    );
+                    Ok::<_, Error>(Some(move_sql(&self.schema, queue_schema, self.keep_published)))
+                } else {
+                    tracing::info!(
+                        queue_schema = queue_schema.as_str(),
+                        same_database = local,
+                        may_insert = here.2,
+                        "pgbox relay publishes into the built-in queue through the queue's pool"
+                    );
+                    Ok(None)
+                }
+            })
+            .await?;
+        Ok(decided.as_deref())
+    }
+
     async fn publish_in_key_order(
         &self,
         batch: &[Envelope],
     ) -> Vec<Option<Result<(), PublishError>>> {
         publish_in_key_order(&*self.publisher, batch).await
     }
+}
+
+/// Which server run and database `pool` reaches, and (given a table) whether its role may
+/// insert into that table there (false when the table does not exist). Behind a transaction
+/// pooler the statement runs in a transaction of its own: sqlx prepares an unnamed statement
+/// in one round trip and runs it in the next, which a pooler may send to another server.
+async fn identify(
+    pool: &PgPool,
+    pooler: Pooler,
+    table: Option<&str>,
+) -> Result<(OffsetDateTime, String, bool)> {
+    let mut unit = pooler.unit(pool).await?;
+    let row = sqlx::query(
+        "SELECT pg_catalog.pg_postmaster_start_time(), pg_catalog.current_database()::text, \
+           COALESCE((SELECT pg_catalog.has_table_privilege(c.oid, 'INSERT') FROM pg_catalog.pg_class AS c \
+                     WHERE c.oid = pg_catalog.to_regclass(NULLIF($1, ''))), false)",
+    )
+    .persistent(pooler.persistent())
+    .bind(table.unwrap_or(""))
+    .fetch_one(&mut *unit)
+    .await?;
+    unit.finish().await?;
+    Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
 }
 
 /// Publishes `batch` (in seq order, keyed runs starting at their key's head) so that no

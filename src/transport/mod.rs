@@ -63,6 +63,20 @@ pub trait Publisher: Send + Sync {
     fn atomic_batches(&self) -> bool {
         false
     }
+
+    /// The built-in queue this publisher writes into, if it is one. A
+    /// [`Relay`](crate::Relay) whose outbox lives in the same database as that queue then
+    /// moves each batch into it inside the round's own transaction (one statement; payloads
+    /// never leave the server; a relay that dies mid-round leaves no copy behind) instead of
+    /// calling [`publish`](Self::publish). On another database, or without `INSERT` on the
+    /// queue, the relay publishes as usual.
+    ///
+    /// [`PgQueue`] returns itself. A wrapper that only forwards to a queue may return it too;
+    /// one that does anything on the way (transforms, counts, duplicates) must keep the
+    /// default, `None`, or its `publish` is bypassed.
+    fn as_pg_queue(&self) -> Option<&PgQueue> {
+        None
+    }
 }
 
 /// A publisher that accepts everything and sends nothing: the database's ceiling in

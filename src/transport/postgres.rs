@@ -194,6 +194,16 @@ impl PgQueue {
         &self.pool
     }
 
+    /// The schema the queue's tables are in.
+    pub(crate) fn schema_identifier(&self) -> &Identifier {
+        &self.inner.schema
+    }
+
+    /// What stands between the queue's pool and PostgreSQL.
+    pub(crate) fn pooler_setting(&self) -> Pooler {
+        self.pooler
+    }
+
     /// The `LISTEN` channel notified when messages arrive.
     pub fn channel(&self) -> String {
         format!("{}.queue", self.inner.schema.as_str())
@@ -393,6 +403,10 @@ impl Publisher for PgQueue {
 
     fn atomic_batches(&self) -> bool {
         true
+    }
+
+    fn as_pg_queue(&self) -> Option<&PgQueue> {
+        Some(self)
     }
 }
 
