@@ -809,9 +809,10 @@ async fn the_cli_grants_and_the_doctor_checks_a_role() {
     assert!(out.status.success(), "{}", describe(&out));
 }
 
-/// A relay whose role may not insert into the queue (its outbox grants only) does not try to
-/// move batches into it: it publishes through the queue's own pool, as the owner here. With
-/// the move tried anyway, every round would fail with "permission denied".
+/// A relay whose role may not insert into the queue (its outbox grants only), or may not use
+/// the queue's schema, does not try to move batches into it: it publishes through the queue's
+/// own pool, as the owner here. With the move (or a look-up of the queue that needs the
+/// schema) tried anyway, every round would fail with "permission denied".
 #[tokio::test]
 async fn a_relay_that_may_not_insert_into_the_queue_publishes_through_the_queues_pool() {
     support::init_tracing();
@@ -845,5 +846,32 @@ async fn a_relay_that_may_not_insert_into_the_queue_publishes_through_the_queues
         .await
         .unwrap();
     assert_eq!(queued, 5);
+
+    // A queue in a schema the role may not even use (migrated by the owner, granted to no
+    // one): still published to through the queue's pool, not a failed round.
+    Migrator::new()
+        .schema("jobs")
+        .unwrap()
+        .run(&db.pool)
+        .await
+        .unwrap();
+    let mut tx = app.begin().await.unwrap();
+    Outbox::new()
+        .enqueue(&mut tx, Message::bytes("orders", "o-jobs"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let queue = PgQueue::with_schema(db.pool.clone(), "jobs").unwrap();
+    let relay = Relay::builder(app.clone(), queue).build().unwrap();
+    let drained = relay
+        .drain()
+        .await
+        .expect("relay drain into a schema it may not use");
+    assert_eq!(drained.published, 1, "{drained:?}");
+    let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM jobs.queue")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(queued, 1);
     app.close().await;
 }

@@ -213,3 +213,57 @@ async fn a_queue_in_another_schema_of_the_same_database_gets_the_batch() {
         .unwrap();
     assert_eq!((in_jobs, count(&db.pool, "queue").await), (20, 0));
 }
+
+/// A queue whose pool can be pointed elsewhere while the relay runs (as a pool behind a DNS
+/// name or a virtual IP can): the relay decides every round, so once the queue's pool is on
+/// another database the next round publishes there instead of moving rows into its own.
+struct Repointable {
+    queues: [PgQueue; 2],
+    current: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Repointable {
+    fn queue(&self) -> &PgQueue {
+        &self.queues[self.current.load(std::sync::atomic::Ordering::SeqCst)]
+    }
+}
+
+impl Publisher for Repointable {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        self.queue().publish(batch).await
+    }
+
+    fn atomic_batches(&self) -> bool {
+        true
+    }
+
+    fn as_pg_queue(&self) -> Option<&PgQueue> {
+        Some(self.queue())
+    }
+}
+
+#[tokio::test]
+async fn a_queue_pool_that_moves_to_another_database_is_followed_at_the_next_round() {
+    let outbox_db = TestDb::migrated().await;
+    let other_db = TestDb::migrated().await;
+    let current = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let publisher = Repointable {
+        queues: [
+            PgQueue::new(outbox_db.pool.clone()),
+            PgQueue::new(other_db.pool.clone()),
+        ],
+        current: current.clone(),
+    };
+    let relay = Relay::builder(outbox_db.pool.clone(), publisher)
+        .build()
+        .unwrap();
+    enqueue(&outbox_db.pool, "a", 5, 5).await;
+    assert_eq!(relay.drain().await.unwrap().published, 10);
+    assert_eq!(count(&outbox_db.pool, "queue").await, 10);
+
+    current.store(1, std::sync::atomic::Ordering::SeqCst);
+    enqueue(&outbox_db.pool, "b", 5, 5).await;
+    assert_eq!(relay.drain().await.unwrap().published, 10);
+    assert_eq!(count(&outbox_db.pool, "queue").await, 10);
+    assert_eq!(count(&other_db.pool, "queue").await, 10);
+}

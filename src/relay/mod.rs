@@ -154,6 +154,14 @@ impl<P: Publisher> RelayBuilder<P> {
             ));
         }
         let sql = Statements::new(&schema, self.keep_published, self.batch_size);
+        let into_queue = self.publisher.as_pg_queue().map(|queue| {
+            let queue_schema = queue.schema_identifier();
+            IntoQueue {
+                queue_schema: queue_schema.as_str().to_owned(),
+                keyed_lock: keyed_lock_into_queue_sql(&schema),
+                move_batch: move_sql(&schema, queue_schema, self.keep_published),
+            }
+        });
         let mut wake_up = self.wake_up;
         let listen_pool = match (self.pooler.keeps_sessions(), self.session_pool) {
             (_, Some(session)) => session,
@@ -184,8 +192,8 @@ impl<P: Publisher> RelayBuilder<P> {
             poll_interval: self.poll_interval,
             wake_up,
             sql: Arc::new(sql),
-            keep_published: self.keep_published,
-            local_queue: tokio::sync::OnceCell::new(),
+            into_queue,
+            moving: std::sync::atomic::AtomicU8::new(0),
         })
     }
 }
@@ -320,6 +328,23 @@ fn claim_unkeyed_sql(s: &Identifier, batch_size: usize, columns: &str) -> String
     )
 }
 
+/// The keyed-drain lock's statement for a relay into the built-in queue: also which server run
+/// and database the round's transaction is on, and whether its role may insert into the
+/// queue (`$1`: the queue's schema), looked up by name in the catalogs so that a schema the
+/// role may not use reads as "may not" rather than failing the round.
+fn keyed_lock_into_queue_sql(s: &Identifier) -> String {
+    format!(
+        "SELECT pg_catalog.pg_try_advisory_xact_lock({KEYED_DRAIN_CLASS}, pg_catalog.hashtext('{name}')), \
+           pg_catalog.pg_postmaster_start_time(), pg_catalog.current_database()::text, \
+           EXISTS (SELECT FROM pg_catalog.pg_class AS c \
+             JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace \
+             WHERE n.nspname = $1 AND c.relname = 'queue' AND c.relkind IN ('r', 'p') \
+               AND pg_catalog.has_schema_privilege(n.oid, 'USAGE') \
+               AND pg_catalog.has_table_privilege(c.oid, 'INSERT'))",
+        name = s.as_str()
+    )
+}
+
 /// The statement that moves a round's confirmed rows (`seq = ANY($1)`) from the outbox into
 /// the queue in `queue_schema`, in seq order so that the queue keeps each key's order: it
 /// deletes them (or marks them published, in audit mode) and inserts them in one go.
@@ -388,10 +413,20 @@ pub struct Relay<P> {
     poll_interval: Duration,
     wake_up: WakeUp,
     sql: Arc<Statements>,
-    keep_published: bool,
-    /// Whether the publisher is a queue in the relay's own database, learned on the first
-    /// round: the statement that moves a batch into it, or `None` (publish through it).
-    local_queue: tokio::sync::OnceCell<Option<String>>,
+    /// When the publisher is the built-in queue: the keyed-drain lock's statement that also
+    /// says which server run and database the round is on and whether it may insert into
+    /// the queue, and the statement that moves a batch into the queue.
+    into_queue: Option<IntoQueue>,
+    /// Whether the last round moved its batch (1) or published it (2), 0 before the first:
+    /// a change is logged once.
+    moving: std::sync::atomic::AtomicU8,
+}
+
+#[derive(Debug)]
+struct IntoQueue {
+    queue_schema: String,
+    keyed_lock: String,
+    move_batch: String,
 }
 
 impl<P: Publisher> Relay<P> {
@@ -606,12 +641,44 @@ impl<P: Publisher> Relay<P> {
     async fn round(&self) -> Result<RoundReport> {
         let span = tracing::debug_span!("pgbox.relay.round");
         async {
-            let local = self.local_queue().await?;
+            // Into the built-in queue: which server run and database the queue's pool is on,
+            // asked every round, so that a pool moved to another server is followed. Not
+            // answering, it is published to (and fails) as any transport would.
+            let queue_side = match (&self.into_queue, self.publisher.as_pg_queue()) {
+                (Some(_), Some(queue)) => {
+                    match identify(queue.pool(), queue.pooler_setting()).await {
+                        Ok(there) => Some(there),
+                        Err(e) => {
+                            tracing::debug!(error = %e, "pgbox relay cannot reach the queue's pool");
+                            None
+                        }
+                    }
+                }
+                _ => None,
+            };
             let mut tx = crate::pooler::begin(&self.pool, Some(PINNED_BEGIN)).await?;
-            let keyed: bool = sqlx::query_scalar(AssertSqlSafe(self.sql.keyed_lock.clone()))
-                .persistent(self.persistent)
-                .fetch_one(&mut *tx)
-                .await?;
+            let (keyed, local) = match (&self.into_queue, queue_side) {
+                (Some(into), Some(there)) => {
+                    let row = sqlx::query(AssertSqlSafe(into.keyed_lock.clone()))
+                        .persistent(self.persistent)
+                        .bind(&into.queue_schema)
+                        .fetch_one(&mut *tx)
+                        .await?;
+                    let here: (OffsetDateTime, String) = (row.try_get(1)?, row.try_get(2)?);
+                    let may_insert: bool = row.try_get(3)?;
+                    let local = here == there && may_insert;
+                    self.note_path(local, here == there, may_insert, &into.queue_schema);
+                    (row.try_get(0)?, local.then_some(into.move_batch.as_str()))
+                }
+                _ => {
+                    let keyed: bool =
+                        sqlx::query_scalar(AssertSqlSafe(self.sql.keyed_lock.clone()))
+                            .persistent(self.persistent)
+                            .fetch_one(&mut *tx)
+                            .await?;
+                    (keyed, None)
+                }
+            };
             let claim = match (keyed, local.is_some()) {
                 (true, false) => &self.sql.claim,
                 (false, false) => &self.sql.claim_unkeyed,
@@ -738,42 +805,27 @@ impl<P: Publisher> Relay<P> {
 }
 
 impl<P: Publisher> Relay<P> {
-    /// The statement that moves a round's batch into the publisher's queue, if the publisher
-    /// is a queue in this relay's own database and the relay may insert into it; learned once.
-    ///
-    /// "Same database" is the same server run (`pg_postmaster_start_time()`) and the same
-    /// database name, seen through both pools: a queue pool on another server, another
-    /// database, or a standby keeps the publish path, where the queue's own pool writes.
-    async fn local_queue(&self) -> Result<Option<&str>> {
-        let Some(queue) = self.publisher.as_pg_queue() else {
-            return Ok(None);
-        };
-        let decided = self
-            .local_queue
-            .get_or_try_init(|| async {
-                let queue_schema = queue.schema_identifier();
-                let table = format!("{queue_schema}.queue");
-                let here = identify(&self.pool, self.pooler, Some(&table)).await?;
-                let there = identify(queue.pool(), queue.pooler_setting(), None).await?;
-                let local = here.0 == there.0 && here.1 == there.1;
-                if local && here.2 {
-                    tracing::info!(
-                        queue_schema = queue_schema.as_str(),
-                        "pgbox relay moves messages into the built-in queue in its own transactions (same database)"
-                    );
-                    Ok::<_, Error>(Some(move_sql(&self.schema, queue_schema, self.keep_published)))
-                } else {
-                    tracing::info!(
-                        queue_schema = queue_schema.as_str(),
-                        same_database = local,
-                        may_insert = here.2,
-                        "pgbox relay publishes into the built-in queue through the queue's pool"
-                    );
-                    Ok(None)
-                }
-            })
-            .await?;
-        Ok(decided.as_deref())
+    /// Logs which way the batches go into the built-in queue when it changes (and at the
+    /// first round).
+    fn note_path(&self, local: bool, same_database: bool, may_insert: bool, queue_schema: &str) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = if local { 1 } else { 2 };
+        if self.moving.swap(now, Relaxed) == now {
+            return;
+        }
+        if local {
+            tracing::info!(
+                queue_schema,
+                "pgbox relay moves batches into the built-in queue in its own transactions (same database)"
+            );
+        } else {
+            tracing::info!(
+                queue_schema,
+                same_database,
+                may_insert,
+                "pgbox relay publishes into the built-in queue through the queue's pool"
+            );
+        }
     }
 
     async fn publish_in_key_order(
@@ -784,27 +836,19 @@ impl<P: Publisher> Relay<P> {
     }
 }
 
-/// Which server run and database `pool` reaches, and (given a table) whether its role may
-/// insert into that table there (false when the table does not exist). Behind a transaction
-/// pooler the statement runs in a transaction of its own: sqlx prepares an unnamed statement
-/// in one round trip and runs it in the next, which a pooler may send to another server.
-async fn identify(
-    pool: &PgPool,
-    pooler: Pooler,
-    table: Option<&str>,
-) -> Result<(OffsetDateTime, String, bool)> {
+/// Which server run and database `pool` reaches. Behind a transaction pooler the statement
+/// runs in a transaction of its own: sqlx prepares an unnamed statement in one round trip and
+/// runs it in the next, which a pooler may send to another server.
+async fn identify(pool: &PgPool, pooler: Pooler) -> Result<(OffsetDateTime, String)> {
     let mut unit = pooler.unit(pool).await?;
     let row = sqlx::query(
-        "SELECT pg_catalog.pg_postmaster_start_time(), pg_catalog.current_database()::text, \
-           COALESCE((SELECT pg_catalog.has_table_privilege(c.oid, 'INSERT') FROM pg_catalog.pg_class AS c \
-                     WHERE c.oid = pg_catalog.to_regclass(NULLIF($1, ''))), false)",
+        "SELECT pg_catalog.pg_postmaster_start_time(), pg_catalog.current_database()::text",
     )
     .persistent(pooler.persistent())
-    .bind(table.unwrap_or(""))
     .fetch_one(&mut *unit)
     .await?;
     unit.finish().await?;
-    Ok((row.try_get(0)?, row.try_get(1)?, row.try_get(2)?))
+    Ok((row.try_get(0)?, row.try_get(1)?))
 }
 
 /// Publishes `batch` (in seq order, keyed runs starting at their key's head) so that no

@@ -68,8 +68,9 @@ pub trait Publisher: Send + Sync {
     /// [`Relay`](crate::Relay) whose outbox lives in the same database as that queue then
     /// moves each batch into it inside the round's own transaction (one statement; payloads
     /// never leave the server; a relay that dies mid-round leaves no copy behind) instead of
-    /// calling [`publish`](Self::publish). On another database, or without `INSERT` on the
-    /// queue, the relay publishes as usual.
+    /// calling [`publish`](Self::publish). On another database, or without `USAGE` on the
+    /// queue's schema and `INSERT` on the queue, the relay publishes as usual (it asks every
+    /// round).
     ///
     /// [`PgQueue`] returns itself. A wrapper that only forwards to a queue may return it too;
     /// one that does anything on the way (transforms, counts, duplicates) must keep the
