@@ -21,6 +21,7 @@ mod sequence;
 
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -96,6 +97,10 @@ struct Inner {
     pooler: Pooler,
     sql: Statements,
     lease_sql: lease::LeaseStatements,
+    /// Whether this inbox's last claim found a duplicate: the next claim then uses the
+    /// statement that also reads the stored record (`claim`), otherwise the plain INSERT
+    /// (`claim_new`). Both decide alike; only the cost differs (see `claim_new`).
+    last_was_duplicate: std::sync::atomic::AtomicBool,
 }
 
 impl Inner {
@@ -110,6 +115,10 @@ impl Inner {
 #[derive(Debug)]
 struct Statements {
     claim: Arc<str>,
+    /// The claim as a plain INSERT, for a key that is most likely new: no row back on a
+    /// conflict, and `read` then fetches the record that holds the key. `None` on the
+    /// partitioned inbox, whose claim is a function.
+    claim_new: Option<Arc<str>>,
     claim_bounded: Arc<str>,
     read: Arc<str>,
     store_outcome: Arc<str>,
@@ -157,6 +166,18 @@ impl Statements {
                  {read} AND NOT EXISTS (SELECT FROM claimed)"
             )
             .into(),
+            // Measured with pgbench (BENCHMARKS.md run 15): the statement above costs the
+            // server 15-20 % more per new key than this one, whose duplicate takes a second
+            // statement (`read`). The inbox picks by what its last claim found.
+            claim_new: Some(
+                format!(
+                    "INSERT INTO {s}.inbox (consumer, key, message_id) VALUES ($1, $2, $3) \
+                     ON CONFLICT (consumer, key) DO NOTHING \
+                     RETURNING true, false, processed_at, message_id, NULL::jsonb, NULL::text, \
+                               pg_catalog.pg_current_xact_id()::text"
+                )
+                .into(),
+            ),
             claim_bounded: format!("SELECT * FROM {s}.inbox_claim_bounded($1, $2, $3, $4)").into(),
             read: read.into(),
             // An expired lease, taken over by a transactional claim: the row becomes this
@@ -237,6 +258,7 @@ impl Statements {
         };
         Statements {
             claim: format!("SELECT * FROM {s}.partitioned_inbox_claim($1, $2, $3, NULL)").into(),
+            claim_new: None,
             claim_bounded: format!("SELECT * FROM {s}.partitioned_inbox_claim($1, $2, $3, $4)")
                 .into(),
             // The newest record first; then one of the plain inbox from before the switch.
@@ -380,6 +402,7 @@ impl InboxBuilder {
                 verify_transaction: self.verify_transaction,
                 partitioned: self.partitioned,
                 pooler: self.pooler,
+                last_was_duplicate: std::sync::atomic::AtomicBool::new(false),
             }),
         })
     }
@@ -644,9 +667,11 @@ impl Inbox {
     async fn claim_statement(&self, conn: &mut PgConnection, key: &Key<'_>) -> Result<Claim> {
         let sql = &self.inner.sql;
         let lock_timeout = self.lock_timeout();
-        let statement = match lock_timeout {
-            None => sql.claim.clone(),
-            Some(_) => sql.claim_bounded.clone(),
+        let expect_duplicate = self.inner.last_was_duplicate.load(Relaxed);
+        let statement = match (lock_timeout.as_ref(), &sql.claim_new) {
+            (Some(_), _) => sql.claim_bounded.clone(),
+            (None, Some(claim_new)) if !expect_duplicate => claim_new.clone(),
+            (None, _) => sql.claim.clone(),
         };
         let mut query = sqlx::query(AssertSqlSafe(statement))
             .persistent(self.inner.persistent())
@@ -657,7 +682,12 @@ impl Inbox {
             query = query.bind(lock_timeout);
         }
         let row = query.fetch_optional(&mut *conn).await?;
-        self.settle_claim(conn, row, key).await
+        let claim = self.settle_claim(conn, row, key).await?;
+        let duplicate = matches!(claim, Claim::Duplicate(_));
+        if duplicate != expect_duplicate {
+            self.inner.last_was_duplicate.store(duplicate, Relaxed);
+        }
+        Ok(claim)
     }
 
     /// The lock timeout of the bounded claims, `None` for [`Wait::Block`].

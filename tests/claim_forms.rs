@@ -1,0 +1,155 @@
+//! The plain inbox claims a key with one of two statements, picked by what the inbox's last
+//! claim found: after a new key, a plain `INSERT ... ON CONFLICT DO NOTHING` (a conflict then
+//! reads the record with a second statement); after a duplicate, the statement that also
+//! reads the record in the same round trip. Both must decide every case alike: a new key, a
+//! duplicate (with its stored record), a rejected one, a key under a live lease (in progress,
+//! and still a pure read), and an expired lease (taken over).
+
+mod support;
+
+use std::time::Duration;
+
+use pgbox::{Error, Inbox, Key, LeaseAttempt, Outcome};
+use sqlx::PgPool;
+use support::TestDb;
+
+/// Which statement the next claim of `inbox` uses.
+#[derive(Debug, Clone, Copy)]
+enum Form {
+    /// After a new key: the plain INSERT.
+    Plain,
+    /// After a duplicate: the INSERT that also reads the record.
+    Reading,
+}
+
+/// Steers `inbox`'s next claim to `form`: a claim of a new key, or of `"primer"`, recorded
+/// at the start.
+async fn steer(pool: &PgPool, inbox: &Inbox, form: Form) {
+    let mut tx = pool.begin().await.unwrap();
+    let key = match form {
+        Form::Plain => uuid::Uuid::now_v7().to_string(),
+        Form::Reading => "primer".to_owned(),
+    };
+    let outcome = inbox
+        .process(&mut tx, key.as_str(), async |_c| Ok::<_, Error>(()))
+        .await
+        .unwrap();
+    match form {
+        Form::Plain => assert!(outcome.is_processed(), "{outcome:?}"),
+        Form::Reading => assert!(outcome.is_duplicate(), "{outcome:?}"),
+    }
+    tx.rollback().await.unwrap();
+}
+
+async fn process(pool: &PgPool, inbox: &Inbox, key: &str, commit: bool) -> Outcome<String> {
+    let mut tx = pool.begin().await.unwrap();
+    let outcome = inbox
+        .process(
+            &mut tx,
+            Key::new(key).with_message_id(format!("m-{key}")),
+            async |_c| Ok::<_, Error>(format!("done {key}")),
+        )
+        .await
+        .unwrap();
+    let xid: Option<String> = sqlx::query_scalar("SELECT pg_current_xact_id_if_assigned()::text")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    if !outcome.is_processed() {
+        assert_eq!(xid, None, "{key}: anything but a claim is a pure read");
+    }
+    if commit {
+        tx.commit().await.unwrap();
+    } else {
+        tx.rollback().await.unwrap();
+    }
+    outcome
+}
+
+#[tokio::test]
+async fn both_claim_statements_decide_every_case_alike() {
+    let db = TestDb::migrated().await;
+    let pool = &db.pool;
+    let inbox = Inbox::new("forms").unwrap();
+    // The keys both forms meet: one processed (with a stored outcome), one rejected, one
+    // under a live lease; expired leases are made per form below.
+    process(pool, &inbox, "primer", true).await;
+    assert!(process(pool, &inbox, "done", true).await.is_processed());
+    let mut tx = pool.begin().await.unwrap();
+    let rejected = inbox
+        .process_or_reject(&mut tx, "rejected", async |_c| {
+            Ok::<_, Error>(pgbox::Verdict::<()>::Reject("no such order".into()))
+        })
+        .await
+        .unwrap();
+    assert!(matches!(rejected, Outcome::Rejected(_)), "{rejected:?}");
+    tx.commit().await.unwrap();
+    let LeaseAttempt::Leased(_live) = inbox
+        .lease(pool, "live", Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("not leased")
+    };
+
+    let mut records = Vec::new();
+    for form in [Form::Plain, Form::Reading, Form::Plain, Form::Reading] {
+        // A new key is claimed and processed.
+        steer(pool, &inbox, form).await;
+        let fresh = uuid::Uuid::now_v7().to_string();
+        let outcome = process(pool, &inbox, &fresh, false).await;
+        assert!(outcome.is_processed(), "{form:?}: {outcome:?}");
+
+        // A duplicate hands back the first delivery's record.
+        steer(pool, &inbox, form).await;
+        let Outcome::Duplicate(done) = process(pool, &inbox, "done", false).await else {
+            panic!("{form:?}: not a duplicate")
+        };
+        assert_eq!(done.message_id.as_deref(), Some("m-done"), "{form:?}");
+        assert_eq!(
+            done.outcome::<String>().unwrap().as_deref(),
+            Some("done done"),
+            "{form:?}"
+        );
+
+        // A rejected key is a duplicate that says so.
+        steer(pool, &inbox, form).await;
+        let Outcome::Duplicate(rejected) = process(pool, &inbox, "rejected", false).await else {
+            panic!("{form:?}: not a duplicate")
+        };
+        assert!(rejected.was_rejected(), "{form:?}");
+        records.push((done, rejected));
+
+        // A live lease holds the key: in progress, nothing written.
+        steer(pool, &inbox, form).await;
+        let outcome = process(pool, &inbox, "live", false).await;
+        assert!(
+            matches!(outcome, Outcome::InProgress),
+            "{form:?}: {outcome:?}"
+        );
+
+        // An expired lease is taken over by the claim.
+        let expired = format!("expired-{}", uuid::Uuid::now_v7());
+        let LeaseAttempt::Leased(_stale) = inbox
+            .lease(pool, expired.as_str(), Duration::from_millis(1))
+            .await
+            .unwrap()
+        else {
+            panic!("not leased")
+        };
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        steer(pool, &inbox, form).await;
+        let outcome = process(pool, &inbox, &expired, true).await;
+        assert!(outcome.is_processed(), "{form:?}: {outcome:?}");
+        assert!(
+            inbox
+                .lookup(pool, expired.as_str())
+                .await
+                .unwrap()
+                .is_some(),
+            "{form:?}: the taken-over key is recorded"
+        );
+    }
+    // Every form read the same records.
+    assert!(records.windows(2).all(|w| w[0] == w[1]), "{records:?}");
+}
