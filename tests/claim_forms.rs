@@ -73,7 +73,7 @@ async fn both_claim_statements_decide_every_case_alike() {
     let inbox = Inbox::new("forms").unwrap();
     // The keys both forms meet: one processed (with a stored outcome), one rejected, one
     // under a live lease; expired leases are made per form below.
-    process(pool, &inbox, "primer", true).await;
+    assert!(process(pool, &inbox, "primer", true).await.is_processed());
     assert!(process(pool, &inbox, "done", true).await.is_processed());
     let mut tx = pool.begin().await.unwrap();
     let rejected = inbox
