@@ -153,3 +153,50 @@ async fn both_claim_statements_decide_every_case_alike() {
     // Every form read the same records.
     assert!(records.windows(2).all(|w| w[0] == w[1]), "{records:?}");
 }
+
+/// The plain INSERT finds the key held, and before its `read` looks the record is deleted by
+/// another session that commits (a purge; a lease released). The claim must decide as in one
+/// snapshot, not fail with `ConcurrentClaim`: here the key is free again, so it is claimed.
+/// The delete is made deterministic by a statement trigger on the inbox that, once armed,
+/// deletes the key through dblink (a session of its own, committed at once) right after the
+/// claim's INSERT and before the claim's read.
+#[tokio::test]
+async fn a_record_deleted_between_the_plain_claim_and_its_read_is_claimed_again() {
+    let db = TestDb::migrated().await;
+    let pool = &db.pool;
+    let other_session = db.url().replace('\'', "");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE EXTENSION IF NOT EXISTS dblink; \
+         CREATE TABLE public.vanish (key text NOT NULL); \
+         CREATE FUNCTION public.vanish() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         DECLARE k text; \
+         BEGIN \
+           DELETE FROM public.vanish RETURNING key INTO k; \
+           IF k IS NOT NULL THEN \
+             PERFORM public.dblink_exec('{other_session}', \
+               pg_catalog.format('DELETE FROM pgbox.inbox WHERE key = %L', k)); \
+           END IF; \
+           RETURN NULL; \
+         END $$; \
+         CREATE TRIGGER vanish AFTER INSERT ON pgbox.inbox \
+           FOR EACH STATEMENT EXECUTE FUNCTION public.vanish();"
+    )))
+    .execute(pool)
+    .await
+    .unwrap();
+    let inbox = Inbox::new("vanishing").unwrap();
+    assert!(process(pool, &inbox, "gone", true).await.is_processed());
+    // The last claim found a new key: the next one takes the plain INSERT.
+    sqlx::query("INSERT INTO public.vanish VALUES ('gone')")
+        .execute(pool)
+        .await
+        .unwrap();
+    let outcome = process(pool, &inbox, "gone", true).await;
+    assert!(outcome.is_processed(), "{outcome:?}");
+    let armed: i64 = sqlx::query_scalar("SELECT count(*) FROM public.vanish")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(armed, 0, "the trigger fired");
+    assert!(inbox.lookup(pool, "gone").await.unwrap().is_some());
+}

@@ -668,10 +668,10 @@ impl Inbox {
         let sql = &self.inner.sql;
         let lock_timeout = self.lock_timeout();
         let expect_duplicate = self.inner.last_was_duplicate.load(Relaxed);
-        let statement = match (lock_timeout.as_ref(), &sql.claim_new) {
-            (Some(_), _) => sql.claim_bounded.clone(),
-            (None, Some(claim_new)) if !expect_duplicate => claim_new.clone(),
-            (None, _) => sql.claim.clone(),
+        let (statement, plain) = match (lock_timeout.as_ref(), &sql.claim_new) {
+            (Some(_), _) => (sql.claim_bounded.clone(), false),
+            (None, Some(claim_new)) if !expect_duplicate => (claim_new.clone(), true),
+            (None, _) => (sql.claim.clone(), false),
         };
         let mut query = sqlx::query(AssertSqlSafe(statement))
             .persistent(self.inner.persistent())
@@ -682,7 +682,26 @@ impl Inbox {
             query = query.bind(lock_timeout);
         }
         let row = query.fetch_optional(&mut *conn).await?;
-        let claim = self.settle_claim(conn, row, key).await?;
+        let claim = match self.settle_claim(conn, row, key).await {
+            // The plain INSERT found the key held, and by the time `read` looked (a new
+            // snapshot under READ COMMITTED) the row was gone: a lease released, a purge.
+            // Nothing was written and no transaction id taken, so claim once more with the
+            // statement that decides in one snapshot, as the reading form would have.
+            Err(Error::ConcurrentClaim { .. }) if plain => {
+                tracing::debug!(
+                    "pgbox key's record went away between the claim and its read; claiming again"
+                );
+                let row = sqlx::query(AssertSqlSafe(sql.claim.clone()))
+                    .persistent(self.inner.persistent())
+                    .bind(&self.inner.consumer)
+                    .bind(key.as_str())
+                    .bind(key.message_id())
+                    .fetch_optional(&mut *conn)
+                    .await?;
+                self.settle_claim(conn, row, key).await?
+            }
+            other => other?,
+        };
         let duplicate = matches!(claim, Claim::Duplicate(_));
         if duplicate != expect_duplicate {
             self.inner.last_was_duplicate.store(duplicate, Relaxed);
