@@ -158,8 +158,8 @@ impl<P: Publisher> RelayBuilder<P> {
             let queue_schema = queue.schema_identifier();
             IntoQueue {
                 queue_schema: queue_schema.as_str().to_owned(),
-                keyed_lock: keyed_lock_into_queue_sql(&schema),
-                move_batch: move_sql(&schema, queue_schema, self.keep_published),
+                keyed_lock: keyed_lock_into_queue_sql(&sql.keyed_lock),
+                move_batch: move_sql(&sql.done, queue_schema),
             }
         });
         let mut wake_up = self.wake_up;
@@ -328,34 +328,29 @@ fn claim_unkeyed_sql(s: &Identifier, batch_size: usize, columns: &str) -> String
     )
 }
 
-/// The keyed-drain lock's statement for a relay into the built-in queue: also which server run
-/// and database the round's transaction is on, and whether its role may insert into the
-/// queue (`$1`: the queue's schema), looked up by name in the catalogs so that a schema the
-/// role may not use reads as "may not" rather than failing the round.
-fn keyed_lock_into_queue_sql(s: &Identifier) -> String {
+/// The keyed-drain lock's statement (`keyed_lock`) for a relay into the built-in queue: also
+/// which server run and database the round's transaction is on, and whether its role may
+/// insert into the queue (`$1`: the queue's schema), looked up by name in the catalogs so that
+/// a schema the role may not use reads as "may not" rather than failing the round.
+fn keyed_lock_into_queue_sql(keyed_lock: &str) -> String {
     format!(
-        "SELECT pg_catalog.pg_try_advisory_xact_lock({KEYED_DRAIN_CLASS}, pg_catalog.hashtext('{name}')), \
+        "{keyed_lock}, \
            pg_catalog.pg_postmaster_start_time(), pg_catalog.current_database()::text, \
            EXISTS (SELECT FROM pg_catalog.pg_class AS c \
              JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace \
              WHERE n.nspname = $1 AND c.relname = 'queue' AND c.relkind IN ('r', 'p') \
                AND pg_catalog.has_schema_privilege(n.oid, 'USAGE') \
-               AND pg_catalog.has_table_privilege(c.oid, 'INSERT'))",
-        name = s.as_str()
+               AND pg_catalog.has_table_privilege(c.oid, 'INSERT'))"
     )
 }
 
-/// The statement that moves a round's confirmed rows (`seq = ANY($1)`) from the outbox into
-/// the queue in `queue_schema`, in seq order so that the queue keeps each key's order: it
-/// deletes them (or marks them published, in audit mode) and inserts them in one go.
-fn move_sql(s: &Identifier, queue_schema: &Identifier, keep_published: bool) -> String {
-    let take = if keep_published {
-        format!("UPDATE {s}.outbox SET published_at = pg_catalog.now() WHERE seq = ANY($1)")
-    } else {
-        format!("DELETE FROM {s}.outbox WHERE seq = ANY($1)")
-    };
+/// The statement that moves a round's confirmed rows from the outbox into the queue in
+/// `queue_schema`: the round's own settling statement (`done`: the DELETE, or in audit mode
+/// the `published_at` UPDATE, of `seq = ANY($1)`) feeds the queue's INSERT, in seq order so
+/// that the queue keeps each key's order.
+fn move_sql(done: &str, queue_schema: &Identifier) -> String {
     format!(
-        "WITH moved AS ({take} \
+        "WITH moved AS ({done} \
            RETURNING seq, message_id, topic, ordering_key, payload, content_type, headers, created_at) \
          INSERT INTO {queue_schema}.queue (message_id, topic, ordering_key, payload, content_type, headers, created_at) \
          SELECT message_id, topic, ordering_key, payload, content_type, headers, created_at \
