@@ -598,6 +598,67 @@ async fn dead_rows_and_bloat_are_reported_as_estimates() {
     );
 }
 
+/// A table whose pages are filled half full (an operator's `fillfactor = 50`, room for HOT
+/// updates) holds its live rows in twice the pages of packed rows: the bloat estimate reads
+/// the table's fillfactor and does not call that half waste.
+#[tokio::test]
+async fn a_table_filled_to_its_fillfactor_is_not_bloat() {
+    let db = TestDb::migrated().await;
+    let mut conn = db.connect().await;
+    sqlx::raw_sql(
+        "ALTER TABLE pgbox.queue SET (fillfactor = 50); \
+         INSERT INTO pgbox.queue (message_id, topic, payload, content_type, headers, created_at) \
+           SELECT gen_random_uuid(), 'orders', pg_catalog.decode(repeat('ab', 200), 'hex'), \
+                  'application/octet-stream', '{}', now() \
+           FROM generate_series(1, 20000); \
+         ANALYZE pgbox.queue",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    sqlx::query("SELECT pg_stat_force_next_flush()")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let fillfactor: Vec<String> = sqlx::query_scalar(
+        "SELECT unnest(reloptions) FROM pg_class WHERE oid = 'pgbox.queue'::regclass",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(fillfactor, ["fillfactor=50"]);
+    conn.close().await.unwrap();
+
+    let doc = Doctor::new().bloat_min_bytes(1).bloat_ratio_warn(0.3);
+    let mut report = doc.check(&db.pool).await.unwrap();
+    // The live-row count comes from the statistics, flushed asynchronously.
+    for _ in 0..100 {
+        let live = report
+            .with_code(Code::BloatLow)
+            .next()
+            .map_or(0, |f| f.details["live_rows"].as_i64().unwrap_or(0));
+        if live >= 20000 || report.with_code(Code::TableBloat).next().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        report = doc.check(&db.pool).await.unwrap();
+    }
+    assert!(
+        report
+            .with_code(Code::TableBloat)
+            .all(|f| f.subject.as_deref() != Some("queue")),
+        "{report:#?}"
+    );
+    let low = report
+        .with_code(Code::BloatLow)
+        .next()
+        .unwrap_or_else(|| panic!("bloat_low: {report:#?}"));
+    assert!(
+        low.details["live_rows"].as_i64().unwrap() >= 20000,
+        "{low:?}"
+    );
+}
+
 #[tokio::test]
 async fn invalid_thresholds_are_refused_before_any_query() {
     let db = TestDb::migrated().await;

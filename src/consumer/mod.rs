@@ -63,6 +63,10 @@ impl<S> fmt::Debug for ConsumerBuilder<S> {
 impl<S: Subscriber> ConsumerBuilder<S> {
     /// Transactions in flight at once (default 8), each on a connection of its own while it
     /// runs, each carrying one message, or up to [`batch_size`](Self::batch_size) of them.
+    ///
+    /// Under load the runner receives for a quarter of the slots at a time: a handler that
+    /// finishes wakes a receive only once that many slots are free, so one receive serves
+    /// several messages. The poll interval and a notification receive for any free slot.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n;
         self
@@ -381,6 +385,13 @@ impl<S: Subscriber> Consumer<S> {
         let mut relisten = Relisten::default();
         // Consecutive failed receives (the database or the broker is away).
         let mut receive_failures: u32 = 0;
+        // Under load, handlers finish one at a time, and receiving for each single free slot
+        // costs a receive statement (a fetch, a poll) per message. A wake-up by a finished
+        // handler therefore receives only once a quarter of the slots are free; any other
+        // wake-up (the poll interval, a notification) receives for whatever is free, so a
+        // slot never idles longer than one poll interval behind handlers that run long.
+        let refill_at = refill_threshold(self.concurrency);
+        let mut eager = true;
         loop {
             let stopping = shutdown.is_cancelled();
             if stopping && in_flight.is_empty() {
@@ -394,7 +405,7 @@ impl<S: Subscriber> Consumer<S> {
                 listener = relisten.attempt(pool, channel).await;
             }
             let free = self.concurrency - in_flight.len();
-            if !stopping && free > 0 {
+            if !stopping && free > 0 && (eager || free >= refill_at) {
                 // Keep driving the handlers in flight while receiving: they may hold the
                 // pool's connections, and the receive may be waiting for one of them.
                 let receive =
@@ -449,9 +460,11 @@ impl<S: Subscriber> Consumer<S> {
             }
             let wait = tokio::time::sleep(receive_backoff(self.poll_interval, receive_failures));
             let mut lost_listener = false;
+            eager = true;
             tokio::select! {
                 Some(settled) = in_flight.next(), if !in_flight.is_empty() => {
                     count_all(&mut stats, settled, metrics);
+                    eager = false;
                 }
                 _ = shutdown.cancelled(), if !stopping => {}
                 _ = wait => {}
@@ -866,6 +879,12 @@ fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
     } else {
         "non-string panic payload".to_owned()
     }
+}
+
+/// How many of `concurrency` slots must be free before a handler finishing wakes a receive:
+/// a quarter, at least one.
+fn refill_threshold(concurrency: usize) -> usize {
+    concurrency.div_ceil(4).max(1)
 }
 
 /// The wait before the next receive: the poll interval, doubled per consecutive failure up

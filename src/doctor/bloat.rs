@@ -23,7 +23,10 @@ impl Doctor {
                          AND NOT ps.inherited), \
                     (SELECT pg_catalog.count(*) FROM pg_catalog.pg_attribute a \
                        WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)::int8, \
-                    pg_catalog.current_setting('block_size')::int8 \
+                    pg_catalog.current_setting('block_size')::int8, \
+                    coalesce((SELECT o.option_value::int8 \
+                                FROM pg_catalog.pg_options_to_table(c.reloptions) AS o \
+                               WHERE o.option_name = 'fillfactor'), 100) \
              FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
              LEFT JOIN pg_catalog.pg_stat_user_tables st ON st.relid = c.oid \
              WHERE n.nspname = $1 AND c.relname = ANY($2) AND c.relkind IN ('r', 'p') \
@@ -78,6 +81,7 @@ impl Doctor {
             let width: Option<i64> = row.try_get(5)?;
             let columns: i64 = row.try_get(6)?;
             let block: i64 = row.try_get(7)?;
+            let fillfactor: i64 = row.try_get(8)?;
             live_total += live;
             dead_total += dead;
             heap_bytes += bytes;
@@ -121,7 +125,8 @@ impl Doctor {
             if bytes < self.bloat_min_bytes.max(1) {
                 continue;
             }
-            let Some(expected) = estimate_heap_bytes(live, width, columns, block) else {
+            let Some(expected) = estimate_heap_bytes(live, width, columns, block, fillfactor)
+            else {
                 unestimated.push(table.clone());
                 continue;
             };
@@ -236,12 +241,15 @@ impl Doctor {
 
 /// What a table's live rows need, heap main fork: tuple header (23 bytes and a null bitmap,
 /// aligned), data (the analyzed average widths, aligned), a 4-byte line pointer, in pages of
-/// `block - 24` usable bytes. `None` without statistics for a non-empty table.
+/// `block - 24` usable bytes filled to the table's `fillfactor` (percent; an operator may
+/// leave room on each page for HOT updates). `None` without statistics for a
+/// non-empty table.
 pub(super) fn estimate_heap_bytes(
     live: i64,
     width: Option<i64>,
     columns: i64,
     block: i64,
+    fillfactor: i64,
 ) -> Option<i64> {
     if live <= 0 {
         return Some(0);
@@ -249,7 +257,7 @@ pub(super) fn estimate_heap_bytes(
     let width = width?;
     let header = maxalign(23 + (columns + 7) / 8);
     let row = header + maxalign(width) + 4;
-    let per_page = ((block - 24) / row).max(1);
+    let per_page = ((block - 24) * fillfactor.clamp(10, 100) / 100 / row).max(1);
     let pages = (live + per_page - 1) / per_page;
     Some(pages * block)
 }

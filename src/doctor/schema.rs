@@ -608,10 +608,15 @@ mod tests {
 
     #[test]
     fn estimates_and_formatting() {
-        assert_eq!(estimate_heap_bytes(0, None, 10, 8192), Some(0));
-        assert_eq!(estimate_heap_bytes(10, None, 10, 8192), None);
+        assert_eq!(estimate_heap_bytes(0, None, 10, 8192, 100), Some(0));
+        assert_eq!(estimate_heap_bytes(10, None, 10, 8192, 100), None);
         // 100 rows of 40 bytes + 24 header + 4 pointer fit one page.
-        assert_eq!(estimate_heap_bytes(100, Some(40), 6, 8192), Some(8192));
+        assert_eq!(estimate_heap_bytes(100, Some(40), 6, 8192, 100), Some(8192));
+        // Filled half full (the queue), the same rows need two pages.
+        assert_eq!(
+            estimate_heap_bytes(100, Some(40), 6, 8192, 50),
+            Some(2 * 8192)
+        );
         assert_eq!(estimate_btree_bytes(-1.0, 8, 8192), None);
         assert!(estimate_btree_bytes(1_000_000.0, 8, 8192).unwrap() > 20 << 20);
         assert_eq!(group_digits(1_234_567), "1,234,567");
