@@ -3,7 +3,8 @@
 //! reads the record with a second statement); after a duplicate, the statement that also
 //! reads the record in the same round trip. Both must decide every case alike: a new key, a
 //! duplicate (with its stored record), a rejected one, a key under a live lease (in progress,
-//! and still a pure read), and an expired lease (taken over).
+//! and still a pure read), and an expired lease (taken over). Which statement ran is read
+//! from sqlx's own statement log.
 
 mod support;
 
@@ -199,4 +200,105 @@ async fn a_record_deleted_between_the_plain_claim_and_its_read_is_claimed_again(
         .unwrap();
     assert_eq!(armed, 0, "the trigger fired");
     assert!(inbox.lookup(pool, "gone").await.unwrap().is_some());
+}
+
+/// The statements sqlx ran while a [`statement_log`] guard was held on this thread, each as
+/// the text of its `sqlx::query` event (its summary and, where sqlx gives it, the statement).
+type StatementLog = std::sync::Arc<std::sync::Mutex<Vec<String>>>;
+
+/// A subscriber that keeps the text of every `sqlx::query` event, set as this thread's
+/// default (a `#[tokio::test]` runs every task on the test's thread).
+fn statement_log() -> (StatementLog, tracing::subscriber::DefaultGuard) {
+    use tracing::field::{Field, Visit};
+    use tracing::subscriber::Interest;
+    use tracing::{Event, Metadata, span};
+
+    struct Keep(StatementLog);
+    struct Text(String);
+    impl Visit for Text {
+        fn record_str(&mut self, field: &Field, value: &str) {
+            self.0.push_str(&format!(" {}={value}", field.name()));
+        }
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            self.0.push_str(&format!(" {}={value:?}", field.name()));
+        }
+    }
+    impl tracing::Subscriber for Keep {
+        fn register_callsite(&self, m: &'static Metadata<'static>) -> Interest {
+            if m.target() == "sqlx::query" {
+                Interest::always()
+            } else {
+                Interest::never()
+            }
+        }
+        fn enabled(&self, m: &Metadata<'_>) -> bool {
+            m.target() == "sqlx::query"
+        }
+        fn max_level_hint(&self) -> Option<tracing::level_filters::LevelFilter> {
+            Some(tracing::level_filters::LevelFilter::TRACE)
+        }
+        fn new_span(&self, _: &span::Attributes<'_>) -> span::Id {
+            span::Id::from_u64(1)
+        }
+        fn record(&self, _: &span::Id, _: &span::Record<'_>) {}
+        fn record_follows_from(&self, _: &span::Id, _: &span::Id) {}
+        fn event(&self, e: &Event<'_>) {
+            let mut text = Text(String::new());
+            e.record(&mut text);
+            self.0.lock().unwrap().push(text.0);
+        }
+        fn enter(&self, _: &span::Id) {}
+        fn exit(&self, _: &span::Id) {}
+    }
+    let log = StatementLog::default();
+    let guard = tracing::subscriber::set_default(Keep(log.clone()));
+    (log, guard)
+}
+
+/// Which of the inbox's statements ran, in order, from the log: `plain` (the INSERT alone),
+/// `reading` (the INSERT that also reads the record), `read` (the record read alone).
+fn claims(log: &StatementLog) -> Vec<&'static str> {
+    let mut log = log.lock().unwrap();
+    let named = log
+        .iter()
+        .filter_map(|text| {
+            if text.contains("WITH claimed") {
+                Some("reading")
+            } else if text.contains("INSERT INTO \"pgbox\".inbox")
+                || text.contains("INSERT INTO pgbox.inbox")
+            {
+                Some("plain")
+            } else if text.contains("SELECT false, lease_expires_at") {
+                Some("read")
+            } else {
+                None
+            }
+        })
+        .collect();
+    log.clear();
+    named
+}
+
+/// The statements themselves, not only the decisions: a fresh inbox claims with the plain
+/// INSERT; a duplicate found that way costs the INSERT plus a read; the claim after a
+/// duplicate is the reading statement, alone for a duplicate and for a new key; the claim
+/// after a new key is the plain one again.
+#[tokio::test]
+async fn the_statement_follows_what_the_last_claim_found() {
+    let db = TestDb::migrated().await;
+    let pool = &db.pool;
+    let inbox = Inbox::new("statements").unwrap();
+    let (log, _guard) = statement_log();
+    let steps: [(&str, bool, &[&str]); 5] = [
+        ("a", true, &["plain"]),
+        ("a", false, &["plain", "read"]),
+        ("a", false, &["reading"]),
+        ("b", true, &["reading"]),
+        ("c", true, &["plain"]),
+    ];
+    for (i, (key, new, expected)) in steps.into_iter().enumerate() {
+        let outcome = process(pool, &inbox, key, true).await;
+        assert_eq!(outcome.is_processed(), new, "step {i}: {outcome:?}");
+        assert_eq!(claims(&log), expected, "step {i} ({key})");
+    }
 }
