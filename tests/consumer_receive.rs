@@ -19,12 +19,15 @@ use tokio_util::sync::CancellationToken;
 
 const TOPIC: &str = "jobs";
 
-/// The built-in queue, counting the receives that returned messages and the messages they
-/// returned.
+/// The built-in queue, counting the receives that returned messages, the messages they
+/// returned, and the receives that asked for a single message; with or without the queue's
+/// wake-up channel.
 struct CountingReceives {
     queue: PgQueue,
     receives: Arc<AtomicUsize>,
     received: Arc<AtomicUsize>,
+    asked_for_one: Arc<AtomicUsize>,
+    wake_up: bool,
 }
 
 impl Subscriber for CountingReceives {
@@ -36,6 +39,9 @@ impl Subscriber for CountingReceives {
         max: usize,
         visibility: Duration,
     ) -> pgbox::Result<Vec<Delivery>> {
+        if max == 1 {
+            self.asked_for_one.fetch_add(1, Ordering::SeqCst);
+        }
         let got = self.queue.receive(topic, max, visibility).await?;
         if !got.is_empty() {
             self.receives.fetch_add(1, Ordering::SeqCst);
@@ -65,7 +71,11 @@ impl Subscriber for CountingReceives {
     }
 
     fn wake_channel(&self) -> Option<(PgPool, String)> {
-        self.queue.wake_channel()
+        if self.wake_up {
+            self.queue.wake_channel()
+        } else {
+            None
+        }
     }
 }
 
@@ -156,14 +166,19 @@ async fn under_load_one_receive_serves_several_messages() {
     enqueue(&pool, &payloads).await;
     let receives = Arc::new(AtomicUsize::new(0));
     let received = Arc::new(AtomicUsize::new(0));
+    let asked_for_one = Arc::new(AtomicUsize::new(0));
     let source = CountingReceives {
         queue: PgQueue::new(pool.clone()),
         receives: receives.clone(),
         received: received.clone(),
+        asked_for_one: asked_for_one.clone(),
+        wake_up: true,
     };
+    // A poll interval longer than the run: every receive but the first is woken by handlers
+    // finishing.
     let consumer = Consumer::builder(pool.clone(), source, TOPIC, Inbox::new("load").unwrap())
         .concurrency(8)
-        .poll_interval(Duration::from_secs(5))
+        .poll_interval(Duration::from_secs(600))
         .key(|e: &Envelope| String::from_utf8_lossy(&e.payload).into_owned())
         .build()
         .unwrap();
@@ -198,6 +213,12 @@ async fn under_load_one_receive_serves_several_messages() {
     let receives = receives.load(Ordering::SeqCst);
     let received = received.load(Ordering::SeqCst);
     assert_eq!(received, n as usize, "each message received once");
+    // A quarter of 8 is 2: under load no receive asks for a single message.
+    assert_eq!(
+        asked_for_one.load(Ordering::SeqCst),
+        0,
+        "receives asked for one message"
+    );
     // One receive per free slot would make this 1.0 (the first receive aside).
     let per_receive = received as f64 / receives as f64;
     eprintln!("{received} messages in {receives} receives ({per_receive:.2} per receive)");
@@ -208,10 +229,10 @@ async fn under_load_one_receive_serves_several_messages() {
 }
 
 /// Seven handlers wait until a message that is not yet published has been handled; an
-/// eighth finishes at once. The one free slot is below the quarter a finishing handler
-/// waits for, so only the poll interval (or a notification) can receive the late message
-/// into it. A runner that waited for the quarter regardless would never receive it: the
-/// seven would wait out their 30 s and fail.
+/// eighth finishes at once. The one free slot is below the quarter the runner waits for, and
+/// the queue has no wake-up channel here, so only the poll interval can receive the late
+/// message into it. A runner that waited for the quarter regardless would never receive it:
+/// the seven would wait out their 30 s and fail.
 #[tokio::test]
 async fn a_free_slot_is_filled_behind_handlers_that_run_long() {
     support::init_tracing();
@@ -226,10 +247,12 @@ async fn a_free_slot_is_filled_behind_handlers_that_run_long() {
     let receives = Arc::new(AtomicUsize::new(0));
     let received = Arc::new(AtomicUsize::new(0));
     let source = CountingReceives {
-        // Without a wake channel: only the poll interval wakes the runner.
         queue: PgQueue::new(pool.clone()),
         receives: receives.clone(),
         received: received.clone(),
+        asked_for_one: Arc::default(),
+        // No wake-up channel: only the poll interval can bring the late message in.
+        wake_up: false,
     };
     let consumer = Consumer::builder(pool.clone(), source, TOPIC, Inbox::new("long").unwrap())
         .concurrency(8)

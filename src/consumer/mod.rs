@@ -64,9 +64,9 @@ impl<S: Subscriber> ConsumerBuilder<S> {
     /// Transactions in flight at once (default 8), each on a connection of its own while it
     /// runs, each carrying one message, or up to [`batch_size`](Self::batch_size) of them.
     ///
-    /// Under load the runner receives for a quarter of the slots at a time: a handler that
-    /// finishes wakes a receive only once that many slots are free, so one receive serves
-    /// several messages. The poll interval and a notification receive for any free slot.
+    /// Under load the runner receives for a quarter of the slots at a time: it receives only
+    /// once that many slots are free, so one receive serves several messages, unless the
+    /// poll interval has passed since its last receive: then it receives for any free slot.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n;
         self
@@ -386,12 +386,14 @@ impl<S: Subscriber> Consumer<S> {
         // Consecutive failed receives (the database or the broker is away).
         let mut receive_failures: u32 = 0;
         // Under load, handlers finish one at a time, and receiving for each single free slot
-        // costs a receive statement (a fetch, a poll) per message. A wake-up by a finished
-        // handler therefore receives only once a quarter of the slots are free; any other
-        // wake-up (the poll interval, a notification) receives for whatever is free, so a
-        // slot never idles longer than one poll interval behind handlers that run long.
+        // costs a receive statement (a fetch, a poll) per message. So the loop receives only
+        // once a quarter of the slots are free, unless the poll timer has fired since the
+        // last receive (`eager`): the timer runs from the last receive and is not restarted
+        // by handlers finishing or by notifications, so a free slot idles at most one poll
+        // interval behind handlers that run long.
         let refill_at = refill_threshold(self.concurrency);
         let mut eager = true;
+        let mut next_poll = tokio::time::Instant::now();
         loop {
             let stopping = shutdown.is_cancelled();
             if stopping && in_flight.is_empty() {
@@ -432,6 +434,12 @@ impl<S: Subscriber> Consumer<S> {
                     );
                     receive_failures = 0;
                 }
+                if received.is_err() {
+                    receive_failures += 1;
+                }
+                eager = false;
+                next_poll = tokio::time::Instant::now()
+                    + receive_backoff(self.poll_interval, receive_failures);
                 match received {
                     Ok(received) if !received.is_empty() => {
                         // Spread over the free transactions, at most `batch` per unit: a
@@ -449,7 +457,6 @@ impl<S: Subscriber> Consumer<S> {
                     // Don't spin on a database or broker that is down: fall through to the
                     // wait, which grows while the failures last.
                     Err(e) => {
-                        receive_failures += 1;
                         if receive_failures == 1 {
                             tracing::warn!(error = %e, "pgbox consumer receive failed; retrying with backoff");
                         } else {
@@ -458,16 +465,17 @@ impl<S: Subscriber> Consumer<S> {
                     }
                 }
             }
-            let wait = tokio::time::sleep(receive_backoff(self.poll_interval, receive_failures));
             let mut lost_listener = false;
-            eager = true;
             tokio::select! {
                 Some(settled) = in_flight.next(), if !in_flight.is_empty() => {
                     count_all(&mut stats, settled, metrics);
-                    eager = false;
                 }
                 _ = shutdown.cancelled(), if !stopping => {}
-                _ = wait => {}
+                _ = tokio::time::sleep_until(next_poll) => {
+                    eager = true;
+                    next_poll = tokio::time::Instant::now()
+                        + receive_backoff(self.poll_interval, receive_failures);
+                }
                 // Ok(None) means the connection dropped and reconnects on the next call;
                 // missed notifications are covered by the receive at the top of the loop.
                 n = async { listener.as_mut().expect("guarded").try_recv().await },

@@ -24,9 +24,10 @@ impl Doctor {
                     (SELECT pg_catalog.count(*) FROM pg_catalog.pg_attribute a \
                        WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped)::int8, \
                     pg_catalog.current_setting('block_size')::int8, \
-                    coalesce((SELECT o.option_value::int8 \
+                    coalesce((SELECT pg_catalog.round(o.option_value::numeric)::int8 \
                                 FROM pg_catalog.pg_options_to_table(c.reloptions) AS o \
-                               WHERE o.option_name = 'fillfactor'), 100) \
+                               WHERE o.option_name = 'fillfactor' \
+                                 AND o.option_value ~ '^[0-9]{1,3}(\\.[0-9]*)?$'), 100) \
              FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
              LEFT JOIN pg_catalog.pg_stat_user_tables st ON st.relid = c.oid \
              WHERE n.nspname = $1 AND c.relname = ANY($2) AND c.relkind IN ('r', 'p') \
