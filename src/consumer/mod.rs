@@ -67,6 +67,8 @@ impl<S: Subscriber> ConsumerBuilder<S> {
     /// Under load the runner receives for a quarter of the slots at a time: it receives only
     /// once that many slots are free, so one receive serves several messages, unless the
     /// poll interval has passed since its last receive: then it receives for any free slot.
+    /// With a [`batch_size`](Self::batch_size) above 1 a receive already brings a batch per
+    /// slot, and the runner receives for any free slot.
     pub fn concurrency(mut self, n: usize) -> Self {
         self.concurrency = n;
         self
@@ -390,8 +392,13 @@ impl<S: Subscriber> Consumer<S> {
         // once a quarter of the slots are free, unless the poll timer has fired since the
         // last receive (`eager`): the timer runs from the last receive and is not restarted
         // by handlers finishing or by notifications, so a free slot idles at most one poll
-        // interval behind handlers that run long.
-        let refill_at = refill_threshold(self.concurrency);
+        // interval behind handlers that run long. A batched runner's receive already brings a
+        // batch per free slot, so it receives for any free slot.
+        let refill_at = if batch > 1 {
+            1
+        } else {
+            refill_threshold(self.concurrency)
+        };
         let mut eager = true;
         let mut next_poll = tokio::time::Instant::now();
         loop {
