@@ -17,7 +17,7 @@ use anyhow::anyhow;
 use pgbox::transport::{Delivery, PgQueue, Subscriber};
 use pgbox::{
     Consumer, ConsumerStats, Envelope, Error, HandlerConnection, Inbox, InboxPartitioning,
-    LeaseAttempt, Message, Migrator, Outbox, Relay,
+    LeaseAttempt, Migrator,
 };
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, Executor, PgPool};
@@ -29,28 +29,8 @@ const TOPIC: &str = "jobs";
 /// Handler runs per business key, rolled-back runs included.
 type Runs = Arc<Mutex<HashMap<String, usize>>>;
 
-/// `key:behaviour` payloads into the outbox, in this order, then relayed to the queue.
 async fn enqueue(pool: &PgPool, payloads: &[String]) {
-    let outbox = Outbox::new();
-    let mut tx = pool.begin().await.unwrap();
-    for p in payloads {
-        outbox
-            .enqueue(&mut tx, Message::bytes(TOPIC, p.as_bytes()))
-            .await
-            .unwrap();
-    }
-    tx.commit().await.unwrap();
-    let relay = Relay::builder(pool.clone(), PgQueue::new(pool.clone()))
-        .build()
-        .unwrap();
-    let mut relayed = 0;
-    for _ in 0..100 {
-        relayed += relay.relay_once().await.unwrap().published;
-        if relayed == payloads.len() {
-            return;
-        }
-    }
-    panic!("relayed {relayed} of {} messages", payloads.len());
+    support::enqueue_and_relay(pool, TOPIC, payloads).await;
 }
 
 fn oks(prefix: &str, n: usize) -> Vec<String> {

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use pgbox::transport::{Delivery, PgQueue, Subscriber};
-use pgbox::{Consumer, ConsumerStats, Envelope, HandlerConnection, Inbox, Message, Outbox, Relay};
+use pgbox::{Consumer, ConsumerStats, Envelope, HandlerConnection, Inbox};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, PgPool};
 use support::TestDb;
@@ -89,28 +89,8 @@ async fn wide_pool(db: &TestDb) -> PgPool {
         .unwrap()
 }
 
-/// Payloads (`key:behaviour`) into the outbox in one transaction, then relayed to the queue.
 async fn enqueue(pool: &PgPool, payloads: &[String]) {
-    let outbox = Outbox::new();
-    let mut tx = pool.begin().await.unwrap();
-    for p in payloads {
-        outbox
-            .enqueue(&mut tx, Message::bytes(TOPIC, p.as_bytes()))
-            .await
-            .unwrap();
-    }
-    tx.commit().await.unwrap();
-    let relay = Relay::builder(pool.clone(), PgQueue::new(pool.clone()))
-        .build()
-        .unwrap();
-    let mut relayed = 0;
-    for _ in 0..100 {
-        relayed += relay.relay_once().await.unwrap().published;
-        if relayed == payloads.len() {
-            return;
-        }
-    }
-    panic!("relayed {relayed} of {} messages", payloads.len());
+    support::enqueue_and_relay(pool, TOPIC, payloads).await;
 }
 
 async fn count(pool: &PgPool, sql: &str) -> i64 {

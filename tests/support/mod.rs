@@ -148,3 +148,28 @@ pub async fn wait_for_lock_waiter(pool: &PgPool) {
     }
     panic!("no backend started waiting on a lock within 10 s");
 }
+
+/// Messages with these payloads enqueued into the outbox of `pool` in one transaction, on
+/// `topic`, then relayed into the built-in queue (panics unless all are relayed in 100
+/// rounds).
+pub async fn enqueue_and_relay(pool: &PgPool, topic: &str, payloads: &[String]) {
+    let outbox = pgbox::Outbox::new();
+    let mut tx = pool.begin().await.unwrap();
+    for p in payloads {
+        outbox
+            .enqueue(&mut tx, pgbox::Message::bytes(topic, p.as_bytes()))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let queue = pgbox::transport::PgQueue::new(pool.clone());
+    let relay = pgbox::Relay::builder(pool.clone(), queue).build().unwrap();
+    let mut relayed = 0;
+    for _ in 0..100 {
+        relayed += relay.relay_once().await.unwrap().published;
+        if relayed == payloads.len() {
+            return;
+        }
+    }
+    panic!("relayed {relayed} of {} messages", payloads.len());
+}
