@@ -92,6 +92,10 @@ struct Args {
     /// end-to-end arm, run beside E1 (batch size 1, the default) every round.
     #[arg(long, default_value_t = 32)]
     consumer_batch: usize,
+    /// The built-in queue's receives and acks wait for their WAL flush
+    /// (`PgQueue::wait_for_flush(true)`; by default they do not).
+    #[arg(long)]
+    queue_waits_for_flush: bool,
     /// Only these transports (comma-separated: noop, postgres, rabbitmq, nats, kafka).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -144,9 +148,15 @@ struct Env {
     run: String,
     /// Room for the batched arm's full batches (RabbitMQ's default prefetch is 100).
     rabbit_prefetch: u16,
+    queue_waits_for_flush: bool,
 }
 
 impl Env {
+    /// The built-in queue, as the run's flags set it.
+    fn queue(&self) -> PgQueue {
+        PgQueue::new(self.pool.clone()).wait_for_flush(self.queue_waits_for_flush)
+    }
+
     fn rabbit(&self) -> RabbitMq {
         RabbitMq::builder(&self.rabbit_url)
             .prefetch(self.rabbit_prefetch)
@@ -330,15 +340,9 @@ fn consumer_of(
 ) -> tokio::task::JoinHandle<pgbox::Result<pgbox::ConsumerStats>> {
     match t {
         Transport::Noop => unreachable!("the no-op publisher has no consumer side"),
-        Transport::Postgres => spawn_consumer(
-            env,
-            args,
-            PgQueue::new(env.pool.clone()),
-            topic,
-            acked,
-            shutdown,
-            batch,
-        ),
+        Transport::Postgres => {
+            spawn_consumer(env, args, env.queue(), topic, acked, shutdown, batch)
+        }
         Transport::RabbitMq => {
             spawn_consumer(env, args, env.rabbit(), topic, acked, shutdown, batch)
         }
@@ -601,7 +605,7 @@ async fn r1(
     let topic = format!("r1-{}-{round}-{}", t.short(), env.run);
     env.prepare(t, &topic).await?;
     reset(env).await?;
-    let queue = || PgQueue::new(env.pool.clone());
+    let queue = || env.queue();
     match t {
         Transport::Noop => unreachable!("the no-op publisher has no consumer side"),
         Transport::Postgres => go(env, args, queue(), queue(), &topic, t).await,
@@ -744,7 +748,7 @@ fn spawn_relay(
     }
     match t {
         Transport::Noop => go(env, args, DiscardPublisher, shutdown),
-        Transport::Postgres => go(env, args, PgQueue::new(env.pool.clone()), shutdown),
+        Transport::Postgres => go(env, args, env.queue(), shutdown),
         Transport::RabbitMq => go(env, args, env.rabbit(), shutdown),
         Transport::Nats => go(env, args, env.nats(), shutdown),
         Transport::Kafka => go(env, args, env.kafka(), shutdown),
@@ -885,7 +889,7 @@ async fn o2(
     let cpu = CpuTicks::now(Some(t));
     let rate = match t {
         Transport::Noop => drain(pool, DiscardPublisher, batch, n).await?,
-        Transport::Postgres => drain(pool, PgQueue::new(pool.clone()), batch, n).await?,
+        Transport::Postgres => drain(pool, env.queue(), batch, n).await?,
         Transport::RabbitMq => {
             let r = env.rabbit();
             let rate = drain(pool, r.clone(), batch, n).await?;
@@ -955,7 +959,7 @@ async fn o3(
     reset(env).await?;
     match t {
         Transport::Noop => latency(env, args, DiscardPublisher, &topic).await,
-        Transport::Postgres => latency(env, args, PgQueue::new(env.pool.clone()), &topic).await,
+        Transport::Postgres => latency(env, args, env.queue(), &topic).await,
         Transport::RabbitMq => latency(env, args, env.rabbit(), &topic).await,
         Transport::Nats => latency(env, args, env.nats(), &topic).await,
         Transport::Kafka => latency(env, args, env.kafka(), &topic).await,
@@ -1016,6 +1020,7 @@ async fn main() -> anyhow::Result<()> {
         rabbit_prefetch: u16::try_from(args.concurrency * args.consumer_batch)
             .unwrap_or(u16::MAX)
             .max(100),
+        queue_waits_for_flush: args.queue_waits_for_flush,
     };
     println!(
         "backlog {} × {} B, batch {}, {} rounds (medians); O3 at {}/s for {} s",

@@ -399,3 +399,99 @@ async fn a_dropped_receive_leaves_no_transaction_open() {
     }
     assert!(dropped > 0, "no receive was dropped");
 }
+
+/// Receives and acks commit without waiting for their WAL flush, unless asked to; publishes
+/// and nacks always wait. Read at each commit by a deferred trigger on the queue (this
+/// test's own database), through a plain pool, a pool behind which every statement runs in a
+/// transaction of its own (`Pooler::Transaction`), and a pool whose sessions default to
+/// `REPEATABLE READ` (the queue then opens `READ COMMITTED` transactions). The setting never
+/// outlives the statement's transaction: the pool's one session is back at `on` afterwards.
+#[tokio::test]
+async fn receipts_commit_unflushed_unless_asked_to_wait() {
+    use pgbox::Pooler;
+    use pgbox::transport::Publisher;
+    let h = harness().await;
+    sqlx::raw_sql(
+        "CREATE TABLE commit_settings (arm text, op text, synchronous_commit text); \
+         CREATE FUNCTION note_commit_setting() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           INSERT INTO commit_settings VALUES (pg_catalog.current_setting('application_name'), \
+             TG_OP, pg_catalog.current_setting('synchronous_commit')); RETURN NULL; END $$; \
+         CREATE CONSTRAINT TRIGGER note_commit_setting AFTER INSERT OR UPDATE OR DELETE \
+           ON pgbox.queue DEFERRABLE INITIALLY DEFERRED \
+           FOR EACH ROW EXECUTE FUNCTION note_commit_setting();",
+    )
+    .execute(&h.db.pool)
+    .await
+    .unwrap();
+    let arms = [
+        ("plain", Pooler::None, "", false),
+        ("pooler", Pooler::Transaction, "", false),
+        ("repeatable", Pooler::None, "repeatable read", false),
+        ("waits", Pooler::None, "", true),
+    ];
+    for (arm, pooler, isolation, wait) in arms {
+        let options = h.db.options.clone().application_name(arm).options(
+            [("default_transaction_isolation", isolation)]
+                .into_iter()
+                .filter(|(_, v)| !v.is_empty()),
+        );
+        let pool = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options)
+            .await
+            .unwrap();
+        let queue = PgQueue::new(pool.clone())
+            .pooler(pooler)
+            .wait_for_flush(wait);
+        let topic = format!("receipts-{arm}");
+        let batch: Vec<pgbox::Envelope> = (0..3)
+            .map(|i| pgbox::transport::conformance::envelope(&topic, format!("{i}")))
+            .collect();
+        assert!(queue.publish(&batch).await.iter().all(Result::is_ok));
+        let deliveries = queue
+            .receive(&topic, 3, Duration::from_secs(60))
+            .await
+            .expect("receive");
+        assert_eq!(deliveries.len(), 3);
+        let acks =
+            futures_util::future::join_all(deliveries[..2].iter().map(|d| queue.ack(d))).await;
+        assert!(acks.iter().all(|a| matches!(a, Ok(true))), "{acks:?}");
+        assert!(
+            queue
+                .nack(&deliveries[2], Duration::ZERO, "again")
+                .await
+                .expect("nack")
+        );
+        let session: String = sqlx::query_scalar("SHOW synchronous_commit")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(session, "on", "{arm}: the setting outlived its transaction");
+        pool.close().await;
+        let seen: Vec<(String, String)> = sqlx::query_as(
+            "SELECT op || ' ' || synchronous_commit, count(*)::text FROM commit_settings \
+             WHERE arm = $1 GROUP BY 1 ORDER BY 1",
+        )
+        .bind(arm)
+        .fetch_all(&h.db.pool)
+        .await
+        .unwrap();
+        let receipts = if wait { "on" } else { "off" };
+        let mut expected = vec![
+            (format!("DELETE {receipts}"), "2".to_owned()),
+            ("INSERT on".to_owned(), "3".to_owned()),
+            ("UPDATE on".to_owned(), "1".to_owned()),
+            (format!("UPDATE {receipts}"), "3".to_owned()),
+        ];
+        if wait {
+            expected = vec![
+                ("DELETE on".to_owned(), "2".to_owned()),
+                ("INSERT on".to_owned(), "3".to_owned()),
+                ("UPDATE on".to_owned(), "4".to_owned()),
+            ];
+        } else {
+            expected.sort();
+        }
+        assert_eq!(seen, expected, "{arm}");
+    }
+}

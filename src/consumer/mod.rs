@@ -434,15 +434,14 @@ impl<S: Subscriber> Consumer<S> {
                     }
                 };
                 let Some(received) = received else { continue };
-                if received.is_ok() && receive_failures > 0 {
+                if received.is_err() {
+                    receive_failures += 1;
+                } else if receive_failures > 0 {
                     tracing::info!(
                         failures = receive_failures,
                         "pgbox consumer receiving again"
                     );
                     receive_failures = 0;
-                }
-                if received.is_err() {
-                    receive_failures += 1;
                 }
                 eager = false;
                 next_poll = tokio::time::Instant::now()

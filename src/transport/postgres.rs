@@ -44,6 +44,7 @@ pub struct PgQueue {
     session_pool: Option<PgPool>,
     acks: Arc<AckGroup>,
     isolation: Arc<SessionIsolation>,
+    wait_for_flush: bool,
 }
 
 /// Most acks deleted by one statement.
@@ -104,12 +105,44 @@ impl Drop for FlushTurn {
 struct Statements {
     schema: Identifier,
     publish: String,
-    receive: String,
-    ack: String,
-    ack_group: String,
+    receive: Receipt,
+    ack: Receipt,
+    ack_group: Receipt,
     nack: String,
     dead_letter: String,
 }
+
+/// A statement that records a receipt (a receive or an ack), in two forms: one whose commit
+/// waits for its WAL to reach disk like any other, and one whose commit does not.
+#[derive(Debug)]
+struct Receipt {
+    flushed: String,
+    unflushed: String,
+}
+
+impl Receipt {
+    /// `sql` with a `WHERE` or `AND` placed before the condition that, evaluated on any row
+    /// the statement takes, turns `synchronous_commit` off for the rest of the statement's
+    /// transaction (`set_config(..., true)`: local to the transaction, in force at its commit,
+    /// gone after it). No row taken means nothing written, so nothing to flush either.
+    fn new(sql: impl Fn(&str) -> String) -> Self {
+        Receipt {
+            flushed: sql(""),
+            unflushed: sql(UNFLUSHED_COMMIT),
+        }
+    }
+
+    fn sql(&self, wait_for_flush: bool) -> AssertSqlSafe<String> {
+        AssertSqlSafe(if wait_for_flush {
+            self.flushed.clone()
+        } else {
+            self.unflushed.clone()
+        })
+    }
+}
+
+const UNFLUSHED_COMMIT: &str =
+    " AND pg_catalog.set_config('synchronous_commit', 'off', true) IS NOT NULL";
 
 const COLUMNS: &str =
     "seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, deliveries";
@@ -139,17 +172,23 @@ impl PgQueue {
             // message of a key waits while an earlier one is in the table (invisible, in
             // flight, or waiting out a nack delay) or dead-lettered. The statement lives in
             // the `queue_receive` function (migration V6), which pins its plan.
-            receive: format!("SELECT {COLUMNS} FROM {s}.queue_receive($1, $2, $3)"),
-            ack: format!("DELETE FROM {s}.queue WHERE seq = $1 AND deliveries = $2"),
+            receive: Receipt::new(|unflushed| {
+                format!("SELECT {COLUMNS} FROM {s}.queue_receive($1, $2, $3) WHERE true{unflushed}")
+            }),
+            ack: Receipt::new(|unflushed| {
+                format!("DELETE FROM {s}.queue WHERE seq = $1 AND deliveries = $2{unflushed}")
+            }),
             // `seq = ANY` keeps the plan on the primary key whatever the statistics say;
             // the pair fences each ack to its own delivery.
-            ack_group: format!(
-                "DELETE FROM {s}.queue AS q WHERE q.seq = ANY($1::bigint[]) \
-                 AND (q.seq, q.deliveries) IN (SELECT a.seq, a.deliveries \
-                   FROM ROWS FROM (pg_catalog.unnest($1::bigint[]), pg_catalog.unnest($2::integer[])) \
-                     AS a(seq, deliveries)) \
-                 RETURNING q.seq, q.deliveries"
-            ),
+            ack_group: Receipt::new(|unflushed| {
+                format!(
+                    "DELETE FROM {s}.queue AS q WHERE q.seq = ANY($1::bigint[]) \
+                     AND (q.seq, q.deliveries) IN (SELECT a.seq, a.deliveries \
+                       FROM ROWS FROM (pg_catalog.unnest($1::bigint[]), pg_catalog.unnest($2::integer[])) \
+                         AS a(seq, deliveries)){unflushed} \
+                     RETURNING q.seq, q.deliveries"
+                )
+            }),
             nack: format!(
                 "UPDATE {s}.queue SET visible_at = pg_catalog.now() + pg_catalog.make_interval(secs => $3), last_error = $4 \
                  WHERE seq = $1 AND deliveries = $2"
@@ -170,6 +209,7 @@ impl PgQueue {
             session_pool: None,
             acks: Arc::default(),
             isolation: Arc::default(),
+            wait_for_flush: false,
         }
     }
 
@@ -179,6 +219,29 @@ impl PgQueue {
     /// [`session_pool`](Self::session_pool), or consumers poll.
     pub fn pooler(mut self, pooler: Pooler) -> Self {
         self.pooler = pooler;
+        self
+    }
+
+    /// Whether receives and acks wait, at commit, for their WAL to reach disk (default
+    /// `false`).
+    ///
+    /// A receive records that a message is out for delivery; an ack, that it is done with.
+    /// By default both commit with `synchronous_commit = off`: PostgreSQL answers before
+    /// their WAL is flushed, which spares one flush (the most expensive part of a commit on
+    /// most disks) per receive and per group of acks. What this can cost: if PostgreSQL
+    /// crashes, or fails over to a standby that had not received them, the receipts of the
+    /// last moments (up to three times `wal_writer_delay`, 600 ms by default) are undone, and
+    /// those messages are delivered again. That is a redelivery like any other, which the
+    /// [`Inbox`](crate::Inbox) answers with `Duplicate`; nothing is lost and nothing is
+    /// reordered, because WAL is only ever lost from its end, and any later commit that does
+    /// wait for its flush (a handler's inbox transaction, a producer's) makes every receipt
+    /// before it durable too. Publishing into the queue, nacks and dead-lettering always
+    /// wait for the flush.
+    ///
+    /// Set `true` when redeliveries after a crash cost more than the flushes, for example a
+    /// consumer whose handler is not behind an inbox.
+    pub fn wait_for_flush(mut self, wait: bool) -> Self {
+        self.wait_for_flush = wait;
         self
     }
 
@@ -217,7 +280,7 @@ impl PgQueue {
         visibility: Duration,
     ) -> Result<Vec<Delivery>> {
         let mut unit = self.unit().await?;
-        let rows = sqlx::query(AssertSqlSafe(self.inner.receive.clone()))
+        let rows = sqlx::query(self.inner.receive.sql(self.wait_for_flush))
             .persistent(self.pooler.persistent())
             .bind(topic)
             .bind(i64::try_from(max).unwrap_or(i64::MAX))
@@ -237,7 +300,8 @@ impl PgQueue {
     /// redelivered since, or already acked).
     ///
     /// Acks made at the same time (the runner's handlers finishing together) are deleted by
-    /// one statement; `Ok` means this message's row is deleted and committed.
+    /// one statement; `Ok` means this message's row is deleted and committed (flushed to
+    /// disk only with [`wait_for_flush`](Self::wait_for_flush)).
     pub async fn ack(&self, delivery: &Delivery) -> Result<bool> {
         let (answer, answered) = oneshot::channel();
         let lead = {
@@ -281,7 +345,7 @@ impl PgQueue {
             let deliveries: Vec<i32> = group.iter().map(|w| w.delivery).collect();
             let deleted: Result<Vec<(i64, i32)>> = async {
                 let mut unit = self.unit().await?;
-                let rows = sqlx::query_as(AssertSqlSafe(self.inner.ack_group.clone()))
+                let rows = sqlx::query_as(self.inner.ack_group.sql(self.wait_for_flush))
                     .persistent(self.pooler.persistent())
                     .bind(&seqs)
                     .bind(&deliveries)
@@ -315,7 +379,7 @@ impl PgQueue {
     /// so that it reports its own error.
     async fn ack_alone(&self, delivery: &Delivery) -> Result<bool> {
         let mut unit = self.unit().await?;
-        let done = sqlx::query(AssertSqlSafe(self.inner.ack.clone()))
+        let done = sqlx::query(self.inner.ack.sql(self.wait_for_flush))
             .persistent(self.pooler.persistent())
             .bind(delivery.queue_seq)
             .bind(delivery.delivery)
