@@ -197,3 +197,138 @@ async fn the_janitor_takes_its_lock_again_after_postgres_restarts() {
     }
     assert!(held_again, "the janitor never took its lock again");
 }
+
+/// Runs a consumer runner on `topic` until it has settled one delivery (processed or found a
+/// duplicate), then stops it gracefully (its ack made) and returns its counts.
+async fn settle_one(pool: &PgPool, queue: PgQueue, topic: &str) -> pgbox::ConsumerStats {
+    let consumer = Consumer::builder(pool.clone(), queue, topic, Inbox::new("undo").unwrap())
+        .poll_interval(Duration::from_millis(50))
+        // An undone ack leaves its message hidden until this runs out (its receive, flushed
+        // by the inbox's commit, survives the crash).
+        .visibility_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let s = shutdown.clone();
+        async move {
+            consumer
+                .run(
+                    async |e: &Envelope, conn: &mut HandlerConnection<'_>| {
+                        sqlx::query("INSERT INTO undo_effects VALUES ($1)")
+                            .bind(e.id)
+                            .execute(&mut *conn)
+                            .await?;
+                        Ok::<_, Error>(())
+                    },
+                    s,
+                )
+                .await
+        }
+    });
+    let started = Instant::now();
+    loop {
+        let inbox: i64 = sqlx::query_scalar("SELECT count(*) FROM undo_effects")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.queue WHERE topic = $1")
+            .bind(topic)
+            .fetch_one(pool)
+            .await
+            .unwrap();
+        if inbox > 0 && queued == 0 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{topic}: not settled after 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    shutdown.cancel();
+    run.await.unwrap().unwrap()
+}
+
+/// Rows of `sql` (one count), retried while the pool's connections come back after a
+/// restart.
+async fn count_after_restart(pool: &PgPool, sql: &'static str, bind: &str) -> i64 {
+    for _ in 0..300 {
+        match sqlx::query_scalar(sql).bind(bind).fetch_one(pool).await {
+            Ok(n) => return n,
+            Err(e) => tracing::debug!(error = %e, "not back yet"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{sql}: no answer within 30 s of the restart");
+}
+
+/// The queue's acks commit without waiting for their WAL flush, so a PostgreSQL crash right
+/// after one can undo it. The message then comes back, and the inbox answers `Duplicate`:
+/// one effect either way. With `PgQueue::wait_for_flush(true)` the same crash undoes no
+/// ack. Crash-restarts a private cluster whose WAL writer writes at most every 10 s
+/// (`wal_writer_delay`), so that an unflushed ack is still in shared memory at the crash
+/// (it can be written sooner when a WAL page fills: the unflushed arm has five attempts to
+/// see one undone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_undone_by_a_crash_is_delivered_again_and_absorbed() {
+    use pgbox::transport::Publisher;
+    support::init_tracing();
+    let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
+    cluster.psql("ALTER SYSTEM SET wal_writer_delay = '10s'");
+    cluster.psql("SELECT pg_catalog.pg_reload_conf()");
+    let url = cluster.url("postgres");
+    wait_for_server(&url).await;
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&url)
+        .await
+        .unwrap();
+    pgbox::migrate(&pool).await.unwrap();
+    pool.execute("CREATE TABLE undo_effects (message_id uuid NOT NULL)")
+        .await
+        .unwrap();
+    for (wait, attempts) in [(true, 2), (false, 5)] {
+        let mut undone = 0;
+        for attempt in 0..attempts {
+            pool.execute("TRUNCATE undo_effects").await.unwrap();
+            let queue = PgQueue::new(pool.clone()).wait_for_flush(wait);
+            let topic = format!("undo-{wait}-{attempt}");
+            let message = pgbox::transport::conformance::envelope(&topic, "once".to_owned());
+            assert!(queue.publish(std::slice::from_ref(&message)).await[0].is_ok());
+            let first = settle_one(&pool, queue.clone(), &topic).await;
+            assert_eq!((first.processed, first.duplicates), (1, 0), "{first:?}");
+            tokio::task::block_in_place(|| cluster.crash_restart());
+            wait_for_server(&url).await;
+            let back = count_after_restart(
+                &pool,
+                "SELECT count(*) FROM pgbox.queue WHERE topic = $1",
+                &topic,
+            )
+            .await;
+            if back == 1 {
+                undone += 1;
+                let again = settle_one(&pool, queue, &topic).await;
+                assert_eq!((again.processed, again.duplicates), (0, 1), "{again:?}");
+            }
+            let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM undo_effects")
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+            assert_eq!(effects, 1, "{topic}: {back} row(s) back after the crash");
+            if !wait && undone > 0 {
+                break;
+            }
+        }
+        eprintln!("wait_for_flush({wait}): {undone} ack(s) undone by a crash");
+        if wait {
+            assert_eq!(undone, 0, "a crash undid an ack that waited for its flush");
+        } else {
+            assert!(
+                undone > 0,
+                "no crash undid an unflushed ack in {attempts} attempts"
+            );
+        }
+    }
+}

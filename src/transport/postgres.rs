@@ -231,7 +231,8 @@ impl PgQueue {
     /// most disks) per receive and per group of acks. What this can cost: if PostgreSQL
     /// crashes, or fails over to a standby that had not received them, the receipts of the
     /// last moments (up to three times `wal_writer_delay`, 600 ms by default) are undone, and
-    /// those messages are delivered again. That is a redelivery like any other, which the
+    /// those messages are delivered again (an undone ack's message once its visibility
+    /// timeout runs out). That is a redelivery like any other, which the
     /// [`Inbox`](crate::Inbox) answers with `Duplicate`; nothing is lost and nothing is
     /// reordered, because WAL is only ever lost from its end, and any later commit that does
     /// wait for its flush (a handler's inbox transaction, a producer's) makes every receipt
