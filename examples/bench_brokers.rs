@@ -605,10 +605,9 @@ async fn r1(
     let topic = format!("r1-{}-{round}-{}", t.short(), env.run);
     env.prepare(t, &topic).await?;
     reset(env).await?;
-    let queue = || env.queue();
     match t {
         Transport::Noop => unreachable!("the no-op publisher has no consumer side"),
-        Transport::Postgres => go(env, args, queue(), queue(), &topic, t).await,
+        Transport::Postgres => go(env, args, env.queue(), env.queue(), &topic, t).await,
         Transport::RabbitMq => {
             let r = env.rabbit();
             let rate = go(env, args, r.clone(), r.clone(), &topic, t).await;

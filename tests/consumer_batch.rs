@@ -206,18 +206,6 @@ async fn effects_table(pool: &PgPool) {
         .unwrap();
 }
 
-async fn stop(
-    shutdown: CancellationToken,
-    run: tokio::task::JoinHandle<pgbox::Result<ConsumerStats>>,
-) -> ConsumerStats {
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(30), run)
-        .await
-        .expect("the runner stops")
-        .unwrap()
-        .unwrap()
-}
-
 #[tokio::test]
 async fn a_batch_commits_its_messages_together_and_each_exactly_once_on_both_layouts() {
     support::init_tracing();
@@ -252,7 +240,7 @@ async fn a_batch_commits_its_messages_together_and_each_exactly_once_on_both_lay
             shutdown.clone(),
         );
         settle(&db.pool, 0).await;
-        let stats = stop(shutdown, run).await;
+        let stats = support::stop_runner(shutdown, run, Duration::from_secs(30)).await;
         let ctx = format!("partitioned {partitioned}: {stats:?}");
         assert_eq!(stats.processed, 50, "{ctx}");
         assert_eq!(stats.duplicates, 10, "{ctx}");
@@ -297,7 +285,7 @@ async fn a_failing_message_rolls_its_batch_back_and_its_batch_mates_take_effect_
     );
     // poison, panic and swallow fail every delivery: dead-lettered after 3.
     settle(&db.pool, 3).await;
-    let stats = stop(shutdown, run).await;
+    let stats = support::stop_runner(shutdown, run, Duration::from_secs(30)).await;
     let good: Vec<String> = payloads
         .iter()
         .map(|p| p.split_once(':').unwrap().0.to_owned())
@@ -349,7 +337,7 @@ async fn nested_units_and_transaction_control_inside_a_batch() {
         shutdown.clone(),
     );
     settle(&db.pool, 0).await;
-    let stats = stop(shutdown, run).await;
+    let stats = support::stop_runner(shutdown, run, Duration::from_secs(30)).await;
     for p in &payloads {
         let key = p.split_once(':').unwrap().0;
         assert_eq!(records(&db.pool, "pgbox.inbox", key).await, 1, "{key}");
@@ -422,7 +410,7 @@ async fn concurrent_batched_runners_on_shared_keys_at_every_isolation_level() {
         shutdown.cancel();
         let mut total = ConsumerStats::default();
         for run in runners {
-            let s = stop(shutdown.clone(), run).await;
+            let s = support::stop_runner(shutdown.clone(), run, Duration::from_secs(30)).await;
             total.processed += s.processed;
             total.duplicates += s.duplicates;
         }
@@ -501,7 +489,7 @@ async fn a_key_under_a_live_lease_waits_and_an_expired_one_is_taken_over_in_a_ba
     // The holder finishes: the key's message is then a duplicate, acked without running.
     live.complete(&db.pool, &()).await.unwrap();
     settle(&db.pool, 0).await;
-    let stats = stop(shutdown, run).await;
+    let stats = support::stop_runner(shutdown, run, Duration::from_secs(30)).await;
     assert_eq!(stats.processed, 16, "{stats:?}");
     assert_eq!(stats.duplicates, 1, "{stats:?}");
     assert!(stats.retried >= 1, "{stats:?}");
@@ -559,7 +547,7 @@ async fn a_run_dropped_mid_batch_commits_nothing_of_it_and_a_new_run_finishes_on
         }
     });
     settle(&db.pool, 0).await;
-    stop(shutdown, fast).await;
+    support::stop_runner(shutdown, fast, Duration::from_secs(30)).await;
     for p in &payloads {
         let key = p.split_once(':').unwrap().0;
         assert_eq!(effects(&db.pool, key, "outer").await, 1, "{key}");
@@ -636,7 +624,7 @@ async fn a_committed_batch_is_acked_all_at_once() {
     let shutdown = CancellationToken::new();
     let run = spawn(consumer, Runs::default(), shutdown.clone());
     settle(&db.pool, 0).await;
-    let stats = stop(shutdown, run).await;
+    let stats = support::stop_runner(shutdown, run, Duration::from_secs(30)).await;
     assert_eq!(stats.processed, 8, "{stats:?}");
     assert_eq!(
         most.load(Ordering::SeqCst),

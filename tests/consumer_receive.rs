@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use pgbox::transport::{Delivery, PgQueue, Subscriber};
-use pgbox::{Consumer, ConsumerStats, Envelope, HandlerConnection, Inbox};
+use pgbox::{Consumer, Envelope, HandlerConnection, Inbox};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, PgPool};
 use support::TestDb;
@@ -100,32 +100,6 @@ async fn count(pool: &PgPool, sql: &str) -> i64 {
         .unwrap()
 }
 
-/// Waits (at most `limit`) until `effects` holds `n` rows and the queue is empty.
-async fn settled(pool: &PgPool, n: i64, limit: Duration) -> bool {
-    let started = Instant::now();
-    while started.elapsed() < limit {
-        let effects = count(pool, "SELECT count(*) FROM effects").await;
-        let queued = count(pool, "SELECT count(*) FROM pgbox.queue").await;
-        if effects == n && queued == 0 {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    false
-}
-
-async fn stop(
-    shutdown: CancellationToken,
-    run: tokio::task::JoinHandle<pgbox::Result<ConsumerStats>>,
-) -> ConsumerStats {
-    shutdown.cancel();
-    tokio::time::timeout(Duration::from_secs(60), run)
-        .await
-        .expect("the runner stops")
-        .unwrap()
-        .unwrap()
-}
-
 async fn effects_table(pool: &PgPool) {
     pool.execute("CREATE TABLE effects (key text PRIMARY KEY)")
         .await
@@ -184,11 +158,11 @@ async fn under_load_one_receive_serves_several_messages() {
         }
     });
     assert!(
-        settled(&pool, n, Duration::from_secs(120)).await,
+        support::settled(&pool, n, Duration::from_secs(120)).await,
         "{} of {n} effects",
         count(&pool, "SELECT count(*) FROM effects").await
     );
-    let stats = stop(shutdown, run).await;
+    let stats = support::stop_runner(shutdown, run, Duration::from_secs(60)).await;
     assert_eq!(stats.processed, n as u64, "{stats:?}");
     let receives = receives.load(Ordering::SeqCst);
     let received = received.load(Ordering::SeqCst);
@@ -282,11 +256,11 @@ async fn a_free_slot_is_filled_behind_handlers_that_run_long() {
     assert_eq!(received.load(Ordering::SeqCst), 8, "all eight in hand");
     enqueue(&pool, &["late".to_owned()]).await;
     assert!(
-        settled(&pool, 9, Duration::from_secs(20)).await,
+        support::settled(&pool, 9, Duration::from_secs(20)).await,
         "the late message never got the free slot: {} of 9 effects",
         count(&pool, "SELECT count(*) FROM effects").await
     );
-    let stats = stop(shutdown, run).await;
+    let stats = support::stop_runner(shutdown, run, Duration::from_secs(60)).await;
     assert_eq!(stats.processed, 9, "{stats:?}");
     assert_eq!(stats.retried, 0, "{stats:?}");
 }

@@ -198,8 +198,9 @@ async fn the_janitor_takes_its_lock_again_after_postgres_restarts() {
     assert!(held_again, "the janitor never took its lock again");
 }
 
-/// Runs a consumer runner on `topic` until it has settled one delivery (processed or found a
-/// duplicate), then stops it gracefully (its ack made) and returns its counts.
+/// Runs a consumer runner on `topic` until it has settled one delivery (the one effect in
+/// `effects`, the queue empty), then stops it gracefully (its ack made) and returns its
+/// counts.
 async fn settle_one(pool: &PgPool, queue: PgQueue, topic: &str) -> pgbox::ConsumerStats {
     let consumer = Consumer::builder(pool.clone(), queue, topic, Inbox::new("undo").unwrap())
         .poll_interval(Duration::from_millis(50))
@@ -215,7 +216,7 @@ async fn settle_one(pool: &PgPool, queue: PgQueue, topic: &str) -> pgbox::Consum
             consumer
                 .run(
                     async |e: &Envelope, conn: &mut HandlerConnection<'_>| {
-                        sqlx::query("INSERT INTO undo_effects VALUES ($1)")
+                        sqlx::query("INSERT INTO effects VALUES ($1)")
                             .bind(e.id)
                             .execute(&mut *conn)
                             .await?;
@@ -226,28 +227,11 @@ async fn settle_one(pool: &PgPool, queue: PgQueue, topic: &str) -> pgbox::Consum
                 .await
         }
     });
-    let started = Instant::now();
-    loop {
-        let inbox: i64 = sqlx::query_scalar("SELECT count(*) FROM undo_effects")
-            .fetch_one(pool)
-            .await
-            .unwrap();
-        let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.queue WHERE topic = $1")
-            .bind(topic)
-            .fetch_one(pool)
-            .await
-            .unwrap();
-        if inbox > 0 && queued == 0 {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "{topic}: not settled after 30 s"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    shutdown.cancel();
-    run.await.unwrap().unwrap()
+    assert!(
+        support::settled(pool, 1, Duration::from_secs(30)).await,
+        "{topic}: not settled after 30 s"
+    );
+    support::stop_runner(shutdown, run, Duration::from_secs(60)).await
 }
 
 /// Rows of `sql` (one count), retried while the pool's connections come back after a
@@ -286,13 +270,13 @@ async fn an_ack_undone_by_a_crash_is_delivered_again_and_absorbed() {
         .await
         .unwrap();
     pgbox::migrate(&pool).await.unwrap();
-    pool.execute("CREATE TABLE undo_effects (message_id uuid NOT NULL)")
+    pool.execute("CREATE TABLE effects (message_id uuid NOT NULL)")
         .await
         .unwrap();
     for (wait, attempts) in [(true, 2), (false, 5)] {
         let mut undone = 0;
         for attempt in 0..attempts {
-            pool.execute("TRUNCATE undo_effects").await.unwrap();
+            pool.execute("TRUNCATE effects").await.unwrap();
             let queue = PgQueue::new(pool.clone()).wait_for_flush(wait);
             let topic = format!("undo-{wait}-{attempt}");
             let message = pgbox::transport::conformance::envelope(&topic, "once".to_owned());
@@ -312,7 +296,7 @@ async fn an_ack_undone_by_a_crash_is_delivered_again_and_absorbed() {
                 let again = settle_one(&pool, queue, &topic).await;
                 assert_eq!((again.processed, again.duplicates), (0, 1), "{again:?}");
             }
-            let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM undo_effects")
+            let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
                 .fetch_one(&pool)
                 .await
                 .unwrap();

@@ -121,10 +121,11 @@ struct Receipt {
 }
 
 impl Receipt {
-    /// `sql` with a `WHERE` or `AND` placed before the condition that, evaluated on any row
-    /// the statement takes, turns `synchronous_commit` off for the rest of the statement's
-    /// transaction (`set_config(..., true)`: local to the transaction, in force at its commit,
-    /// gone after it). No row taken means nothing written, so nothing to flush either.
+    /// `sql` builds the statement given the text to end its `WHERE` clause with: nothing, or
+    /// ` AND` a condition that, evaluated on any row the statement takes, turns
+    /// `synchronous_commit` off for the rest of the statement's transaction
+    /// (`set_config(..., true)`: local to the transaction, in force at its commit, gone after
+    /// it). No row taken means nothing written, so nothing to flush either.
     fn new(sql: impl Fn(&str) -> String) -> Self {
         Receipt {
             flushed: sql(""),

@@ -149,6 +149,40 @@ pub async fn wait_for_lock_waiter(pool: &PgPool) {
     panic!("no backend started waiting on a lock within 10 s");
 }
 
+/// Stops a consumer runner gracefully (its messages in flight settled and acked) and returns
+/// its counts; panics unless it stops within `limit`.
+pub async fn stop_runner(
+    shutdown: tokio_util::sync::CancellationToken,
+    run: tokio::task::JoinHandle<pgbox::Result<pgbox::ConsumerStats>>,
+    limit: Duration,
+) -> pgbox::ConsumerStats {
+    shutdown.cancel();
+    tokio::time::timeout(limit, run)
+        .await
+        .expect("the runner stops")
+        .unwrap()
+        .unwrap()
+}
+
+/// Waits (at most `limit`) until the table `effects` holds `n` rows and the built-in queue
+/// is empty.
+pub async fn settled(pool: &PgPool, n: i64, limit: Duration) -> bool {
+    let started = std::time::Instant::now();
+    while started.elapsed() < limit {
+        let (effects, queued): (i64, i64) = sqlx::query_as(
+            "SELECT (SELECT count(*) FROM effects), (SELECT count(*) FROM pgbox.queue)",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        if effects == n && queued == 0 {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    false
+}
+
 /// Messages with these payloads enqueued into the outbox of `pool` in one transaction, on
 /// `topic`, then relayed into the built-in queue (panics unless all are relayed in 100
 /// rounds).
