@@ -31,7 +31,7 @@ fn json(o: &Output) -> serde_json::Value {
 struct AlwaysFails;
 impl Publisher for AlwaysFails {
     async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
-        vec![Err(PublishError("broker down".into())); batch.len()]
+        vec![Err(PublishError::refused("broker down")); batch.len()]
     }
 }
 

@@ -110,7 +110,7 @@ async fn payment_points_example_under_faults_keeps_its_invariants() {
 struct AlwaysFails;
 impl Publisher for AlwaysFails {
     async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
-        vec![Err(PublishError("broker down".into())); batch.len()]
+        vec![Err(PublishError::refused("broker down")); batch.len()]
     }
 }
 

@@ -50,7 +50,7 @@ impl Publisher for Recorder {
             .iter()
             .map(|e| {
                 if fail.contains(&e.payload) {
-                    Err(PublishError("refused".into()))
+                    Err(PublishError::refused("refused"))
                 } else {
                     Ok(())
                 }

@@ -141,7 +141,7 @@ impl Publisher for Poisoned {
             .iter()
             .map(|e| {
                 if e.payload == b"poison" {
-                    Err(PublishError("broker refused it".into()))
+                    Err(PublishError::refused("broker refused it"))
                 } else {
                     results.next().expect("one result per message")
                 }

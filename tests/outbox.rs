@@ -177,7 +177,7 @@ impl Publisher for Recorder {
             .iter()
             .map(|e| {
                 if poison && e.payload == b"poison" {
-                    Err(PublishError("broker refused it".into()))
+                    Err(PublishError::refused("broker refused it"))
                 } else {
                     self.published.lock().unwrap().push(e.clone());
                     Ok(())

@@ -94,7 +94,7 @@ impl Publisher for FailsOneKey {
         batch
             .iter()
             .map(|e| match e.ordering_key.as_deref() {
-                Some("key-bad") => Err(PublishError("refused".into())),
+                Some("key-bad") => Err(PublishError::refused("refused")),
                 _ => Ok(()),
             })
             .collect()

@@ -41,10 +41,64 @@ fn truncate(s: &str, max: usize) -> &str {
     &s[..end]
 }
 
-/// Why a message could not be published.
+/// Why a message could not be published, and whose fault it was.
+///
+/// The relay treats the two kinds differently. A message the transport
+/// [refused](Self::refused) counts a failed attempt and is dead-lettered after the relay's
+/// `max_attempts`. A transport that is [unavailable](Self::unavailable) (cannot be reached,
+/// does not answer, connection lost) is an outage: the relay backs off and tries again, for as
+/// long as the outage lasts, and never counts it against the message.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct PublishError(pub String);
+#[error("{message}")]
+pub struct PublishError {
+    kind: PublishErrorKind,
+    message: String,
+}
+
+/// Whose fault a [`PublishError`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum PublishErrorKind {
+    /// The transport answered and refused this message, or the message cannot be sent as it
+    /// is: a failed attempt of the message.
+    Refused,
+    /// The transport could not be reached or did not answer: an outage, not the message's
+    /// failure.
+    Unavailable,
+}
+
+impl PublishError {
+    /// The transport refused this message (counts toward the relay's `max_attempts`).
+    pub fn refused(message: impl Into<String>) -> Self {
+        Self {
+            kind: PublishErrorKind::Refused,
+            message: message.into(),
+        }
+    }
+
+    /// The transport could not be reached (an outage: retried, never counted as an attempt).
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self {
+            kind: PublishErrorKind::Unavailable,
+            message: message.into(),
+        }
+    }
+
+    /// Whose fault it is.
+    pub fn kind(&self) -> PublishErrorKind {
+        self.kind
+    }
+
+    /// Whether the transport was unavailable (an outage) rather than refusing the message.
+    pub fn is_unavailable(&self) -> bool {
+        self.kind == PublishErrorKind::Unavailable
+    }
+
+    /// The error's text.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+}
 
 /// Publishes batches of outbox messages with per-message confirmation.
 pub trait Publisher: Send + Sync {
