@@ -98,9 +98,16 @@
 //! [`Finality`] (e.g. a 409 "already paid" that is final), or the rule is replaced with
 //! [`IdempotencyBuilder::is_final`].
 //!
-//! **The fingerprint** is a SHA-256 of the method, the path with its query, and the body
-//! bytes; headers are not part of it. A key reused for a different request is refused with
-//! 422 (the draft's answer), never replayed.
+//! **The fingerprint** is a SHA-256 of the method, the path with its query as the client sent
+//! it, and the body bytes; headers are not part of it. A key reused for a different request
+//! is refused with 422 (the draft's answer), never replayed. The path is the whole one
+//! wherever the layer sits: a route under `Router::nest` (or `nest_service`) sees its URI
+//! without the nest's prefix, so the layer takes axum's [`OriginalUri`], which the outermost
+//! `Router` records; `POST /accounts/1/charges` and `POST /accounts/2/charges` are two
+//! requests whether the layer is a `layer` or a `route_layer`, on the route, on a nested or
+//! merged router, or on a fallback. Outside a `Router` (a plain tower stack that rewrites
+//! paths before the layer), the layer sees only the URI it is given: put it outside such
+//! rewriting.
 //!
 //! **Keys** are the header's value, verbatim: 1 to
 //! [`max_key_len`](IdempotencyBuilder::max_key_len) (default 255, as Stripe) visible ASCII
@@ -124,7 +131,8 @@
 //!
 //! **Replays** carry the stored status, the stored headers (by default `content-type`,
 //! `content-encoding`, `content-language` and `location`; never `set-cookie`) and the stored
-//! body, plus `Idempotent-Replayed: true` (the header Stripe uses). The first response goes
+//! body, byte for byte (a header value that is not UTF-8, such as a Latin-1 `Location`, is
+//! stored as hex), plus `Idempotent-Replayed: true` (the header Stripe uses). The first response goes
 //! out with all its headers. Responses that are stored are buffered (at most
 //! [`max_response_bytes`](IdempotencyBuilder::max_response_bytes), else 500 and roll back),
 //! and so are requests with a key (for the fingerprint).
@@ -137,6 +145,21 @@
 //! [`Wait::NoWait`](crate::Wait::NoWait) answers it at once, and
 //! [`Wait::Timeout`](crate::Wait::Timeout) after a bounded wait (a pool-friendly default for
 //! slow handlers).
+//!
+//! **Isolation.** The layer's transaction begins at the pool's default level, so a handler
+//! on a database (or role, or `after_connect`) whose default is `REPEATABLE READ` or
+//! `SERIALIZABLE` runs at that level. There a waiting claim fails with a serialization error
+//! when the first request commits (the key's row is newer than its snapshot); the layer then
+//! claims again in a new transaction, which sees the row and replays it, as at `READ
+//! COMMITTED`. A serialization failure of the handler's own statements or of the COMMIT is a
+//! 5xx like any other: nothing committed, and the retry runs again.
+//!
+//! **Behind a pooler in transaction mode** (PgBouncer), build the inbox with
+//! [`Pooler::Transaction`](crate::Pooler::Transaction): the claim and the stored response are
+//! unnamed statements in the layer's transaction, the check before a keyless request's
+//! COMMIT uses the simple protocol, and [`IdempotencyLayer::purge_expired`] runs each batch
+//! in a transaction of its own. The handler's own statements are its to mark
+//! `.persistent(false)`, on a pool that never ran a named statement.
 
 use std::convert::Infallible;
 use std::fmt;
@@ -148,7 +171,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes, HttpBody};
-use axum::extract::{FromRequestParts, Request};
+use axum::extract::{FromRequestParts, OriginalUri, Request};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, IntoResponseParts, Response, ResponseParts};
@@ -187,8 +210,13 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 3600);
 /// A scope longer than this (in bytes) is replaced by its SHA-256 in the inbox key.
 const MAX_SCOPE_BYTES: usize = 256;
 
-/// The version of the stored response's JSON, for readers of older rows.
+/// The version of the stored response's JSON, for readers of older rows. (`headers_hex` was
+/// added to version 1 without a bump: readers that predate it ignore it.)
 const STORED_FORMAT: u32 = 1;
+
+/// Claims of one request at most, when a claim fails with a serialization error: see
+/// `run_with_key`.
+const CLAIM_ATTEMPTS: u32 = 3;
 
 type ScopeFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 type FinalFn = dyn Fn(StatusCode) -> bool + Send + Sync;
@@ -476,7 +504,8 @@ impl IdempotencyLayer {
     /// inbox's [`purge_older_than`](Inbox::purge_older_than) for this layer's consumer.
     /// Returns the number of keys forgotten. Run it periodically, or let the
     /// [`Janitor`](crate::janitor::Janitor) do it with a `consumer_retention` for this
-    /// layer's inbox consumer.
+    /// layer's inbox consumer. Behind a pooler in transaction mode it needs the inbox built
+    /// with [`Pooler::Transaction`](crate::Pooler::Transaction), as the layer does.
     pub async fn purge_expired(&self) -> Result<u64> {
         self.shared
             .inbox
@@ -695,6 +724,10 @@ struct StoredResponse {
     status: u16,
     /// The stored headers with UTF-8 values, in order.
     headers: Vec<(String, String)>,
+    /// Every stored header, its value as hex, in order: written only when some value is not
+    /// UTF-8, and then the one a replay uses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    headers_hex: Option<Vec<(String, String)>>,
     /// The body, when it is UTF-8 without NUL (jsonb's strings cannot hold NUL)...
     #[serde(default, skip_serializing_if = "Option::is_none")]
     body: Option<String>,
@@ -789,8 +822,9 @@ impl Shared {
                 );
             }
         };
-        let fingerprint = fingerprint(&parts.method, &parts.uri, &body);
-        let request_line = format!("{} {}", parts.method, parts.uri.path());
+        let target = client_target(&parts);
+        let fingerprint = fingerprint(&parts.method, target, &body);
+        let request_line = format!("{} {}", parts.method, target.path());
         let inbox_key = inbox_key(&scope, &key);
         let span = tracing::info_span!(
             "pgbox.idempotency",
@@ -850,29 +884,50 @@ impl Shared {
         S::Response: IntoResponse,
         S::Future: Send,
     {
-        let mut tx = match crate::pooler::begin(&self.pool, None).await {
-            Ok(tx) => tx,
-            Err(e) => return store_failed("begin", &e),
-        };
-        let claimed = match self.inbox.claim(&mut tx, inbox_key).await {
-            Ok(Claim::Claimed(claimed)) => claimed,
-            Ok(Claim::Duplicate(duplicate)) => {
-                // Read only: nothing to keep.
-                rollback(tx).await;
-                return self.replay(&duplicate, &fingerprint);
-            }
-            Ok(Claim::InProgress) => {
-                rollback(tx).await;
-                return self.in_progress();
-            }
-            Err(e) if e.db_kind() == Some(DbErrorKind::LockTimeout) => {
-                // The session's own lock_timeout ran out behind the first request.
-                rollback(tx).await;
-                return self.in_progress();
-            }
-            Err(e) => {
-                rollback(tx).await;
-                return store_failed("claim", &e);
+        let mut attempt = 1;
+        let (tx, claimed) = loop {
+            let mut tx = match crate::pooler::begin(&self.pool, None).await {
+                Ok(tx) => tx,
+                Err(e) => return store_failed("begin", &e, true),
+            };
+            match self.inbox.claim(&mut tx, inbox_key).await {
+                Ok(Claim::Claimed(claimed)) => break (tx, claimed),
+                Ok(Claim::Duplicate(duplicate)) => {
+                    // Read only: nothing to keep.
+                    rollback(tx).await;
+                    return self.replay(&duplicate, &fingerprint);
+                }
+                Ok(Claim::InProgress) => {
+                    rollback(tx).await;
+                    return self.in_progress();
+                }
+                Err(e) if e.db_kind() == Some(DbErrorKind::LockTimeout) => {
+                    // The session's own lock_timeout ran out behind the first request.
+                    rollback(tx).await;
+                    return self.in_progress();
+                }
+                Err(e) if e.db_kind() == Some(DbErrorKind::SerializationFailure) => {
+                    // At REPEATABLE READ or SERIALIZABLE (the database's, the role's or the
+                    // pool's default, kept for the handler), a claim that waited on another
+                    // request's claim fails once that one commits: the row is newer than the
+                    // claim's snapshot. Nothing ran yet; a new transaction sees the row and
+                    // replays it (or claims, if it went away meanwhile).
+                    rollback(tx).await;
+                    if attempt < CLAIM_ATTEMPTS {
+                        attempt += 1;
+                        tracing::debug!(
+                            attempt,
+                            "claim met a concurrent commit of the key; claiming again"
+                        );
+                        continue;
+                    }
+                    // The key changed hands at every attempt: still busy, as far as we know.
+                    return self.in_progress();
+                }
+                Err(e) => {
+                    rollback(tx).await;
+                    return store_failed("claim", &e, true);
+                }
             }
         };
         let handle = IdempotencyTx::new(Some(tx), None, Some(key));
@@ -881,7 +936,11 @@ impl Shared {
         let is_final = self.is_final(parts.status, parts.extensions.remove::<Finality>());
         let Some(tx) = handle.take().await else {
             // Only the layer takes it.
-            return store_failed("handler", &Error::InvalidConfig("transaction gone".into()));
+            return store_failed(
+                "handler",
+                &Error::InvalidConfig("transaction gone".into()),
+                true,
+            );
         };
         if !is_final {
             rollback(tx).await;
@@ -912,7 +971,7 @@ impl Shared {
                         )
                     }
                     Unread::Failed(e) => {
-                        store_failed("response body", &Error::InvalidConfig(e.to_string()))
+                        store_failed("response body", &Error::InvalidConfig(e.to_string()), true)
                     }
                 };
             }
@@ -926,7 +985,7 @@ impl Shared {
                 );
                 Response::from_parts(parts, Body::from(body))
             }
-            Err(e) => store_failed("store", &e),
+            Err(e) => store_failed("store", &e, true),
         }
     }
 
@@ -947,15 +1006,16 @@ impl Shared {
                 rollback(tx).await;
             } else {
                 // COMMIT of an aborted transaction rolls back without an error: a handler that
-                // swallowed a failed statement must not be answered as if it took effect.
-                let alive = sqlx::query("SELECT 1").execute(&mut *tx).await;
+                // swallowed a failed statement must not be answered as if it took effect. The
+                // simple protocol: never a named statement, which a transaction pooler breaks.
+                let alive = sqlx::raw_sql("SELECT 1").execute(&mut *tx).await;
                 if let Err(e) = async {
                     alive?;
                     tx.commit().await
                 }
                 .await
                 {
-                    return store_failed("commit", &Error::from(e));
+                    return store_failed("commit", &Error::from(e), false);
                 }
             }
         }
@@ -980,21 +1040,30 @@ impl Shared {
         fingerprint: String,
         request: String,
     ) -> StoredResponse {
-        let headers = self
+        let all: Vec<(&str, &[u8])> = self
             .stored_headers
             .iter()
             .flat_map(|name| {
-                parts.headers.get_all(name).iter().filter_map(
-                    move |value| match std::str::from_utf8(value.as_bytes()) {
-                        Ok(value) => Some((name.as_str().to_owned(), value.to_owned())),
-                        Err(_) => {
-                            tracing::warn!(header = %name, "header value is not UTF-8: not stored");
-                            None
-                        }
-                    },
-                )
+                parts
+                    .headers
+                    .get_all(name)
+                    .iter()
+                    .map(move |value| (name.as_str(), value.as_bytes()))
             })
             .collect();
+        let utf8 = |value: &[u8]| std::str::from_utf8(value).ok().map(str::to_owned);
+        let headers = all
+            .iter()
+            .filter_map(|(name, value)| Some(((*name).to_owned(), utf8(value)?)))
+            .collect::<Vec<_>>();
+        // A value that is not UTF-8 (HTTP allows any byte but controls): every stored header
+        // as hex, in order, so the replay has them byte for byte. `headers` keeps the UTF-8
+        // ones for readers that predate `headers_hex`.
+        let headers_hex = (headers.len() < all.len()).then(|| {
+            all.iter()
+                .map(|(name, value)| ((*name).to_owned(), to_hex(value)))
+                .collect()
+        });
         let text = std::str::from_utf8(body).ok().filter(|t| !t.contains('\0'));
         StoredResponse {
             format: STORED_FORMAT,
@@ -1002,6 +1071,7 @@ impl Shared {
             request,
             status: parts.status.as_u16(),
             headers,
+            headers_hex,
             body: text.map(str::to_owned),
             body_hex: text.is_none().then(|| to_hex(body)),
         }
@@ -1010,19 +1080,22 @@ impl Shared {
     /// The answer to a request whose key is recorded: the stored response if it is the same
     /// request, 422 if not.
     fn replay(&self, duplicate: &Duplicate, fingerprint: &str) -> Response {
+        let unreadable = |why: &str| {
+            tracing::error!(
+                why,
+                "key recorded without a response this layer can replay: is the inbox consumer \
+                 shared with something else than this layer?"
+            );
+            problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Idempotency record unreadable",
+                "this key is recorded without a response this server can replay".to_owned(),
+            )
+        };
         let stored: StoredResponse = match duplicate.outcome() {
             Ok(Some(stored)) => stored,
-            Ok(None) | Err(_) => {
-                tracing::error!(
-                    "key recorded without a stored response: is the inbox consumer shared with \
-                     something else than this layer?"
-                );
-                return problem(
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    "Idempotency record unreadable",
-                    "this key is recorded without a response this server can replay".to_owned(),
-                );
-            }
+            Ok(None) => return unreadable("no stored response"),
+            Err(_) => return unreadable("not a stored response"),
         };
         if stored.fingerprint != fingerprint {
             tracing::info!(first = %stored.request, "key reused for a different request: 422");
@@ -1039,23 +1112,36 @@ impl Shared {
             return problem_response(StatusCode::UNPROCESSABLE_ENTITY, response);
         }
         tracing::info!(status = stored.status, "replayed the stored response");
-        let status =
-            StatusCode::from_u16(stored.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let Ok(status) = StatusCode::from_u16(stored.status) else {
+            return unreadable("stored status out of range");
+        };
         let body = match (stored.body, stored.body_hex) {
             (Some(text), _) => Bytes::from(text),
-            (None, Some(hex)) => Bytes::from(from_hex(&hex).unwrap_or_default()),
+            (None, Some(hex)) => match from_hex(&hex) {
+                Some(bytes) => Bytes::from(bytes),
+                None => return unreadable("stored body is not hex"),
+            },
             (None, None) => Bytes::new(),
+        };
+        let stored_headers: Option<Vec<(HeaderName, HeaderValue)>> = match &stored.headers_hex {
+            Some(hex) => hex
+                .iter()
+                .map(|(name, value)| header_pair(name, &from_hex(value)?))
+                .collect(),
+            None => stored
+                .headers
+                .iter()
+                .map(|(name, value)| header_pair(name, value.as_bytes()))
+                .collect(),
+        };
+        let Some(stored_headers) = stored_headers else {
+            return unreadable("a stored header is not a header");
         };
         let mut response = Response::new(Body::from(body));
         *response.status_mut() = status;
         let headers = response.headers_mut();
-        for (name, value) in &stored.headers {
-            if let (Ok(name), Ok(value)) = (
-                HeaderName::from_bytes(name.as_bytes()),
-                HeaderValue::from_str(value),
-            ) {
-                headers.append(name, value);
-            }
+        for (name, value) in stored_headers {
+            headers.append(name, value);
         }
         headers.insert(
             self.replayed_header.clone(),
@@ -1170,13 +1256,35 @@ async fn rollback(tx: Transaction<'static, Postgres>) {
 
 /// A 500 for a failure of the layer's own work; logged, and nothing of it committed (except
 /// when COMMIT itself failed in flight, which the next retry settles: a replay if it did).
-fn store_failed(step: &str, e: &Error) -> Response {
+/// Only a request that has a key (`keyed`) is told to retry with it.
+fn store_failed(step: &str, e: &Error, keyed: bool) -> Response {
     tracing::error!(step, error = %e, "idempotency layer failed");
+    let detail = if keyed {
+        format!("the request could not be completed ({step}); retry with the same key")
+    } else {
+        format!("the request could not be completed ({step})")
+    };
     problem(
         StatusCode::INTERNAL_SERVER_ERROR,
         "Idempotency store failed",
-        format!("the request could not be completed ({step}); retry with the same key"),
+        detail,
     )
+}
+
+/// The target the client sent: axum's [`OriginalUri`] when a `Router` recorded it (a route
+/// under `nest` sees its URI without the nest's prefix), else the request's URI.
+fn client_target(parts: &Parts) -> &Uri {
+    parts
+        .extensions
+        .get::<OriginalUri>()
+        .map_or(&parts.uri, |original| &original.0)
+}
+
+fn header_pair(name: &str, value: &[u8]) -> Option<(HeaderName, HeaderValue)> {
+    Some((
+        HeaderName::from_bytes(name.as_bytes()).ok()?,
+        HeaderValue::from_bytes(value).ok()?,
+    ))
 }
 
 /// An RFC 9457 problem document.
@@ -1284,6 +1392,45 @@ mod tests {
             fingerprint(&Method::POST, &uri("/a"), b"bc")
         );
         assert_eq!(base.len(), 64);
+    }
+
+    /// Over generated prefixes and targets: the fingerprint is of the original URI when axum
+    /// recorded one (what a route under `nest` does not see), and two requests that differ
+    /// only in their prefix, or in their query, never share it.
+    #[test]
+    fn fingerprints_use_the_original_uri_over_generated_prefixes() {
+        use rand::Rng;
+        const PIECES: &[&str] = &["a", "1", "%2F", "%20", "-", "~", "accounts", "x"];
+        let mut rng = rand::rng();
+        let mut piece = || {
+            (0..rng.random_range(1..4))
+                .map(|_| PIECES[rng.random_range(0..PIECES.len())])
+                .collect::<String>()
+        };
+        let mut seen = std::collections::HashMap::new();
+        for _ in 0..2_000 {
+            let prefix = match piece().as_str() {
+                "a" => String::new(),
+                p => format!("/{p}"),
+            };
+            let rest = format!("/{}", piece());
+            let query = ["", "?", "?q=1", "?q=%2F"][rand::rng().random_range(0..4)];
+            let original: Uri = format!("{prefix}{rest}{query}").parse().unwrap();
+            let (mut parts, ()) = Request::post(format!("{rest}{query}"))
+                .body(())
+                .unwrap()
+                .into_parts();
+            parts.extensions.insert(OriginalUri(original.clone()));
+            assert_eq!(client_target(&parts), &original);
+            let print = fingerprint(&parts.method, client_target(&parts), b"{}");
+            let target = original.to_string();
+            if let Some(other) = seen.insert(print, target.clone()) {
+                assert_eq!(other, target, "two targets share a fingerprint");
+            }
+        }
+        // Without axum's record (a plain tower stack), the request's own URI.
+        let (parts, ()) = Request::post("/a?b").body(()).unwrap().into_parts();
+        assert_eq!(client_target(&parts), "/a?b");
     }
 
     #[test]

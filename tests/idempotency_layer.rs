@@ -152,6 +152,46 @@ async fn swallow(tx: IdempotencyTx) -> Response {
     created(id, 3)
 }
 
+/// The stored header values `POST /odd-headers` answers with, in order: one that is not
+/// UTF-8 (Latin-1 `é`), one that is UTF-8 but not ASCII, and plain ones.
+const ODD_HEADERS: &[(&str, &[u8])] = &[
+    ("location", b"/files/caf\xe9"),
+    ("content-language", b"en"),
+    ("content-language", b"fr-\xe9t\xe9"),
+    ("content-language", "d\u{e9}j\u{e0}".as_bytes()),
+    ("content-language", b"de"),
+];
+
+/// `POST /odd-headers`: 201 with [`ODD_HEADERS`].
+async fn odd_headers(tx: IdempotencyTx) -> Response {
+    if let Err(r) = charge(&tx, 5).await {
+        return r;
+    }
+    let mut response = (StatusCode::CREATED, "stored").into_response();
+    for (name, value) in ODD_HEADERS {
+        response.headers_mut().append(
+            header::HeaderName::from_static(name),
+            HeaderValue::from_bytes(value).unwrap(),
+        );
+    }
+    response
+}
+
+/// `POST /level`: 200 with the isolation level of the layer's transaction.
+async fn level(tx: IdempotencyTx) -> Response {
+    let mut tx = match tx.lock().await {
+        Ok(tx) => tx,
+        Err(e) => return failed(e),
+    };
+    match sqlx::query_scalar::<_, String>("SHOW transaction_isolation")
+        .fetch_one(&mut **tx)
+        .await
+    {
+        Ok(level) => (StatusCode::OK, level).into_response(),
+        Err(e) => failed(e),
+    }
+}
+
 /// `POST /big`: a final response larger than the tests' stored-body limit.
 async fn big(tx: IdempotencyTx) -> Response {
     match charge(&tx, 4).await {
@@ -180,6 +220,8 @@ fn app(layer: IdempotencyLayer) -> App {
         .route("/items/{id}/buy", post(buy))
         .route("/swallow", post(swallow))
         .route("/big", post(big))
+        .route("/odd-headers", post(odd_headers))
+        .route("/level", post(level))
         .route_layer(layer)
         .with_state(handlers.clone());
     App {
@@ -821,4 +863,142 @@ async fn settings_out_of_range_are_refused() {
             .is_err()
     );
     assert!(builder().max_response_bytes(0).build().is_err());
+}
+
+/// The stored headers' values, byte for byte and in order, as the handler sent them.
+fn stored_header_values(answer: &Answer) -> Vec<(String, Vec<u8>)> {
+    ["location", "content-language"]
+        .iter()
+        .flat_map(|name| {
+            answer
+                .headers
+                .get_all(*name)
+                .iter()
+                .map(|v| (name.to_string(), v.as_bytes().to_vec()))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_carries_stored_header_values_byte_for_byte_utf8_or_not() {
+    let db = database().await;
+    let App { router, .. } = app(IdempotencyLayer::new(db.pool.clone(), inbox()));
+    let expected: Vec<(String, Vec<u8>)> = ODD_HEADERS
+        .iter()
+        .map(|(n, v)| (n.to_string(), v.to_vec()))
+        .collect();
+    let first = post_key(&router, "/odd-headers", Some("odd"), "").await;
+    assert_eq!(first.status, StatusCode::CREATED, "{first:?}");
+    assert_eq!(stored_header_values(&first), expected);
+    for _ in 0..2 {
+        let again = post_key(&router, "/odd-headers", Some("odd"), "").await;
+        assert!(again.replayed(), "{again:?}");
+        assert_eq!(
+            stored_header_values(&again),
+            expected,
+            "the replay's stored headers differ from the first response's"
+        );
+    }
+    // And across a restart (another layer, another pool): read back from the row.
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect_with(db.options.clone())
+        .await
+        .unwrap();
+    let App { router, .. } = app(IdempotencyLayer::new(pool, inbox()));
+    let again = post_key(&router, "/odd-headers", Some("odd"), "").await;
+    assert!(again.replayed());
+    assert_eq!(stored_header_values(&again), expected);
+    assert_eq!(charges(&db.pool).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_same_key_requests_replay_on_a_repeatable_read_or_serializable_database() {
+    for level in ["repeatable read", "serializable"] {
+        let db = database().await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "ALTER DATABASE \"{}\" SET default_transaction_isolation = '{level}'",
+            db.name
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        // New sessions take the database's default.
+        let pool = PgPoolOptions::new()
+            .max_connections(8)
+            .connect_with(db.options.clone())
+            .await
+            .unwrap();
+        let seen: String = sqlx::query_scalar("SHOW transaction_isolation")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(seen, level);
+        let App {
+            router,
+            handlers,
+            mut entered,
+        } = app(IdempotencyLayer::new(pool.clone(), inbox()));
+        let first = tokio::spawn({
+            let router = router.clone();
+            async move { post_key(&router, "/slow", Some("same"), "").await }
+        });
+        entered.recv().await.unwrap();
+        let others: Vec<_> = (0..3)
+            .map(|_| {
+                let router = router.clone();
+                tokio::spawn(async move { post_key(&router, "/slow", Some("same"), "").await })
+            })
+            .collect();
+        until_waiting_on_locks(&db.pool, 3).await;
+        handlers.gate.add_permits(1);
+        let first = first.await.unwrap();
+        assert_eq!(first.status, StatusCode::CREATED, "{level}: {first:?}");
+        for other in others {
+            let other = other.await.unwrap();
+            assert_eq!(
+                (other.status, other.replayed()),
+                (StatusCode::CREATED, true),
+                "{level}: a waiting retry must get the stored response: {:?}",
+                String::from_utf8_lossy(&other.body)
+            );
+            assert_eq!(other.body, first.body);
+        }
+        assert_eq!(charges(&db.pool).await, 1, "{level}");
+        // The handler's transaction ran at the database's level: the layer does not lower it.
+        let App { router, .. } = app(IdempotencyLayer::builder(
+            pool.clone(),
+            Inbox::new("levels").unwrap(),
+        )
+        .required(false)
+        .build()
+        .unwrap());
+        let r = post_key(&router, "/level", Some("lvl"), "").await;
+        assert_eq!(r.status, StatusCode::OK, "{r:?}");
+        assert_eq!(r.body, level, "with a key");
+        let r = post_key(&router, "/level", None, "").await;
+        assert_eq!(r.body, level, "without a key");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_a_key_is_never_told_to_retry_with_the_same_key() {
+    let db = database().await;
+    let optional = IdempotencyLayer::builder(db.pool.clone(), inbox())
+        .required(false)
+        .build()
+        .unwrap();
+    let App { router, .. } = app(optional);
+    let r = post_key(&router, "/swallow", None, "").await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR, "{r:?}");
+    let detail = r.problem()["detail"].as_str().unwrap().to_owned();
+    assert!(
+        !detail.contains("key"),
+        "a request sent without a key is told: {detail}"
+    );
+    // With a key, the same failure says to retry with it.
+    let r = post_key(&router, "/swallow", Some("s"), "").await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR, "{r:?}");
+    let detail = r.problem()["detail"].as_str().unwrap().to_owned();
+    assert!(detail.contains("retry with the same"), "{detail}");
 }

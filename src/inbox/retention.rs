@@ -15,7 +15,8 @@ pub const PURGE_BATCH_ROWS: i64 = 5_000;
 impl Inbox {
     /// Deletes this consumer's rows recorded more than `older_than` ago (database clock),
     /// in batches of [`PURGE_BATCH_ROWS`], each its own short transaction. Returns the number
-    /// of rows deleted.
+    /// of rows deleted. Works behind a pooler in transaction mode when the inbox is built with
+    /// [`Pooler::Transaction`](crate::Pooler::Transaction).
     ///
     /// A message redelivered after its row is purged is processed again: `older_than` must
     /// exceed the longest redelivery window (broker retries, dead-letter replays, producer
@@ -35,13 +36,18 @@ impl Inbox {
         let sql = purge_batch_sql(&self.inner.schema);
         let mut total = 0;
         loop {
+            // Behind a transaction pooler, each batch in a transaction of its own and unnamed:
+            // an autocommit statement with parameters may be split across server connections.
+            let mut unit = self.inner.pooler.unit(pool).await?;
             let deleted = sqlx::query(AssertSqlSafe(sql.clone()))
+                .persistent(self.inner.persistent())
                 .bind(&self.inner.consumer)
                 .bind(older_than.as_secs_f64())
                 .bind(PURGE_BATCH_ROWS)
-                .execute(pool)
+                .execute(&mut *unit)
                 .await?
                 .rows_affected();
+            unit.finish().await?;
             total += deleted;
             if deleted < PURGE_BATCH_ROWS as u64 {
                 break;
