@@ -142,7 +142,16 @@ pub(crate) async fn begin(
     pool: &PgPool,
     statement: Option<&'static str>,
 ) -> Result<Transaction<'static, Postgres>> {
-    let conn = pool.acquire().await?;
+    begin_on(pool.acquire().await?, statement).await
+}
+
+/// [`begin`] on a connection already taken from its pool: the `BEGIN` runs on a task of its
+/// own, which, if the caller stops waiting, finishes the begin and drops the transaction
+/// (sqlx then rolls it back before the connection goes back to the pool).
+pub(crate) async fn begin_on(
+    conn: PoolConnection<Postgres>,
+    statement: Option<&'static str>,
+) -> Result<Transaction<'static, Postgres>> {
     let task = tokio::spawn(
         // sqlx's `Pool::begin` is this call on a connection it has just acquired.
         Transaction::begin(conn, statement.map(sqlx::SqlSafeStr::into_sql_str)).in_current_span(),

@@ -9,10 +9,22 @@
 //! then got a top-level `BEGIN` (ignored by the server) and its `commit()` ended pgbox's
 //! transaction mid-handler (a lost message, or a doubled effect). The round trip is not
 //! worth that.
+//!
+//! sqlx 0.9.0's own begin is not safe to cancel: dropped while its `BEGIN` awaits the
+//! server's answer, it queues no `ROLLBACK` (it counts the transaction only once the answer
+//! is read), and the session stays inside a transaction nothing ends; the pool then lends
+//! that connection on (transact-rs/sqlx#4393). So the transaction is begun where that
+//! window cannot be reached: on a connection pgbox takes from the caller's pool, the
+//! `BEGIN` runs on a task of its own ([`pooler::begin_on`](crate::pooler::begin_on)), which
+//! finishes the begin and rolls back if the caller stops waiting. A connection the caller
+//! holds (`&mut PgConnection`) cannot be moved to such a task; what happens there is said
+//! on [`Inbox::process_and_commit`].
 
+use futures_util::future::BoxFuture;
 use serde::Serialize;
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgTransactionManager;
-use sqlx::{Acquire, PgPool, Postgres, Transaction};
+use sqlx::{Acquire, PgConnection, PgPool, Postgres, Transaction};
 use sqlx_core::transaction::TransactionManager;
 use tracing::Instrument;
 
@@ -52,16 +64,32 @@ impl Inbox {
     /// The transaction starts with a plain `BEGIN`: the server's default isolation level.
     /// Everything [`process`](Self::process) promises holds here too (handler errors and
     /// panics roll back, a swallowed failed statement is caught, nested units of work are
-    /// savepoints, invalid keys are refused before any SQL runs). If this future is dropped
-    /// before it finishes, the transaction rolls back (sqlx's rollback on drop), except in
-    /// one window that is sqlx 0.9.0's: dropped while sqlx's `BEGIN` awaits its answer, the
-    /// session stays inside a transaction nothing ends (transact-rs/sqlx#4393).
-    /// [`process_with_retry`](Self::process_with_retry) and the [`Consumer`](crate::Consumer)
-    /// begin on a task of their own and are safe there too.
+    /// savepoints, invalid keys are refused before any SQL runs).
+    ///
+    /// # Dropped before it finishes
+    ///
+    /// Given a pool (`&PgPool`), the call takes a connection of its own and begins on a task
+    /// of its own: dropped at any point (a client that hung up, a timeout, `select!`), the
+    /// transaction rolls back and the connection goes back to the pool outside any
+    /// transaction, also when the drop comes while `BEGIN` awaits the server's answer (where
+    /// sqlx 0.9.0's own begin leaves the session inside a transaction nothing ends,
+    /// transact-rs/sqlx#4393). [`process_with_retry`](Self::process_with_retry) and the
+    /// [`Consumer`](crate::Consumer) begin the same way.
+    ///
+    /// Given a connection you hold (`&mut PgConnection`, `&mut PoolConnection`): once the
+    /// call has returned, `Ok` or `Err`, its transaction is over. Dropped before that, it
+    /// rolls back (sqlx's rollback on drop), except while its `BEGIN` awaits the server's
+    /// answer: a connection pgbox does not own cannot be moved to a task that finishes the
+    /// begin, and sqlx 0.9.0 queues no `ROLLBACK` there, so the session may be left inside a
+    /// transaction that neither sqlx nor pgbox will end, in which your next statements would
+    /// run and never commit. Where a call may be dropped, pass the pool; or do not reuse a
+    /// connection whose call did not finish: close it (`PoolConnection::close_on_drop`,
+    /// `PoolConnection::close`, `Connection::close`).
     ///
     /// Passing a connection that is already inside a transaction (a `&mut Transaction`) is
-    /// refused with [`Error::InvalidConfig`]: its commit would only release a savepoint, and
-    /// "committed" would be a lie. Use [`process`](Self::process) there.
+    /// refused with [`Error::InvalidConfig`] before anything is sent: its commit would only
+    /// release a savepoint, and "committed" would be a lie. Use [`process`](Self::process)
+    /// there.
     pub async fn process_and_commit<'c, A, T, E, F>(
         &self,
         conn: A,
@@ -70,6 +98,7 @@ impl Inbox {
     ) -> std::result::Result<Outcome<T>, E>
     where
         A: Acquire<'c, Database = Postgres>,
+        A::Connection: BeginsItsOwn<'c>,
         F: AsyncFnOnce(&mut HandlerConnection<'_>) -> std::result::Result<T, E>,
         T: Serialize,
         E: From<Error>,
@@ -90,6 +119,7 @@ impl Inbox {
     ) -> std::result::Result<Outcome<T>, E>
     where
         A: Acquire<'c, Database = Postgres>,
+        A::Connection: BeginsItsOwn<'c>,
         F: AsyncFnOnce(&mut HandlerConnection<'_>) -> std::result::Result<Verdict<T>, E>,
         T: Serialize,
         E: From<Error>,
@@ -97,7 +127,9 @@ impl Inbox {
         let key = key.into();
         // Refused before a connection is taken from the pool.
         key.validate()?;
-        let tx = conn.begin().await.map_err(Error::from)?;
+        // Taking a connection from a pool is safe to cancel (sqlx gives the permit back).
+        let conn = conn.acquire().await.map_err(Error::from)?;
+        let tx = conn.begin_own().await?;
         self.process_or_reject_in_own(tx, key, handler).await
     }
 
@@ -134,12 +166,7 @@ impl Inbox {
         E: From<Error>,
     {
         if PgTransactionManager::get_transaction_depth(&tx) != 1 {
-            return Err(Error::InvalidConfig(
-                "process_and_commit was given a connection inside a transaction: its commit \
-                 would only release a savepoint; use Inbox::process on that transaction"
-                    .to_owned(),
-            )
-            .into());
+            return Err(inside_a_transaction().into());
         }
         let outcome = self.process_or_reject(&mut tx, key, handler).await;
         let committed = match &outcome {
@@ -159,5 +186,63 @@ impl Inbox {
         };
         committed?;
         outcome
+    }
+}
+
+/// The refusal of a connection that is already inside a transaction.
+fn inside_a_transaction() -> Error {
+    Error::InvalidConfig(
+        "process_and_commit was given a connection inside a transaction: its commit would \
+         only release a savepoint; use Inbox::process on that transaction"
+            .to_owned(),
+    )
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for sqlx::pool::PoolConnection<sqlx::Postgres> {}
+    impl Sealed for &mut sqlx::PgConnection {}
+}
+
+/// What an [`Acquire`] lends that [`Inbox::process_and_commit`] can begin its transaction
+/// on: a connection taken from a pool ([`PoolConnection`], what `&PgPool` lends), which
+/// pgbox owns for the call, or a connection the caller holds (`&mut PgConnection`, what
+/// `&mut PgConnection`, `&mut PoolConnection` and `&mut Transaction` lend).
+///
+/// Sealed: every [`Acquire`] of sqlx's for PostgreSQL lends one of these two, so a caller
+/// that names a concrete type never sees this bound; code generic over `Acquire` adds
+/// `A::Connection: BeginsItsOwn<'c>` beside `A: Acquire<'c, Database = Postgres>`.
+pub trait BeginsItsOwn<'c>: sealed::Sealed + Send {
+    /// Begins the transaction of a `*_and_commit` call on this connection.
+    #[doc(hidden)]
+    // A boxed future, as sqlx's own `Acquire::begin`: an `impl Future` here is not seen as
+    // `Send` for every lifetime (rust-lang/rust#100013), and callers spawn these calls.
+    fn begin_own(self) -> BoxFuture<'c, crate::Result<Transaction<'c, Postgres>>>;
+}
+
+impl<'c> BeginsItsOwn<'c> for PoolConnection<Postgres> {
+    /// On a task of its own: dropped at any point, nothing is left open (see
+    /// [`pooler::begin_on`](crate::pooler::begin_on)).
+    fn begin_own(self) -> BoxFuture<'c, crate::Result<Transaction<'c, Postgres>>> {
+        Box::pin(async move {
+            if PgTransactionManager::get_transaction_depth(&self) != 0 {
+                return Err(inside_a_transaction());
+            }
+            crate::pooler::begin_on(self, None).await
+        })
+    }
+}
+
+impl<'c> BeginsItsOwn<'c> for &'c mut PgConnection {
+    /// sqlx's begin, on the caller's connection: see "Dropped before it finishes" on
+    /// [`Inbox::process_and_commit`] for the window this leaves.
+    fn begin_own(self) -> BoxFuture<'c, crate::Result<Transaction<'c, Postgres>>> {
+        Box::pin(async move {
+            // Refused before anything is sent: `begin` would open a savepoint.
+            if PgTransactionManager::get_transaction_depth(self) != 0 {
+                return Err(inside_a_transaction());
+            }
+            Ok(Transaction::begin(self, None).await?)
+        })
     }
 }
