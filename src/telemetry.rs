@@ -35,6 +35,8 @@
 //! | [`RELAY_PUBLISHED`] | counter | `topic` |
 //! | [`RELAY_RETRIED`] | counter | `topic` |
 //! | [`RELAY_DEAD_LETTERED`] | counter | `topic` |
+//! | [`RELAY_UNAVAILABLE`] | counter | `topic` |
+//! | [`RELAY_TRANSPORT_UNAVAILABLE`] | gauge | `topic` |
 //! | [`RELAY_ROUND_ERRORS`] | counter | |
 //! | [`RELAY_ROUND_DURATION`] | histogram | |
 //! | [`RELAY_PUBLISH_LAG`] | histogram | `topic` |
@@ -42,6 +44,7 @@
 //! | [`WAL_RELAY_PUBLISH_LAG`] | histogram | `slot`, `topic` |
 //! | [`WAL_RELAY_RETRIED`] | counter | `slot` |
 //! | [`WAL_RELAY_DEAD_LETTERED`] | counter | `slot` |
+//! | [`WAL_RELAY_UNAVAILABLE`] | counter | `slot` |
 //! | [`WAL_SLOT_RETAINED_BYTES`] | gauge | `slot` |
 //! | [`INBOX_CLAIM_DURATION`] | histogram | `consumer` |
 //! | [`INBOX_LEASE_TAKEOVERS`] | counter | `consumer` |
@@ -127,6 +130,15 @@ pub const RELAY_RETRIED: &str = "pgbox_relay_messages_retried_total";
 /// `topic`.
 pub const RELAY_DEAD_LETTERED: &str = "pgbox_relay_messages_dead_lettered_total";
 
+/// Counter: publishes of outbox messages that found the transport unavailable (not reached,
+/// no answer, connection lost): an outage, never counted as an attempt of the message, which
+/// waits in the outbox. Label `topic`.
+pub const RELAY_UNAVAILABLE: &str = "pgbox_relay_publish_unavailable_total";
+
+/// Gauge: 1 while the relay backs off a topic because its transport was unavailable at the
+/// last publish, 0 once the transport answers for it again. Label `topic`. Alert on it.
+pub const RELAY_TRANSPORT_UNAVAILABLE: &str = "pgbox_relay_transport_unavailable";
+
 /// Counter: relay rounds that failed (database errors; the relay retries after its poll
 /// interval). No labels.
 pub const RELAY_ROUND_ERRORS: &str = "pgbox_relay_round_errors_total";
@@ -147,6 +159,10 @@ pub const WAL_RELAY_RETRIED: &str = "pgbox_wal_relay_messages_retried_total";
 
 /// Counter: WAL outbox messages moved to the outbox dead letters. Label `slot`.
 pub const WAL_RELAY_DEAD_LETTERED: &str = "pgbox_wal_relay_messages_dead_lettered_total";
+
+/// Counter: WAL outbox messages whose publish found the transport unavailable (an outage:
+/// read again, never counted as an attempt). Label `slot`.
+pub const WAL_RELAY_UNAVAILABLE: &str = "pgbox_wal_relay_publish_unavailable_total";
 
 /// Gauge, bytes: WAL the slot retains (from its restart position to the server's current
 /// one), set by the slot's reader at most every 5 s. Label `slot`.
@@ -306,6 +322,18 @@ const METRICS: &[(&str, Kind, Unit, &str)] = &[
         "Outbox messages moved to the outbox dead letters.",
     ),
     (
+        RELAY_UNAVAILABLE,
+        Kind::Counter,
+        Unit::Count,
+        "Publishes of outbox messages that found the transport unavailable (an outage).",
+    ),
+    (
+        RELAY_TRANSPORT_UNAVAILABLE,
+        Kind::Gauge,
+        Unit::Count,
+        "1 while the relay backs off a topic whose transport is unavailable.",
+    ),
+    (
         RELAY_ROUND_ERRORS,
         Kind::Counter,
         Unit::Count,
@@ -346,6 +374,12 @@ const METRICS: &[(&str, Kind, Unit, &str)] = &[
         Kind::Counter,
         Unit::Count,
         "WAL outbox messages moved to the outbox dead letters.",
+    ),
+    (
+        WAL_RELAY_UNAVAILABLE,
+        Kind::Counter,
+        Unit::Count,
+        "WAL outbox messages whose publish found the transport unavailable (an outage).",
     ),
     (
         WAL_SLOT_RETAINED_BYTES,

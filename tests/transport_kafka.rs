@@ -633,3 +633,52 @@ async fn records_that_are_not_pgboxs_go_to_the_dead_letter_topic() {
         dead[0].error
     );
 }
+
+/// Issue 34, defect 12: settings that void a guarantee, and settings librdkafka refuses only
+/// when the producer is created (at the first publish, once per message, into the dead
+/// letters), are refused by `build` with an error naming the setting. No broker needed.
+#[test]
+fn build_refuses_settings_that_void_a_guarantee_or_that_librdkafka_refuses() {
+    let refused = [
+        ("auto.offset.reset", "latest"),
+        ("auto.offset.reset", "error"),
+        ("partitioner", "random"),
+        ("queuing.strategy", "lifo"),
+        ("delivery.report.only.error", "true"),
+        ("transactional.id", "pgbox-tx"),
+        ("group.id", "everything"),
+        ("max.in.flight.requests.per.connection", "6"),
+        ("message.send.max.retries", "0"),
+        ("no.such.setting", "1"),
+        ("linger.ms", "soon"),
+    ];
+    for (key, value) in refused {
+        let err = Kafka::builder("127.0.0.1:9092")
+            .set(key, value)
+            .build()
+            .expect_err(&format!("{key}={value} must be refused"));
+        assert!(
+            matches!(err, pgbox::Error::InvalidConfig(_)),
+            "{key}={value}: {err:?}"
+        );
+        // The setting is named (librdkafka names `retries` by its alias).
+        let named = key.split('.').next().unwrap();
+        let text = err.to_string();
+        assert!(
+            text.contains(key) || text.contains(named) || text.contains("retries"),
+            "{key}={value}: the error does not name it: {text}"
+        );
+    }
+    for (key, value) in [
+        ("auto.offset.reset", "earliest"),
+        ("partitioner", "murmur2_random"),
+        ("max.in.flight.requests.per.connection", "5"),
+        ("compression.type", "gzip"),
+        ("socket.timeout.ms", "10000"),
+    ] {
+        Kafka::builder("127.0.0.1:9092")
+            .set(key, value)
+            .build()
+            .unwrap_or_else(|e| panic!("{key}={value} is harmless: {e}"));
+    }
+}

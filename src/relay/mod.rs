@@ -194,6 +194,7 @@ impl<P: Publisher> RelayBuilder<P> {
             sql: Arc::new(sql),
             into_queue,
             moving: std::sync::atomic::AtomicU8::new(0),
+            outages: std::sync::Mutex::default(),
         })
     }
 }
@@ -308,6 +309,7 @@ fn claim_sql(s: &Identifier, batch_size: usize, columns: &str) -> String {
          SELECT {columns} \
          FROM {s}.outbox AS o \
          WHERE o.published_at IS NULL AND (o.attempts = 0 OR o.available_at <= pg_catalog.now()) \
+           AND o.topic <> ALL($1::text[]) \
            AND (o.ordering_key IS NULL OR (\
              NOT EXISTS (SELECT 1 FROM blocked AS b \
                WHERE b.topic = o.topic AND b.ordering_key = o.ordering_key) \
@@ -324,6 +326,7 @@ fn claim_unkeyed_sql(s: &Identifier, batch_size: usize, columns: &str) -> String
          FROM {s}.outbox AS o \
          WHERE o.published_at IS NULL AND o.ordering_key IS NULL \
            AND (o.attempts = 0 OR o.available_at <= pg_catalog.now()) \
+           AND o.topic <> ALL($1::text[]) \
          ORDER BY o.seq LIMIT {batch_size} FOR UPDATE SKIP LOCKED"
     )
 }
@@ -373,6 +376,9 @@ pub struct DrainReport {
     /// Messages left in the outbox when it returned, held behind a dead-lettered message of
     /// their ordering key: published once that one is replayed or discarded.
     pub held: usize,
+    /// Publishes that found the transport unavailable (an outage: retried, never counted as
+    /// an attempt, never dead-lettered).
+    pub unavailable: usize,
 }
 
 /// What one relay round did.
@@ -387,6 +393,9 @@ pub struct RoundReport {
     pub retried: usize,
     /// Failed for the last time and moved to the dead letters.
     pub dead_lettered: usize,
+    /// Not published because the transport was unavailable: left in the outbox as they were
+    /// (no attempt counted), their topic backed off.
+    pub unavailable: usize,
 }
 
 /// Publishes outbox messages. Build with [`Relay::builder`]; run with [`Relay::run`].
@@ -415,6 +424,9 @@ pub struct Relay<P> {
     /// Whether the last round moved its batch (1) or published it (2), 0 before the first:
     /// a change is logged once.
     moving: std::sync::atomic::AtomicU8,
+    /// Topics whose transport was unavailable at their last publish: not claimed until their
+    /// outage backoff expires (see [`Outages`]).
+    outages: std::sync::Mutex<Outages>,
 }
 
 #[derive(Debug)]
@@ -580,6 +592,7 @@ impl<P: Publisher> Relay<P> {
                 total.published += round.published;
                 total.retried += round.retried;
                 total.dead_lettered += round.dead_lettered;
+                total.unavailable += round.unavailable;
                 if round.claimed > 0 {
                     continue;
                 }
@@ -606,9 +619,13 @@ impl<P: Publisher> Relay<P> {
                     return Ok(total);
                 };
                 unit.finish().await?;
-                // Due now but not claimable: another relay has it; look again shortly.
-                let wait = Duration::from_secs_f64(seconds.max(0.0))
+                // Due now but not claimable: another relay has it, or its topic waits out an
+                // outage; look again shortly (an outage's backoff, at most a poll interval).
+                let mut wait = Duration::from_secs_f64(seconds.max(0.0))
                     .clamp(Duration::from_millis(5), self.poll_interval);
+                if let Some(outage) = self.outages.lock().expect("outages").next_expiry() {
+                    wait = wait.max(outage.min(self.poll_interval));
+                }
                 tokio::time::sleep(wait).await;
             }
         }
@@ -680,8 +697,10 @@ impl<P: Publisher> Relay<P> {
                 (true, true) => &self.sql.claim_local,
                 (false, true) => &self.sql.claim_unkeyed_local,
             };
+            let in_outage = self.outages.lock().expect("outages").current();
             let rows = sqlx::query(AssertSqlSafe(claim.clone()))
                 .persistent(self.persistent)
+                .bind(&in_outage)
                 .fetch_all(&mut *tx)
                 .await?;
             let mut report = RoundReport {
@@ -707,11 +726,20 @@ impl<P: Publisher> Relay<P> {
             let confirmed_at = OffsetDateTime::now_utc();
             let mut tally = Tally::default();
             let (mut done, mut retry, mut dead) = (Vec::new(), Vec::new(), Vec::new());
+            let mut unavailable: Option<PublishError> = None;
             for (message, result) in batch.iter().zip(results) {
-                // Not attempted: an earlier message of its key failed in this round.
+                // Not attempted: an earlier message of its key failed in this round. Left as
+                // it is: nothing is counted against it.
                 let Some(result) = result else { continue };
                 let counts = tally.topic(&message.topic);
                 match result {
+                    // An outage, not this message's failure: it stays in the outbox as it
+                    // was (no attempt counted, never dead-lettered) and its topic backs off.
+                    Err(error) if error.is_unavailable() => {
+                        tracing::debug!(message_id = %message.id, topic = %message.topic, %error, "pgbox publish: transport unavailable");
+                        counts.unavailable += 1;
+                        unavailable.get_or_insert(error);
+                    }
                     Ok(()) => {
                         tracing::debug!(message_id = %message.id, topic = %message.topic, "pgbox published");
                         done.push(message.seq);
@@ -719,7 +747,8 @@ impl<P: Publisher> Relay<P> {
                             .lags
                             .push(telemetry::seconds_between(message.created_at, confirmed_at));
                     }
-                    Err(PublishError(error)) => {
+                    Err(error) => {
+                        let error = error.to_string();
                         let attempt = message.attempts + 1;
                         let error = error.replace('\0', "\\0");
                         if attempt >= self.max_attempts {
@@ -756,9 +785,11 @@ impl<P: Publisher> Relay<P> {
                     });
                 }
             }
+            report.unavailable = tally.unavailable();
+            self.note_outages(&tally, unavailable.as_ref());
             if let Some((_, first_error, first_delay)) = retry.first() {
-                // A broker that is down fails every message of the round alike: one line for
-                // the round, not one per message (each message has its debug line above).
+                // One line for the round, not one per message (each message has its debug
+                // line above).
                 tracing::warn!(
                     messages = retry.len(),
                     error = %first_error,
@@ -823,11 +854,94 @@ impl<P: Publisher> Relay<P> {
         }
     }
 
+    /// Backs off the topics whose transport was unavailable this round (the relay's backoff
+    /// after as many rounds of outage in a row, at least a poll interval), with one line
+    /// for the round; ends the outage of a topic the transport answered for again.
+    fn note_outages(&self, tally: &Tally<'_>, first_error: Option<&PublishError>) {
+        let now = Instant::now();
+        let mut outages = self.outages.lock().expect("outages");
+        let mut topics = Vec::new();
+        let mut retry_in = Duration::ZERO;
+        for t in &tally.0 {
+            let labels = [("topic", t.topic.to_owned())];
+            if t.unavailable > 0 {
+                let outage = outages.0.entry(t.topic.to_owned()).or_insert(Outage {
+                    rounds: 0,
+                    since: now,
+                    until: now,
+                });
+                outage.rounds = outage.rounds.saturating_add(1);
+                let delay = self
+                    .backoff
+                    .delay_after(outage.rounds)
+                    .max(self.poll_interval);
+                outage.until = now + delay;
+                retry_in = retry_in.max(delay);
+                metrics::gauge!(telemetry::RELAY_TRANSPORT_UNAVAILABLE, &labels).set(1.0);
+                topics.push(t.topic);
+            } else if (!t.lags.is_empty() || t.retried > 0 || t.dead_lettered > 0)
+                && let Some(outage) = outages.0.remove(t.topic)
+            {
+                metrics::gauge!(telemetry::RELAY_TRANSPORT_UNAVAILABLE, &labels).set(0.0);
+                tracing::info!(
+                    topic = t.topic,
+                    lasted = ?now.duration_since(outage.since),
+                    "pgbox relay: the transport answers again"
+                );
+            }
+        }
+        if let Some(error) = first_error {
+            tracing::warn!(
+                messages = tally.unavailable(),
+                ?topics,
+                %error,
+                next_attempt_in = ?retry_in,
+                "pgbox relay: transport unavailable; the messages wait in the outbox \
+                 (an outage counts no attempt and dead-letters nothing)"
+            );
+        }
+    }
+
     async fn publish_in_key_order(
         &self,
         batch: &[Envelope],
     ) -> Vec<Option<Result<(), PublishError>>> {
         publish_in_key_order(&*self.publisher, batch).await
+    }
+}
+
+/// The topics a relay found its transport unavailable for, until it answers again.
+#[derive(Debug, Default)]
+struct Outages(HashMap<String, Outage>);
+
+#[derive(Debug)]
+struct Outage {
+    /// Rounds in a row that found the transport unavailable for the topic.
+    rounds: u32,
+    since: Instant,
+    /// The topic is not claimed before this.
+    until: Instant,
+}
+
+impl Outages {
+    /// The topics not to claim now.
+    fn current(&self) -> Vec<String> {
+        let now = Instant::now();
+        self.0
+            .iter()
+            .filter(|(_, o)| o.until > now)
+            .map(|(t, _)| t.clone())
+            .collect()
+    }
+
+    /// How long until the first of the current outages' backoffs ends.
+    fn next_expiry(&self) -> Option<Duration> {
+        let now = Instant::now();
+        self.0
+            .values()
+            .filter(|o| o.until > now)
+            .map(|o| o.until - now)
+            .min()
     }
 }
 
@@ -933,7 +1047,7 @@ async fn checked_publish<P: Publisher>(
         results.len(),
         batch.len()
     );
-    vec![Err(PublishError(msg)); batch.len()]
+    vec![Err(PublishError::refused(msg)); batch.len()]
 }
 
 /// What a round did per topic, recorded once it commits. A round's topics are few: a linear
@@ -947,9 +1061,15 @@ struct TopicTally<'a> {
     lags: Vec<f64>,
     retried: u64,
     dead_lettered: u64,
+    /// Publishes that found the transport unavailable.
+    unavailable: u64,
 }
 
 impl<'a> Tally<'a> {
+    fn unavailable(&self) -> usize {
+        self.0.iter().map(|t| t.unavailable as usize).sum()
+    }
+
     fn topic(&mut self, topic: &'a str) -> &mut TopicTally<'a> {
         let i = match self.0.iter().position(|t| t.topic == topic) {
             Some(i) => i,
@@ -959,6 +1079,7 @@ impl<'a> Tally<'a> {
                     lags: Vec::new(),
                     retried: 0,
                     dead_lettered: 0,
+                    unavailable: 0,
                 });
                 self.0.len() - 1
             }
@@ -983,6 +1104,9 @@ impl<'a> Tally<'a> {
             if t.dead_lettered > 0 {
                 metrics::counter!(telemetry::RELAY_DEAD_LETTERED, &labels)
                     .increment(t.dead_lettered);
+            }
+            if t.unavailable > 0 {
+                metrics::counter!(telemetry::RELAY_UNAVAILABLE, &labels).increment(t.unavailable);
             }
         }
     }

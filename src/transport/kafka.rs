@@ -227,9 +227,16 @@ impl KafkaBuilder {
     }
 
     /// Any librdkafka setting for the producer and consumers (security, timeouts...):
-    /// applied after pgbox's own, except those pgbox's guarantees rest on
-    /// (`enable.idempotence`, `acks`, `enable.auto.commit`, `enable.auto.offset.store`),
-    /// which [`build`](Self::build) refuses.
+    /// applied after pgbox's own. [`build`](Self::build) refuses, with an error naming the
+    /// setting, those pgbox sets itself (`enable.idempotence`, `acks`,
+    /// `enable.auto.commit`, `enable.auto.offset.store`, `group.id`: use
+    /// [`group`](Self::group); `group.instance.id`: use [`instance_id`](Self::instance_id)),
+    /// values that void a guarantee (`auto.offset.reset` other than `earliest`,
+    /// `partitioner=random`, `queuing.strategy=lifo`, `delivery.report.only.error=true`,
+    /// `transactional.id`, more than 5 `max.in.flight.requests.per.connection`), and
+    /// whatever librdkafka itself refuses when it creates the producer or a consumer
+    /// (unknown settings, bad values, combinations), which would otherwise fail every
+    /// publish.
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.settings.insert(key.into(), value.into());
         self
@@ -293,6 +300,7 @@ impl KafkaBuilder {
         if self.settings.contains_key("group.instance.id") {
             return bad("set `group.instance.id` with `instance_id` (it is for consumers only)");
         }
+        self.check_settings()?;
         Ok(Kafka {
             inner: Arc::new(Inner {
                 config: self,
@@ -302,6 +310,166 @@ impl KafkaBuilder {
                 declared: StdMutex::new(HashSet::new()),
             }),
         })
+    }
+}
+
+/// Settings that [`KafkaBuilder::set`] refuses because a guarantee of pgbox rests on their
+/// value: the setting, the values allowed (none: pgbox's alone), and why.
+const GUARDED_SETTINGS: &[(&str, &[&str], &str)] = &[
+    (
+        "auto.offset.reset",
+        &["earliest", "smallest", "beginning"],
+        "a new consumer group would skip what was published before it joined",
+    ),
+    (
+        "partitioner",
+        &[
+            "consistent",
+            "consistent_random",
+            "murmur2",
+            "murmur2_random",
+            "fnv1a",
+            "fnv1a_random",
+        ],
+        "a key's messages must go to one partition, or their order is lost",
+    ),
+    (
+        "queuing.strategy",
+        &["fifo"],
+        "the producer must send a partition's messages in the order given",
+    ),
+    (
+        "delivery.report.only.error",
+        &["false"],
+        "a publish is confirmed by its delivery report; without it none is ever confirmed",
+    ),
+    (
+        "transactional.id",
+        &[],
+        "pgbox's producer is idempotent, not transactional; its publishes would all fail",
+    ),
+    (
+        "group.id",
+        &[],
+        "each topic is consumed by its own group `<group>.<topic>`: set `group` instead",
+    ),
+    (
+        "auto.commit.enable",
+        &["false"],
+        "offsets are committed only after the inbox transaction committed",
+    ),
+];
+
+/// The most requests in flight per connection an idempotent producer allows.
+const MAX_IN_FLIGHT_IDEMPOTENT: u32 = 5;
+
+impl KafkaBuilder {
+    /// What every client starts from: the bootstrap servers, then the user's settings.
+    fn client_config(&self) -> ClientConfig {
+        let mut c = ClientConfig::new();
+        c.set("bootstrap.servers", &self.bootstrap)
+            .set("client.id", "pgbox")
+            .set(
+                "message.max.bytes",
+                // Room for the key and headers, a dead letter's error header, and framing.
+                (self.message_max_bytes + RECORD_EXTRA_BYTES + MAX_ERROR_BYTES + 1024).to_string(),
+            );
+        for (k, v) in &self.settings {
+            c.set(k, v);
+        }
+        c
+    }
+
+    /// The producer's settings: pgbox's guarantees on top of the user's.
+    fn producer_config(&self) -> ClientConfig {
+        let mut c = self.client_config();
+        c.set("enable.idempotence", "true")
+            .set("acks", "all")
+            .set("linger.ms", self.linger.as_millis().to_string())
+            .set("message.timeout.ms", "30000");
+        c
+    }
+
+    /// The settings of the consumer of `group`.
+    fn consumer_config(&self, group: &str) -> ClientConfig {
+        let mut c = self.client_config();
+        c.set("group.id", group)
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("auto.offset.reset", "earliest")
+            .set(
+                "session.timeout.ms",
+                self.session_timeout.as_millis().to_string(),
+            )
+            .set(
+                "heartbeat.interval.ms",
+                (self.session_timeout.as_millis() / 4).max(100).to_string(),
+            )
+            .set("fetch.wait.max.ms", "100");
+        if let Some(id) = &self.instance_id {
+            c.set("group.instance.id", id);
+        }
+        // The user's settings again, after pgbox's (those pgbox's guarantees rest on are
+        // refused by `build`).
+        for (k, v) in &self.settings {
+            c.set(k, v);
+        }
+        c
+    }
+
+    /// Refuses, naming the setting, what voids a guarantee ([`GUARDED_SETTINGS`], too many
+    /// requests in flight for idempotence) and what librdkafka would refuse when the
+    /// producer or a consumer is created (unknown settings, bad values, combinations it
+    /// rejects): created here with no broker to reach, and dropped, so that a configuration
+    /// mistake fails `build` instead of every publish.
+    fn check_settings(&self) -> Result<()> {
+        for (key, allowed, why) in GUARDED_SETTINGS {
+            if let Some(value) = self.settings.get(*key)
+                && !allowed.contains(&value.trim().to_ascii_lowercase().as_str())
+            {
+                return Err(Error::InvalidConfig(if allowed.is_empty() {
+                    format!("kafka: `{key}` cannot be set ({why})")
+                } else {
+                    format!(
+                        "kafka: `{key}` = {value:?} voids a guarantee ({why}); allowed: {}",
+                        allowed.join(", ")
+                    )
+                }));
+            }
+        }
+        for key in ["max.in.flight.requests.per.connection", "max.in.flight"] {
+            if let Some(value) = self.settings.get(key)
+                && value
+                    .trim()
+                    .parse::<u32>()
+                    .is_ok_and(|n| n > MAX_IN_FLIGHT_IDEMPOTENT)
+            {
+                return Err(Error::InvalidConfig(format!(
+                    "kafka: `{key}` = {value:?}: the idempotent producer (per-partition order \
+                     across retries) allows at most {MAX_IN_FLIGHT_IDEMPOTENT}"
+                )));
+            }
+        }
+        let offline = |mut c: ClientConfig| {
+            c.set("bootstrap.servers", "")
+                .set_log_level(rdkafka::config::RDKafkaLogLevel::Emerg);
+            c
+        };
+        offline(self.producer_config())
+            .create::<rdkafka::producer::BaseProducer>()
+            .map_err(|e| {
+                Error::InvalidConfig(format!(
+                    "kafka: librdkafka refuses the producer settings: {e}"
+                ))
+            })?;
+        offline(self.consumer_config(&format!("{}.check", self.group)))
+            .create::<rdkafka::consumer::BaseConsumer>()
+            .map_err(|e| {
+                Error::InvalidConfig(format!(
+                    "kafka: librdkafka refuses the consumer settings: {e}"
+                ))
+            })?;
+        Ok(())
     }
 }
 
@@ -454,34 +622,19 @@ impl Kafka {
     }
 
     fn client_config(&self) -> ClientConfig {
-        let config = &self.inner.config;
-        let mut c = ClientConfig::new();
-        c.set("bootstrap.servers", &config.bootstrap)
-            .set("client.id", "pgbox")
-            .set(
-                "message.max.bytes",
-                // Room for the key and headers, a dead letter's error header, and framing.
-                (config.message_max_bytes + RECORD_EXTRA_BYTES + MAX_ERROR_BYTES + 1024)
-                    .to_string(),
-            );
-        for (k, v) in &config.settings {
-            c.set(k, v);
-        }
-        c
+        self.inner.config.client_config()
     }
 
     fn producer(&self) -> Result<&FutureProducer> {
         if let Some(p) = self.inner.producer.get() {
             return Ok(p);
         }
-        let config = &self.inner.config;
-        let mut c = self.client_config();
-        c.set("enable.idempotence", "true")
-            .set("acks", "all")
-            .set("linger.ms", config.linger.as_millis().to_string())
-            .set("message.timeout.ms", "30000");
-        let producer: FutureProducer =
-            c.create().map_err(|e| broker_error("create producer", e))?;
+        let producer: FutureProducer = self
+            .inner
+            .config
+            .producer_config()
+            .create()
+            .map_err(|e| broker_error("create producer", e))?;
         Ok(self.inner.producer.get_or_init(|| producer))
     }
 
@@ -610,29 +763,8 @@ impl Kafka {
             topic: topic.to_owned(),
             state: state.clone(),
         };
-        let mut c = self.client_config();
-        c.set("group.id", self.group_of(topic))
-            .set("enable.auto.commit", "false")
-            .set("enable.auto.offset.store", "false")
-            .set("auto.offset.reset", "earliest")
-            .set(
-                "session.timeout.ms",
-                config.session_timeout.as_millis().to_string(),
-            )
-            .set(
-                "heartbeat.interval.ms",
-                (config.session_timeout.as_millis() / 4)
-                    .max(100)
-                    .to_string(),
-            )
-            .set("fetch.wait.max.ms", "100");
-        if let Some(id) = &config.instance_id {
-            c.set("group.instance.id", id);
-        }
-        for (k, v) in &config.settings {
-            c.set(k, v);
-        }
-        let consumer: StreamConsumer<GroupContext> = c
+        let consumer: StreamConsumer<GroupContext> = config
+            .consumer_config(&self.group_of(topic))
             .create_with_context(context)
             .map_err(|e| broker_error("create consumer", e))?;
         consumer
@@ -775,7 +907,7 @@ fn headers(envelope: &Envelope) -> Result<OwnedHeaders, PublishError> {
         headers: envelope.headers.clone(),
     };
     let json = serde_json::to_string(&meta)
-        .map_err(|e| PublishError(format!("message {}: {e}", envelope.id)))?;
+        .map_err(|e| PublishError::refused(format!("message {}: {e}", envelope.id)))?;
     let id = envelope.id.to_string();
     let mut map = OwnedHeaders::new()
         .insert(Header {
@@ -809,7 +941,7 @@ fn within_record_extra(
             .map(|h| h.key.len() + h.value.map_or(0, <[u8]>::len))
             .sum::<usize>();
     if extra > RECORD_EXTRA_BYTES {
-        return Err(PublishError(format!(
+        return Err(PublishError::refused(format!(
             "the ordering key and headers of message {} take {extra} bytes, \
              over the {RECORD_EXTRA_BYTES} a Kafka record has for them",
             envelope.id
@@ -850,9 +982,57 @@ fn decode<M: Message>(topic: &str, message: &M) -> Result<Envelope> {
     })
 }
 
+/// A failed produce, by whose fault. librdkafka's own transport and timeout errors (the
+/// broker down or unreachable: `message.timeout.ms` expired, all brokers down, the local
+/// queue full), and the broker's retriable errors (no leader, not enough replicas, request
+/// timed out, storage error) are an outage; what the broker or librdkafka says about this
+/// message (too large, invalid, an unknown or unauthorized topic) refuses it.
+fn kafka_publish_error(what: &str, e: &rdkafka::error::KafkaError) -> PublishError {
+    let message = format!("{what}: {e}");
+    if e.rdkafka_error_code().is_some_and(is_outage) {
+        PublishError::unavailable(message)
+    } else {
+        PublishError::refused(message)
+    }
+}
+
+fn is_outage(code: RDKafkaErrorCode) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::BrokerDestroy
+            | C::BrokerTransportFailure
+            | C::Resolve
+            | C::MessageTimedOut
+            | C::AllBrokersDown
+            | C::OperationTimedOut
+            | C::QueueFull
+            | C::TimedOutQueue
+            | C::PurgeQueue
+            | C::PurgeInflight
+            | C::DestroyBroker
+            | C::UnknownTopicOrPartition
+            | C::LeaderNotAvailable
+            | C::NotLeaderForPartition
+            | C::RequestTimedOut
+            | C::BrokerNotAvailable
+            | C::ReplicaNotAvailable
+            | C::NetworkException
+            | C::CoordinatorLoadInProgress
+            | C::CoordinatorNotAvailable
+            | C::NotCoordinator
+            | C::NotEnoughReplicas
+            | C::NotEnoughReplicasAfterAppend
+            | C::KafkaStorageError
+    )
+}
+
 impl Publisher for Kafka {
     async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
-        let fail_all = |e: &dyn fmt::Display| vec![Err(PublishError(e.to_string())); batch.len()];
+        // Not the messages' fault (the producer cannot be made, the topics not declared): an
+        // outage.
+        let fail_all =
+            |e: &dyn fmt::Display| vec![Err(PublishError::unavailable(e.to_string())); batch.len()];
         let producer = match self.producer() {
             Ok(p) => p,
             Err(e) => return fail_all(&e),
@@ -872,12 +1052,12 @@ impl Publisher for Kafka {
         let mut pending = Vec::with_capacity(batch.len());
         for envelope in batch {
             let sent = if !valid_topic(&envelope.topic) {
-                Err(PublishError(format!(
+                Err(PublishError::refused(format!(
                     "{:?} is not a valid Kafka topic name",
                     envelope.topic
                 )))
             } else if envelope.payload.len() > max {
-                Err(PublishError(format!(
+                Err(PublishError::refused(format!(
                     "message of {} bytes is over the limit of {max} (message_max_bytes)",
                     envelope.payload.len()
                 )))
@@ -892,7 +1072,7 @@ impl Publisher for Kafka {
                         }
                         producer
                             .send_result(record)
-                            .map_err(|(e, _)| PublishError(format!("publish failed: {e}")))
+                            .map_err(|(e, _)| kafka_publish_error("publish failed", &e))
                     }
                     Err(e) => Err(e),
                 }
@@ -903,8 +1083,8 @@ impl Publisher for Kafka {
             match p {
                 Ok(future) => match future.await {
                     Ok(Ok(delivery)) => Ok((delivery.partition, delivery.offset)),
-                    Ok(Err((e, _))) => Err(PublishError(format!("publish ack: {e}"))),
-                    Err(_) => Err(PublishError("publish ack: producer gone".into())),
+                    Ok(Err((e, _))) => Err(kafka_publish_error("publish ack", &e)),
+                    Err(_) => Err(PublishError::unavailable("publish ack: producer gone")),
                 },
                 Err(e) => Err(e),
             }
@@ -1743,7 +1923,7 @@ impl Subscriber for Kafka {
         let error_text = truncate(&error.replace(['\r', '\n'], " "), MAX_ERROR_BYTES).to_owned();
         let attempt = delivery.attempt.to_string();
         let map = headers(envelope)
-            .map_err(|PublishError(e)| broker_error("dead letter", e))?
+            .map_err(|e| broker_error("dead letter", e.to_string()))?
             .insert(Header {
                 key: ERROR,
                 value: Some(error_text.as_str()),

@@ -601,7 +601,7 @@ fn headers(envelope: &Envelope) -> Result<HeaderMap, PublishError> {
         headers: envelope.headers.clone(),
     };
     let json = serde_json::to_string(&meta)
-        .map_err(|e| PublishError(format!("message {}: {e}", envelope.id)))?;
+        .map_err(|e| PublishError::refused(format!("message {}: {e}", envelope.id)))?;
     let mut map = HeaderMap::new();
     map.insert(MSG_ID, envelope.id.to_string().as_str());
     map.insert(META, json.as_str());
@@ -613,6 +613,28 @@ fn headers(envelope: &Envelope) -> Result<HeaderMap, PublishError> {
         }
     }
     Ok(map)
+}
+
+/// A failed JetStream publish, by whose fault. The server's answer about this message (over
+/// `max_payload`, an API error from the stream) refuses it; no answer in time, a broken
+/// connection, the client's in-flight limit, and "no responders" are an outage.
+///
+/// "No responders" (`StreamNotFound`) means that nothing took the subject at that moment:
+/// no stream captures it, or the stream has no leader (a JetStream cluster electing one,
+/// JetStream restarting). The two cannot be told apart from the publish, and neither is the
+/// message's fault: pgbox's one stream takes every topic's subject, so a missing stream (a
+/// deleted stream, `declare(false)` without creating it) stops every topic alike. It is an
+/// outage: the relay backs off and reports it (metrics, a log line per round) and nothing is
+/// dead-lettered; create the stream and the messages flow.
+fn nats_publish_error(what: &str, e: &jetstream::context::PublishError) -> PublishError {
+    use jetstream::context::PublishErrorKind as Kind;
+    let message = format!("{what}: {e}");
+    match e.kind() {
+        Kind::TimedOut | Kind::BrokenPipe | Kind::MaxAckPending | Kind::StreamNotFound => {
+            PublishError::unavailable(message)
+        }
+        _ => PublishError::refused(message),
+    }
 }
 
 fn decode(topic: &str, headers: &HeaderMap, payload: &[u8]) -> Result<Envelope> {
@@ -648,8 +670,9 @@ impl Publisher for Nats {
         let context = match self.context().await {
             Ok(c) => c,
             Err(e) => {
+                // Not the messages' fault (connect, the streams' declaration): an outage.
                 tracing::debug!(error = %e, "pgbox nats publish: not connected");
-                return vec![Err(PublishError(e.to_string())); batch.len()];
+                return vec![Err(PublishError::unavailable(e.to_string())); batch.len()];
             }
         };
         let mut results = Vec::with_capacity(batch.len());
@@ -666,16 +689,14 @@ impl Publisher for Nats {
                                 .headers(h),
                         )
                         .await
-                        .map_err(|e| PublishError(format!("publish failed: {e}"))),
+                        .map_err(|e| nats_publish_error("publish failed", &e)),
                     Err(e) => Err(e),
                 };
                 pending.push(sent);
             }
             let acks = join_all(pending.into_iter().map(|p| async move {
                 match p {
-                    Ok(ack) => ack
-                        .await
-                        .map_err(|e| PublishError(format!("publish ack: {e}"))),
+                    Ok(ack) => ack.await.map_err(|e| nats_publish_error("publish ack", &e)),
                     Err(e) => Err(e),
                 }
             }))
@@ -774,8 +795,7 @@ impl Subscriber for Nats {
     async fn dead_letter(&self, delivery: &NatsDelivery, error: &str) -> Result<bool> {
         let context = self.context().await?;
         let envelope = &delivery.envelope;
-        let mut map =
-            headers(envelope).map_err(|PublishError(e)| broker_error("dead letter", e))?;
+        let mut map = headers(envelope).map_err(|e| broker_error("dead letter", e.to_string()))?;
         map.insert(
             ERROR,
             truncate(&error.replace(['\r', '\n'], " "), MAX_ERROR_BYTES),

@@ -432,6 +432,30 @@ impl PgQueue {
     }
 }
 
+/// A failed insert into the queue, by whose fault: the queue's database not reachable or not
+/// answering (connection lost or refused, pool exhausted, a standby, a cancelled or
+/// conflicting statement: all retryable; out of resources) is an outage; the rest (a missing table or grant,
+/// a value the server refuses) is the batch's refusal.
+fn publish_error(e: &Error) -> PublishError {
+    let unavailable = match e {
+        Error::Database { kind, source } => {
+            kind.is_retryable()
+                || matches!(source, sqlx::Error::PoolClosed)
+                // Class 53, insufficient resources: a full disk, no memory, too many
+                // connections.
+                || matches!(source, sqlx::Error::Database(db)
+                    if db.code().is_some_and(|c| c.starts_with("53")))
+        }
+        Error::Connect { .. } => true,
+        _ => false,
+    };
+    if unavailable {
+        PublishError::unavailable(e.to_string())
+    } else {
+        PublishError::refused(e.to_string())
+    }
+}
+
 fn decode_delivery(row: &PgRow) -> Result<Delivery> {
     let deliveries: i32 = row.try_get("deliveries")?;
     let envelope = Envelope::from_row(row, deliveries - 1)?;
@@ -463,7 +487,7 @@ impl Publisher for PgQueue {
             Ok(())
         }
         .await;
-        let result = result.map_err(|e: Error| PublishError(e.to_string()));
+        let result = result.map_err(|e: Error| publish_error(&e));
         vec![result; batch.len()]
     }
 

@@ -694,7 +694,7 @@ impl RabbitMq {
             .await?
             .within(&self.inner.bound, "publish confirm")
             .await?;
-        confirmed(confirm).map_err(|PublishError(e)| broker_error("publish", e))
+        confirmed(confirm).map_err(|e| broker_error("publish", e.to_string()))
     }
 
     /// A copy of a delivery's message with the redelivery bookkeeping headers.
@@ -802,7 +802,7 @@ fn header_int(headers: &FieldTable, name: &str) -> Option<i64> {
 }
 
 fn properties(envelope: &Envelope) -> Result<BasicProperties, PublishError> {
-    let bad = |what: &str| PublishError(format!("message {}: {what}", envelope.id));
+    let bad = |what: &str| PublishError::refused(format!("message {}: {what}", envelope.id));
     let mut headers = FieldTable::default();
     for (k, v) in &envelope.headers {
         let name = ShortString::try_new(k.as_str())
@@ -878,12 +878,26 @@ fn decode(topic: &str, properties: &BasicProperties, data: &[u8]) -> Result<Enve
 fn confirmed(confirmation: Confirmation) -> Result<(), PublishError> {
     match confirmation {
         Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(returned)) => Err(PublishError(format!(
+        Confirmation::Ack(Some(returned)) => Err(PublishError::refused(format!(
             "unroutable: returned by the broker ({} {}); is the topic's queue declared?",
             returned.reply_code, returned.reply_text
         ))),
-        Confirmation::Nack(_) => Err(PublishError("nacked by the broker".into())),
-        Confirmation::NotRequested => Err(PublishError("publisher confirms are off".into())),
+        Confirmation::Nack(_) => Err(PublishError::refused("nacked by the broker")),
+        Confirmation::NotRequested => Err(PublishError::refused("publisher confirms are off")),
+    }
+}
+
+/// A lapin failure of a publish or its confirm, by whose fault. The broker closing the
+/// channel over what was sent (a soft AMQP error: 406 message over `max_message_size`, 404
+/// exchange not found, 403 access refused) refuses the message; everything else (I/O, a
+/// connection or channel already closed, a connection-level error such as 320 when the
+/// broker shuts down, a missed heartbeat) is an outage.
+fn lapin_publish_error(what: &str, e: &lapin::Error) -> PublishError {
+    let message = format!("{what}: {e}");
+    if e.is_amqp_soft_error() {
+        PublishError::refused(message)
+    } else {
+        PublishError::unavailable(message)
     }
 }
 
@@ -898,13 +912,15 @@ impl Publisher for RabbitMq {
         let conn = match self.conn().await {
             Ok(c) => c,
             Err(e) => {
+                // Not the messages' fault, whatever failed on the way (connect, the publish
+                // channel, the exchange's declaration): an outage.
                 tracing::debug!(error = %e, "pgbox rabbitmq publish: no connection");
-                return vec![Err(PublishError(e.to_string())); batch.len()];
+                return vec![Err(PublishError::unavailable(e.to_string())); batch.len()];
             }
         };
         let exchange = match short(&self.inner.config.exchange) {
             Ok(x) => x,
-            Err(e) => return vec![Err(PublishError(e.to_string())); batch.len()],
+            Err(e) => return vec![Err(PublishError::refused(e.to_string())); batch.len()],
         };
         // Write the whole batch out, then await the confirms: one round trip per batch.
         // The publishes run concurrently: each waits for lapin's I/O loop to write its
@@ -917,25 +933,32 @@ impl Publisher for RabbitMq {
             let prepared = properties(envelope).and_then(|p| {
                 short(&envelope.topic)
                     .map(|k| (p, k))
-                    .map_err(|e| PublishError(e.to_string()))
+                    .map_err(|e| PublishError::refused(e.to_string()))
             });
             let exchange = exchange.clone();
             async move {
                 let (props, routing_key) = prepared?;
-                publish_channel
-                    .basic_publish(
-                        exchange,
-                        routing_key,
-                        BasicPublishOptions {
-                            mandatory: true,
-                            ..Default::default()
-                        },
-                        &envelope.payload,
-                        props,
-                    )
-                    .within(bound, "publish")
-                    .await
-                    .map_err(|e| PublishError(e.to_string()))
+                let publish = publish_channel.basic_publish(
+                    exchange,
+                    routing_key,
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    &envelope.payload,
+                    props,
+                );
+                match tokio::time::timeout(bound.limit, publish).await {
+                    Ok(Ok(confirm)) => Ok(confirm),
+                    Ok(Err(e)) => Err(lapin_publish_error("publish", &e)),
+                    Err(_) => {
+                        bound.suspect.store(true, Ordering::Relaxed);
+                        Err(PublishError::unavailable(format!(
+                            "publish: no answer within {:?}",
+                            bound.limit
+                        )))
+                    }
+                }
             }
         });
         let pending = join_all(sends).await;
@@ -945,8 +968,14 @@ impl Publisher for RabbitMq {
             let result = match p {
                 Ok(confirm) => match tokio::time::timeout_at(deadline, confirm).await {
                     Ok(Ok(c)) => confirmed(c),
-                    Ok(Err(e)) => Err(PublishError(format!("confirm failed: {e}"))),
-                    Err(_) => Err(PublishError("no confirm within the confirm timeout".into())),
+                    Ok(Err(e)) => Err(lapin_publish_error("confirm failed", &e)),
+                    Err(_) => {
+                        // The broker (or the way to it) is silent: replace the connection.
+                        bound.suspect.store(true, Ordering::Relaxed);
+                        Err(PublishError::unavailable(
+                            "no confirm within the confirm timeout",
+                        ))
+                    }
                 },
                 Err(e) => Err(e),
             };

@@ -1,0 +1,202 @@
+//! The table relay through a transport outage longer than its whole retry budget
+//! (`max_attempts(2)`, millisecond backoffs): no message is dead-lettered, and once the
+//! transport is back every message is delivered, in per-key order. One test per transport
+//! the relay publishes to: the built-in queue (its pool on another database), RabbitMQ and
+//! NATS, each reached through a TCP proxy that the test points at a port where nothing
+//! listens for the outage.
+
+mod support;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use pgbox::transport::{PgQueue, PublishError, Publisher};
+use pgbox::{Envelope, Message, Outbox, Relay, RetryPolicy};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use support::TestDb;
+use support::brokers::{self, Proxy};
+
+/// Forwards to the transport under test and counts the messages it failed to publish (the
+/// proof that the outage outlasted the retry budget). Not a queue for the relay's
+/// same-database shortcut: every batch goes through `publish`.
+struct Counting<P> {
+    inner: P,
+    failed: Arc<AtomicUsize>,
+}
+
+impl<P: Publisher> Publisher for Counting<P> {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        let results = self.inner.publish(batch).await;
+        let failed = results.iter().filter(|r| r.is_err()).count();
+        self.failed.fetch_add(failed, Ordering::Relaxed);
+        results
+    }
+
+    fn atomic_batches(&self) -> bool {
+        self.inner.atomic_batches()
+    }
+}
+
+/// The messages of the scenario, in commit order: (ordering key, payload).
+fn messages() -> Vec<(Option<&'static str>, String)> {
+    vec![
+        (Some("A"), "a1".into()),
+        (Some("B"), "b1".into()),
+        (None, "u1".into()),
+        (Some("A"), "a2".into()),
+        (Some("B"), "b2".into()),
+        (None, "u2".into()),
+        (Some("A"), "a3".into()),
+    ]
+}
+
+async fn enqueue(pool: &PgPool, topic: &str) {
+    let outbox = Outbox::new();
+    for (key, payload) in messages() {
+        let mut tx = pool.begin().await.unwrap();
+        let mut m = Message::bytes(topic, payload.into_bytes());
+        if let Some(k) = key {
+            m = m.ordering_key(k);
+        }
+        outbox.enqueue(&mut tx, m).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+}
+
+async fn dead_letters(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox_dead_letters")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// An address where nothing listens (a port bound, then released).
+fn nowhere() -> SocketAddr {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+}
+
+/// Runs the relay of `pool` (2 attempts, backoffs of a few milliseconds) while `proxy` leads
+/// nowhere, until the failed publishes are more than the retry budget allows for every
+/// message that can be offered (or something was dead-lettered); asserts nothing was
+/// dead-lettered; then points `proxy` back at `up` and drains. Returns the drain's report.
+async fn ride_out_outage<P: Publisher>(
+    pool: &PgPool,
+    publisher: P,
+    proxy: &Proxy,
+    up: SocketAddr,
+) -> pgbox::DrainReport {
+    let failed = Arc::new(AtomicUsize::new(0));
+    let relay = Relay::builder(
+        pool.clone(),
+        Counting {
+            inner: publisher,
+            failed: failed.clone(),
+        },
+    )
+    .max_attempts(2)
+    .backoff(
+        RetryPolicy::new()
+            .base_delay(Duration::from_millis(5))
+            .max_delay(Duration::from_millis(20)),
+    )
+    .poll_interval(Duration::from_millis(20))
+    .build()
+    .unwrap();
+
+    proxy.retarget(nowhere());
+    proxy.cut();
+    // The heads that can be offered: a1, b1, u1, u2. Three failures each is past a budget
+    // of two attempts.
+    let past_budget = 3 * 4;
+    let mut rounds = 0;
+    while failed.load(Ordering::Relaxed) < past_budget && dead_letters(pool).await == 0 {
+        rounds += 1;
+        assert!(rounds <= 2_000, "the relay stopped offering messages");
+        relay.relay_once().await.expect("round");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        dead_letters(pool).await,
+        0,
+        "an outage of the transport dead-lettered messages after {} failed publishes",
+        failed.load(Ordering::Relaxed)
+    );
+
+    proxy.retarget(up);
+    // Bounded: a drain that cannot finish fails the test instead of hanging it.
+    let report = tokio::time::timeout(Duration::from_secs(120), relay.drain())
+        .await
+        .expect("drain finishes once the transport is back")
+        .expect("drain");
+    assert_eq!(report.dead_lettered, 0, "{report:?}");
+    assert_eq!(dead_letters(pool).await, 0);
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "messages left in the outbox: {report:?}");
+    report
+}
+
+/// Each key's payloads in `delivered`, which must hold every message exactly once.
+fn assert_all_in_key_order(delivered: &[(Option<String>, String)]) {
+    let mut expected: Vec<String> = messages().into_iter().map(|(_, p)| p).collect();
+    let mut got: Vec<String> = delivered.iter().map(|(_, p)| p.clone()).collect();
+    expected.sort();
+    got.sort();
+    assert_eq!(got, expected, "every message once: {delivered:?}");
+    for key in ["A", "B"] {
+        let want: Vec<String> = messages()
+            .into_iter()
+            .filter(|(k, _)| *k == Some(key))
+            .map(|(_, p)| p)
+            .collect();
+        let seen: Vec<String> = delivered
+            .iter()
+            .filter(|(k, _)| k.as_deref() == Some(key))
+            .map(|(_, p)| p.clone())
+            .collect();
+        assert_eq!(seen, want, "key {key} in order");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_outage_longer_than_the_retry_budget_dead_letters_nothing() {
+    support::init_tracing();
+    let outbox_db = TestDb::migrated().await;
+    let queue_db = TestDb::migrated().await;
+    let server = brokers::address(&support::server_url().await);
+    let proxy = Proxy::start(server).await;
+    let through_proxy = PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_with(
+            queue_db
+                .options
+                .clone()
+                .host("127.0.0.1")
+                .port(proxy.addr().port()),
+        )
+        .await
+        .unwrap();
+    let topic = "outage.queue";
+    enqueue(&outbox_db.pool, topic).await;
+
+    ride_out_outage(&outbox_db.pool, PgQueue::new(through_proxy), &proxy, server).await;
+
+    let delivered: Vec<(Option<String>, Vec<u8>)> =
+        sqlx::query_as("SELECT ordering_key, payload FROM pgbox.queue ORDER BY seq")
+            .fetch_all(&queue_db.pool)
+            .await
+            .unwrap();
+    let delivered: Vec<(Option<String>, String)> = delivered
+        .into_iter()
+        .map(|(k, p)| (k, String::from_utf8(p).unwrap()))
+        .collect();
+    assert_all_in_key_order(&delivered);
+}
