@@ -18,12 +18,35 @@ use crate::pooler::Pooler;
 /// **Nested units of work are savepoints.** The connection is inside a transaction sqlx
 /// knows about, so `conn.begin()` (or any API that begins a `Transaction` on it) opens a
 /// savepoint: its `commit()` releases the savepoint and its `rollback()` undoes only the
-/// nested unit, never the inbox's transaction. `BEGIN`, `COMMIT`, `END`, `ROLLBACK` (other
-/// than `ROLLBACK TO SAVEPOINT`), `ABORT` and `PREPARE TRANSACTION` sent through the wrapper
-/// are refused with an error before they reach the server: they would end the transaction
-/// pgbox records the message in. If the transaction was ended anyway (on the raw connection),
-/// pgbox finds out before reporting success: [`Error::TransactionEndedInHandler`], never
-/// `Processed`.
+/// nested unit, never the inbox's transaction.
+///
+/// **Nothing sent through the wrapper ends the inbox's transaction.** Two rules give this:
+///
+/// - *One statement per call, enforced by the server.* Every query goes out with the
+///   extended protocol (Parse, Bind, Execute), `sqlx::raw_sql` and plain `&str` queries
+///   included, and the server refuses a text that holds more than one statement (SQLSTATE
+///   `42601`, "cannot insert multiple commands into a prepared statement"). So
+///   `SELECT E'\''; COMMIT; …` fails as a whole, whatever its quotes, escapes,
+///   `standard_conforming_strings`, Unicode identifiers or dollar tags. Send a script's
+///   statements one call at a time. (A refused text aborts the transaction like any failed
+///   statement: a handler that swallows the error and returns `Ok` gets
+///   [`Error::TransactionAbortedInHandler`], never `Processed`.)
+/// - *That one statement may not be transaction control.* `BEGIN`, `START`, `COMMIT`,
+///   `END`, `ROLLBACK` (other than `ROLLBACK TO SAVEPOINT`), `ABORT` and `PREPARE
+///   TRANSACTION` are refused with an error before they reach the server. Every statement of
+///   PostgreSQL's grammar that ends a transaction begins with one of these keywords, and
+///   pgbox reads the words before it the way the server's lexer does (whitespace, `--` and
+///   nested `/* */` comments, empty statements); a differential test against a real server
+///   checks this on generated texts. `DO` blocks and procedures that `COMMIT` are refused by
+///   the server inside a transaction block.
+///
+/// **The raw connection is not covered.** A statement sent on `&mut **conn` (the
+/// `PgConnection` behind the wrapper), or inside a nested unit from `conn.begin()` (its
+/// `Transaction` sits on the raw connection), goes out unread. If it ends the transaction and the
+/// handler returns `Ok`, pgbox finds out before reporting anything:
+/// [`Error::TransactionEndedInHandler`], never `Processed`. If the handler returns an error
+/// instead, what it did up to the `COMMIT` has already committed together with the inbox
+/// row, so the redelivery is a duplicate: never send transaction control there.
 ///
 /// Why a wrapper: a statement that fails inside a transaction aborts it, and a handler that
 /// swallows that error and returns `Ok` would otherwise be reported as processed while its
@@ -35,6 +58,7 @@ use crate::pooler::Pooler;
 /// wrapper, all successful, costs no check at all.
 ///
 /// [`Error::TransactionEndedInHandler`]: crate::Error::TransactionEndedInHandler
+/// [`Error::TransactionAbortedInHandler`]: crate::Error::TransactionAbortedInHandler
 pub struct HandlerConnection<'c> {
     conn: &'c mut PgConnection,
     /// A statement sent through the wrapper failed.
@@ -259,7 +283,15 @@ impl Screened {
     /// The query, unless it would end the claim's transaction: then the error the handler
     /// gets instead of running it.
     fn new<'q, E: Execute<'q, Postgres>>(mut query: E, unnamed: bool) -> Result<Self, sqlx::Error> {
-        let arguments = Some(query.take_arguments());
+        // A query without arguments (`raw_sql`, a `&str`) would go out as a simple Query
+        // message, in which the server runs every statement of the text. Empty arguments
+        // send it through Parse/Bind/Execute instead, where the server refuses a second
+        // statement: a COMMIT cannot hide behind a quote, an escape or a tag pgbox misread.
+        let arguments = match query.take_arguments() {
+            Ok(None) => Ok(Some(PgArguments::default())),
+            other => other,
+        };
+        let arguments = Some(arguments);
         let persistent = query.persistent() && !unnamed;
         let statement = query.statement().cloned();
         let sql = query.sql();
@@ -304,147 +336,88 @@ impl<'q> Execute<'q, Postgres> for Screened {
 /// A statement the handler's connection refuses: it would end (or pretend to open) the
 /// transaction pgbox claimed the key in. Nested units of work are savepoints, which
 /// `conn.begin()` (sqlx's nested transaction) and `SAVEPOINT`/`RELEASE`/`ROLLBACK TO` give.
+///
+/// Only the first words of the text are read: the text goes to the server as one
+/// extended-protocol statement (see [`Screened::new`]), which the server refuses to hold a
+/// second statement, and the grammar's transaction statements all begin with their keyword.
+/// What may stand before it is what the server's lexer skips (whitespace, comments, empty
+/// statements), read the way it reads them.
 fn transaction_control(sql: &str) -> Option<&'static str> {
-    let mut statements = StatementStarts::new(sql);
-    while let Some(words) = statements.next_statement() {
-        let first = words.first().map(|w| w.to_ascii_uppercase());
-        let second = words.get(1).map(|w| w.to_ascii_uppercase());
-        let third = words.get(2).map(|w| w.to_ascii_uppercase());
-        let refused = match first.as_deref() {
-            Some("BEGIN") | Some("START") => Some("BEGIN"),
-            Some("COMMIT") | Some("END") => Some("COMMIT"),
-            Some("ABORT") => Some("ROLLBACK"),
-            Some("ROLLBACK") => {
-                // `ROLLBACK [WORK | TRANSACTION] TO [SAVEPOINT] name` undoes a nested unit.
-                let to = match second.as_deref() {
-                    Some("WORK") | Some("TRANSACTION") => third.as_deref(),
-                    other => other,
-                };
-                (to != Some("TO")).then_some("ROLLBACK")
-            }
-            Some("PREPARE") if second.as_deref() == Some("TRANSACTION") => {
-                Some("PREPARE TRANSACTION")
-            }
-            _ => None,
-        };
-        if refused.is_some() {
-            return refused;
+    let words = leading_words(sql);
+    let word = |i: usize| words.get(i).map(|w| w.to_ascii_uppercase());
+    let second = word(1);
+    match word(0).as_deref() {
+        Some("BEGIN") | Some("START") => Some("BEGIN"),
+        Some("COMMIT") | Some("END") => Some("COMMIT"),
+        Some("ABORT") => Some("ROLLBACK"),
+        Some("ROLLBACK") => {
+            // `ROLLBACK [WORK | TRANSACTION] TO [SAVEPOINT] name` undoes a nested unit.
+            let to = match second.as_deref() {
+                Some("WORK") | Some("TRANSACTION") => word(2),
+                _ => second,
+            };
+            (to.as_deref() != Some("TO")).then_some("ROLLBACK")
         }
+        Some("PREPARE") if second.as_deref() == Some("TRANSACTION") => Some("PREPARE TRANSACTION"),
+        _ => None,
     }
-    None
 }
 
-/// Walks SQL text statement by statement, yielding the first three words of each; string
-/// literals, quoted identifiers, dollar quotes and comments are skipped, so a `;` or a
-/// keyword inside them is not mistaken for a statement.
-struct StatementStarts<'a> {
-    sql: &'a str,
-    at: usize,
+/// The first three words of the first statement of `sql`, as PostgreSQL's lexer reads them
+/// (`scan.l`): whitespace is `[ \t\n\r\f\v]`; a `--` comment runs to `\n` or `\r`; `/* */`
+/// comments nest; empty statements (`;`) before the first word are dropped by the grammar.
+/// A word is `[A-Za-z\x80-\xff_][A-Za-z\x80-\xff_0-9$]*`: a non-ASCII letter or a `$` is
+/// part of it, so `COMMITé` is one identifier, never the keyword. Reading stops at anything
+/// else (a quote, an operator): no transaction statement has one before its deciding words.
+fn leading_words(sql: &str) -> Vec<&str> {
+    let bytes = sql.as_bytes();
+    let word_start = |b: u8| b.is_ascii_alphabetic() || b == b'_' || b >= 0x80;
+    let word_rest = |b: u8| word_start(b) || b.is_ascii_digit() || b == b'$';
+    let mut words = Vec::new();
+    let mut at = 0;
+    while at < bytes.len() && words.len() < 3 {
+        match bytes[at] {
+            b' ' | b'\t' | b'\n' | b'\r' | b'\x0c' | b'\x0b' => at += 1,
+            b';' if words.is_empty() => at += 1,
+            b'-' if bytes.get(at + 1) == Some(&b'-') => {
+                while at < bytes.len() && bytes[at] != b'\n' && bytes[at] != b'\r' {
+                    at += 1;
+                }
+            }
+            b'/' if bytes.get(at + 1) == Some(&b'*') => at = past_block_comment(bytes, at),
+            b if word_start(b) => {
+                let start = at;
+                while at < bytes.len() && word_rest(bytes[at]) {
+                    at += 1;
+                }
+                // A word ends on an ASCII byte or at the end, both char boundaries.
+                words.push(&sql[start..at]);
+            }
+            _ => break,
+        }
+    }
+    words
 }
 
-impl<'a> StatementStarts<'a> {
-    fn new(sql: &'a str) -> Self {
-        StatementStarts { sql, at: 0 }
-    }
-
-    /// The first words of the next statement, `None` at the end of the text.
-    fn next_statement(&mut self) -> Option<Vec<&'a str>> {
-        let bytes = self.sql.as_bytes();
-        if self.at >= bytes.len() {
-            return None;
-        }
-        let mut words = Vec::new();
-        while self.at < bytes.len() {
-            let b = bytes[self.at];
-            match b {
-                b';' => {
-                    self.at += 1;
-                    return Some(words);
-                }
-                b'\'' | b'"' => self.skip_quoted(b),
-                b'-' if bytes.get(self.at + 1) == Some(&b'-') => {
-                    while self.at < bytes.len() && bytes[self.at] != b'\n' {
-                        self.at += 1;
-                    }
-                }
-                b'/' if bytes.get(self.at + 1) == Some(&b'*') => self.skip_block_comment(),
-                b'$' if self.skip_dollar_quoted() => {}
-                _ if b.is_ascii_alphabetic() || b == b'_' => {
-                    let start = self.at;
-                    while self.at < bytes.len()
-                        && (bytes[self.at].is_ascii_alphanumeric()
-                            || bytes[self.at] == b'_'
-                            || bytes[self.at] == b'$')
-                    {
-                        self.at += 1;
-                    }
-                    if words.len() < 3 {
-                        words.push(&self.sql[start..self.at]);
-                    }
-                }
-                _ => self.at += 1,
+/// The position past the `/* … */` comment starting at `at` (the end of the text if it is
+/// not closed, where the server reports an error); comments nest.
+fn past_block_comment(bytes: &[u8], mut at: usize) -> usize {
+    let mut depth = 0usize;
+    while at < bytes.len() {
+        if bytes[at] == b'/' && bytes.get(at + 1) == Some(&b'*') {
+            depth += 1;
+            at += 2;
+        } else if bytes[at] == b'*' && bytes.get(at + 1) == Some(&b'/') {
+            depth -= 1;
+            at += 2;
+            if depth == 0 {
+                return at;
             }
-        }
-        Some(words)
-    }
-
-    /// Past a `'…'` or `"…"` (a doubled quote stays inside).
-    fn skip_quoted(&mut self, quote: u8) {
-        let bytes = self.sql.as_bytes();
-        self.at += 1;
-        while self.at < bytes.len() {
-            if bytes[self.at] == quote {
-                if bytes.get(self.at + 1) == Some(&quote) {
-                    self.at += 2;
-                    continue;
-                }
-                self.at += 1;
-                return;
-            }
-            self.at += 1;
+        } else {
+            at += 1;
         }
     }
-
-    /// Past a `/* … */` comment; PostgreSQL nests them.
-    fn skip_block_comment(&mut self) {
-        let bytes = self.sql.as_bytes();
-        let mut depth = 0usize;
-        while self.at < bytes.len() {
-            if bytes[self.at] == b'/' && bytes.get(self.at + 1) == Some(&b'*') {
-                depth += 1;
-                self.at += 2;
-            } else if bytes[self.at] == b'*' && bytes.get(self.at + 1) == Some(&b'/') {
-                depth -= 1;
-                self.at += 2;
-                if depth == 0 {
-                    return;
-                }
-            } else {
-                self.at += 1;
-            }
-        }
-    }
-
-    /// Past a `$tag$ … $tag$` body if one starts here (a `$1` parameter does not).
-    fn skip_dollar_quoted(&mut self) -> bool {
-        let rest = &self.sql[self.at..];
-        let Some(close) = rest[1..].find('$') else {
-            return false;
-        };
-        let tag = &rest[..close + 2];
-        let valid_tag = tag[1..tag.len() - 1]
-            .bytes()
-            .enumerate()
-            .all(|(i, b)| b == b'_' || b.is_ascii_alphabetic() || (i > 0 && b.is_ascii_digit()));
-        if !valid_tag {
-            return false;
-        }
-        match rest[tag.len()..].find(tag) {
-            Some(end) => self.at += tag.len() + end + tag.len(),
-            None => self.at = self.sql.len(),
-        }
-        true
-    }
+    at
 }
 
 #[cfg(test)]
@@ -463,12 +436,20 @@ mod tests {
             "BEGIN",
             "start transaction isolation level serializable",
             "PREPARE TRANSACTION 'x'",
+            "PREPARE/**/TRANSACTION 'x'",
             "COMMIT PREPARED 'x'",
-            "INSERT INTO t VALUES (1); COMMIT",
+            "ROLLBACK PREPARED 'x'",
             "/* a comment */ COMMIT",
             "-- a comment\nROLLBACK",
+            "-- a comment ended by a carriage return\rCOMMIT",
             "/* nested /* comment */ still */ END",
-            "SELECT ';'; commit",
+            "/*/ not closed by this slash */ END",
+            "; ;COMMIT",
+            "\x0b\x0cEND",
+            "COMMIT;",
+            "COMMIT'x'",
+            "ROLLBACK \"TO\" s1",
+            "ROLLBACK; TO s1",
         ] {
             assert!(transaction_control(sql).is_some(), "{sql:?} passed");
         }
@@ -480,6 +461,7 @@ mod tests {
             "INSERT INTO t VALUES ('COMMIT; ROLLBACK')",
             "UPDATE t SET a = CASE WHEN b THEN 1 ELSE 2 END",
             "SELECT \"commit\" FROM t",
+            "\"COMMIT\"",
             "DO $$BEGIN RAISE NOTICE 'x'; END$$",
             "DO $body$ BEGIN PERFORM 1; COMMIT; END $body$",
             "SAVEPOINT s1",
@@ -487,13 +469,33 @@ mod tests {
             "ROLLBACK TO SAVEPOINT s1",
             "rollback to s1",
             "ROLLBACK WORK TO SAVEPOINT s1",
+            "ROLLBACK /* c */ TO s1",
             "PREPARE q AS SELECT $1",
+            "PREPARE \"TRANSACTION\" AS SELECT 1",
             "SELECT $1, $2 WHERE x = 'it''s; commit'",
             "SELECT 1 -- ; commit",
+            // Identifiers, not keywords: a non-ASCII letter or a `$` belongs to the word.
+            "COMMITé",
+            "éCOMMIT",
+            "COMMIT$",
+            "\u{a0}COMMIT",
             "",
             ";;",
         ] {
             assert_eq!(transaction_control(sql), None, "{sql:?} refused");
+        }
+    }
+
+    #[test]
+    fn a_second_statement_is_left_to_the_server() {
+        // The text goes out as one extended-protocol statement, which the server refuses
+        // to hold two; reading past the first statement would be guessing at quotes.
+        for sql in [
+            "INSERT INTO t VALUES (1); COMMIT",
+            r"SELECT E'\''; COMMIT; SELECT 'x'",
+            "SELECT 1 AS é$$; COMMIT; SELECT 1 AS ê$$",
+        ] {
+            assert_eq!(transaction_control(sql), None, "{sql:?}");
         }
     }
 }
