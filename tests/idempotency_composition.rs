@@ -497,3 +497,67 @@ async fn the_layer_and_its_purges_work_behind_a_transaction_pooler() {
     // 16 tasks × (10 keyless + 5 keys, each run once and replayed once).
     assert_eq!((charges, keys), (16 * 15, 16 * 5));
 }
+
+/// A request whose future is dropped while its handler runs (the client hung up, an outer
+/// timeout layer fired): nothing of it commits, its key stays free, the retry runs, and no
+/// pooled connection is left inside a transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_dropped_mid_handler_leaves_nothing_and_its_retry_runs() {
+    let db = database().await;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .connect_with(db.options.clone())
+        .await
+        .unwrap();
+    let entered = std::sync::Arc::new(tokio::sync::Notify::new());
+    let hang = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let handler = {
+        let (entered, hang) = (entered.clone(), hang.clone());
+        move |tx: IdempotencyTx| async move {
+            {
+                let mut tx = tx.lock().await.unwrap();
+                sqlx::query("INSERT INTO charges (account) VALUES ('dropped')")
+                    .execute(&mut **tx)
+                    .await
+                    .unwrap();
+            }
+            if hang.load(std::sync::atomic::Ordering::SeqCst) {
+                entered.notify_one();
+                std::future::pending::<()>().await;
+            }
+            (StatusCode::CREATED, "charged").into_response()
+        }
+    };
+    let layer = IdempotencyLayer::new(pool.clone(), Inbox::new("dropped").unwrap());
+    let router = Router::new()
+        .route("/charges", post(handler))
+        .route_layer(layer);
+    let call = tokio::spawn({
+        let router = router.clone();
+        async move { post_key(&router, "/charges", Some("d"), "{}").await }
+    });
+    entered.notified().await;
+    call.abort();
+    assert!(call.await.unwrap_err().is_cancelled());
+
+    hang.store(false, std::sync::atomic::Ordering::SeqCst);
+    // The one pooled connection comes back out of the dropped transaction: its next
+    // statement runs in a transaction of its own (the simple protocol: one message, so the
+    // transaction and the statement start together).
+    let in_tx = sqlx::raw_sql("SELECT now() <> statement_timestamp()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(
+        !sqlx::Row::get::<bool, _>(&in_tx, 0),
+        "the pooled connection is inside a transaction"
+    );
+    assert_eq!(charges_of(&db.pool, "dropped").await, 0);
+    let retry = post_key(&router, "/charges", Some("d"), "{}").await;
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (StatusCode::CREATED, false),
+        "{retry:?}"
+    );
+    assert_eq!(charges_of(&db.pool, "dropped").await, 1);
+}
