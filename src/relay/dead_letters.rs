@@ -1,4 +1,8 @@
 //! Outbox dead letters: list, replay (in order), discard.
+//!
+//! Two kinds share the table. The table relay's (positive `seq`: the outbox row's) hold the
+//! later messages of their key until they are replayed or discarded. The WAL relay's
+//! (negative `seq`: their WAL position, see [`WalRelay`](crate::WalRelay)) hold nothing.
 
 use std::collections::BTreeMap;
 
@@ -7,21 +11,25 @@ use sqlx::{AssertSqlSafe, PgPool, Row};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ident::DEFAULT_SCHEMA;
 use crate::ident::Identifier;
+use crate::outbox::{Message, WAL_ASLEEP_LOCK_CLASS, wal};
+use crate::relay::wal::WAL_SEQ_CEILING;
 
 /// A message that failed every publish attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct DeadLetter {
-    /// Its original outbox position; replay puts it back there.
+    /// Its original position: positive for the table outbox's (replay puts it back there),
+    /// negative for the WAL outbox's (its WAL position; replay emits it into the WAL again).
     pub seq: i64,
     /// Its id.
     pub message_id: Uuid,
     /// Topic.
     pub topic: String,
-    /// Ordering key: later messages of this key wait until it is replayed or discarded.
+    /// Ordering key. A table outbox dead letter (positive `seq`) holds the later messages of
+    /// its key until it is replayed or discarded; a WAL one holds nothing.
     pub ordering_key: Option<String>,
     /// Headers.
     pub headers: BTreeMap<String, String>,
@@ -62,7 +70,8 @@ impl DeadLetters {
         })
     }
 
-    /// Up to `limit` dead letters, oldest first.
+    /// Up to `limit` dead letters: the WAL outbox's first, in WAL order, then the table
+    /// outbox's, in outbox order.
     pub async fn list(&self, limit: i64) -> Result<Vec<DeadLetter>> {
         let sql = format!(
             "SELECT seq, message_id, topic, ordering_key, headers, pg_catalog.octet_length(payload) AS payload_bytes, \
@@ -93,24 +102,113 @@ impl DeadLetters {
             .transpose()
     }
 
-    /// Moves these dead letters back into the outbox at their original positions, with
-    /// fresh attempt counts: each is published before the messages its key held back.
-    /// Returns how many were found.
+    /// Gives these dead letters another life, with fresh attempt counts, in one
+    /// transaction. Returns how many were found.
+    ///
+    /// - **Table outbox dead letters** go back into the outbox at their original positions:
+    ///   each is published before the messages its key held back.
+    /// - **WAL outbox dead letters** are emitted into the WAL again (one logical-decoding
+    ///   message per 64 MiB, in their original WAL order), committed with the replay: the
+    ///   [`WalRelay`](crate::WalRelay) publishes them, in that order, after whatever of their
+    ///   keys it published meanwhile (a WAL dead letter held nothing back). No table relay is
+    ///   needed. Refused ([`Error::WalSlot`]), with nothing replayed, when no logical
+    ///   replication slot of this database would read them.
     pub async fn replay(&self, ids: &[Uuid]) -> Result<u64> {
         let s = &self.schema;
+        let mut tx = self.pool.begin().await?;
         let sql = format!(
-            "WITH moved AS (DELETE FROM {s}.outbox_dead_letters WHERE message_id = ANY($1) RETURNING *) \
+            "DELETE FROM {s}.outbox_dead_letters WHERE message_id = ANY($1) AND seq < 0 \
+             RETURNING seq, message_id, topic, ordering_key, payload, content_type, headers"
+        );
+        let rows = sqlx::query(AssertSqlSafe(sql))
+            .persistent(false)
+            .bind(ids)
+            .fetch_all(&mut *tx)
+            .await?;
+        let wal_replayed = rows.len() as u64;
+        if !rows.is_empty() {
+            let read: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots \
+                 WHERE slot_type = 'logical' AND plugin = 'pgoutput' \
+                   AND database = pg_catalog.current_database())",
+            )
+            .persistent(false)
+            .fetch_one(&mut *tx)
+            .await?;
+            if !read {
+                return Err(Error::WalSlot {
+                    slot: "(none)".into(),
+                    reason: "no logical replication slot of this database reads the WAL \
+                             outbox, and replaying a WAL dead letter emits it into the WAL \
+                             again; create the slot (WalSlot::create or `pgbox wal \
+                             create-slot`) and run a WalRelay, then replay"
+                        .into(),
+                });
+            }
+            let mut wal_rows: Vec<(i64, Message)> = rows
+                .iter()
+                .map(|r| {
+                    let headers: Json<BTreeMap<String, String>> = r.try_get("headers")?;
+                    Ok((
+                        r.try_get("seq")?,
+                        Message {
+                            id: r.try_get("message_id")?,
+                            topic: r.try_get("topic")?,
+                            ordering_key: r.try_get("ordering_key")?,
+                            payload: r.try_get("payload")?,
+                            content_type: r.try_get("content_type")?,
+                            headers: headers.0,
+                        },
+                    ))
+                })
+                .collect::<Result<_>>()?;
+            wal_rows.sort_by_key(|(seq, _)| wal_order(*seq));
+            let messages: Vec<Message> = wal_rows.into_iter().map(|(_, m)| m).collect();
+            for chunk in chunks_by_bytes(&messages, EMIT_BYTES) {
+                self.emit(&mut tx, chunk).await?;
+            }
+        }
+        let sql = format!(
+            "WITH moved AS (DELETE FROM {s}.outbox_dead_letters WHERE message_id = ANY($1) AND seq > 0 RETURNING *) \
              INSERT INTO {s}.outbox (seq, message_id, topic, ordering_key, payload, content_type, headers, created_at) \
              OVERRIDING SYSTEM VALUE \
              SELECT seq, message_id, topic, ordering_key, payload, content_type, headers, created_at FROM moved"
         );
-        let n = sqlx::query(AssertSqlSafe(sql))
+        let table_replayed = sqlx::query(AssertSqlSafe(sql))
             .bind(ids)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?
             .rows_affected();
-        tracing::info!(replayed = n, "pgbox dead letters replayed");
+        tx.commit().await?;
+        let n = wal_replayed + table_replayed;
+        tracing::info!(
+            replayed = n,
+            into_the_wal = wal_replayed,
+            "pgbox dead letters replayed"
+        );
         Ok(n)
+    }
+
+    /// One logical-decoding message of `messages`, as [`Outbox`](crate::Outbox) emits them in
+    /// [`OutboxMode::Wal`](crate::OutboxMode::Wal), waking a WAL relay that sleeps.
+    async fn emit(&self, tx: &mut sqlx::PgConnection, messages: &[Message]) -> Result<()> {
+        let schema = self.schema.as_str();
+        sqlx::query(
+            "WITH e AS MATERIALIZED (\
+               SELECT pg_catalog.pg_logical_emit_message(true, $1::text, $2::bytea) AS lsn) \
+             SELECT pg_catalog.pg_notify($3::text, '') FROM e \
+             WHERE e.lsn IS NOT NULL \
+               AND NOT pg_catalog.pg_try_advisory_xact_lock_shared($4::int4, pg_catalog.hashtext($5::text))",
+        )
+        .persistent(false)
+        .bind(wal::prefix(schema))
+        .bind(wal::encode(messages))
+        .bind(wal::channel(schema))
+        .bind(WAL_ASLEEP_LOCK_CLASS)
+        .bind(schema)
+        .execute(&mut *tx)
+        .await?;
+        Ok(())
     }
 
     /// Replays every dead letter.
@@ -135,6 +233,38 @@ impl DeadLetters {
             .rows_affected();
         tracing::warn!(discarded = n, "pgbox dead letters discarded");
         Ok(n)
+    }
+}
+
+/// Payload bytes per replay emit, far below the 1 GiB a bytea parameter may hold.
+const EMIT_BYTES: usize = 64 * 1024 * 1024;
+
+/// Consecutive slices of `messages` of at most `max` payload bytes (a larger message gets a
+/// slice of its own).
+fn chunks_by_bytes(messages: &[Message], max: usize) -> Vec<&[Message]> {
+    let mut chunks = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, m) in messages.iter().enumerate() {
+        if i > start && bytes + m.size() > max {
+            chunks.push(&messages[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += m.size();
+    }
+    if start < messages.len() {
+        chunks.push(&messages[start..]);
+    }
+    chunks
+}
+
+/// The original order of WAL dead letters: a current `seq` is `i64::MIN` plus the WAL
+/// position (increasing); an earlier release's, between [`WAL_SEQ_CEILING`] and 0, was minus
+/// the position times 1,024 minus the index (decreasing), and comes first: it is older.
+fn wal_order(seq: i64) -> (bool, i64) {
+    if seq < WAL_SEQ_CEILING {
+        (true, seq)
+    } else {
+        (false, seq.wrapping_neg())
     }
 }
 

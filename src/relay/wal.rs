@@ -4,8 +4,12 @@
 //!
 //! **Reading.** The SQL slot functions (`pg_logical_slot_peek_binary_changes` with the built-in
 //! `pgoutput` plugin, `messages` on), on one dedicated connection: a peek decodes whole
-//! transactions, in commit order, up to the batch size; after the transport confirmed them,
-//! `pg_replication_slot_advance` moves the slot past their commits. A crash anywhere in between
+//! transactions, in commit order, up to the batch size and up to the WAL *flush* position
+//! taken before it; after the transport confirmed them, `pg_replication_slot_advance` moves
+//! the slot past their commits. The slot never moves past what a read returned: a read that
+//! found nothing moves it at most to the flush position taken before that read (a commit
+//! written but not yet flushed, as asynchronous commits are for up to 3 ×
+//! `wal_writer_delay`, is read by a later round). A crash anywhere in between
 //! re-reads from the last advance: at-least-once, with the message ids of the enqueue, which
 //! consumers' inboxes absorb. The streaming replication protocol would save the repeated decode
 //! of a batch's start, but sqlx does not speak it; the SQL functions need nothing beyond sqlx.
@@ -19,15 +23,29 @@
 //! in per-key waves, as the table relay does. The slot moves only past whole transactions whose
 //! messages were all confirmed.
 //!
-//! **Failures.** A failed message is tried again (the whole rest of the batch is re-read, so
-//! messages after it may be published twice) after the relay's backoff. After `max_attempts`
-//! failures of a message in this relay's life, it is moved to `outbox_dead_letters` (with a
-//! negative `seq`: minus its WAL position) and the slot moves past it: unlike the table relay,
-//! a dead letter does not hold back later messages of its key. Content under the schema's
-//! prefix that pgbox cannot read is dead-lettered the same way (topic `pgbox.undecodable`),
-//! never skipped silently.
+//! **Failures.** A message the transport refuses is tried again (the whole rest of the batch
+//! is re-read, so messages after it may be published twice) after the relay's backoff; the
+//! later messages of its key wait, and waiting is never counted as an attempt. After
+//! `max_attempts` refusals of a message in this relay's life, it is moved to
+//! `outbox_dead_letters` (with a negative `seq` that is its WAL position: `i64::MIN` plus the
+//! position, so dead letters list in WAL order) and the next messages of its key are offered
+//! in the same round: unlike the table relay, a WAL dead letter does not hold back later
+//! messages of its key, WAL or table-mode. Content under the schema's prefix that pgbox cannot
+//! read is dead-lettered the same way (topic `pgbox.undecodable`), never skipped silently.
+//!
+//! **Outages.** A transport that is unavailable (cannot be reached, does not answer:
+//! [`PublishError::unavailable`](crate::transport::PublishError::unavailable)) is not the
+//! message's failure: the round backs off, counts nothing, dead-letters nothing, logs one
+//! warning, increments `pgbox_wal_relay_outage_rounds_total` and reports
+//! [`WalRoundReport::unavailable`]; the messages wait in the slot for as long as the outage
+//! lasts (the slot retains WAL meanwhile: watch `max_slot_wal_keep_size` and the doctor's
+//! retained-WAL check).
+//!
+//! **Replay.** [`DeadLetters::replay`](crate::DeadLetters::replay) emits WAL dead letters into
+//! the WAL again, in their original order, in the replay's transaction: this relay publishes
+//! them (no table relay is needed), after whatever of their key it published meanwhile.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -44,7 +62,7 @@ use crate::outbox::{Envelope, WAL_ASLEEP_LOCK_CLASS};
 use crate::relay::WakeUp;
 use crate::retry::RetryPolicy;
 use crate::telemetry;
-use crate::transport::{PublishError, Publisher};
+use crate::transport::Publisher;
 
 /// Advisory-lock class of the WAL relay's reader election: `pg_try_advisory_lock(class,
 /// hashtext(slot))`.
@@ -207,8 +225,12 @@ pub struct WalRoundReport {
     pub published: usize,
     /// Failed; read again next round.
     pub retried: usize,
-    /// Moved to `outbox_dead_letters` (failed `max_attempts` times, or unreadable).
+    /// Moved to `outbox_dead_letters` (refused `max_attempts` times, or unreadable).
     pub dead_lettered: usize,
+    /// Not published because the transport was unavailable (could not be reached, did not
+    /// answer): an outage. Read again after the backoff; never counted as an attempt, never
+    /// dead-lettered.
+    pub unavailable: usize,
     /// Whether this relay is the slot's reader (`false`: another relay is; nothing was read).
     pub reader: bool,
 }
@@ -251,7 +273,9 @@ impl<P: Publisher> WalRelayBuilder<P> {
         self
     }
 
-    /// Failures of one message before it is dead-lettered (default 10).
+    /// Refusals of one message before it is dead-lettered (default 10). Only a
+    /// [refusal](crate::transport::PublishError::refused) counts: neither an outage of the
+    /// transport nor waiting behind an earlier message of its key does.
     pub fn max_attempts(mut self, n: i32) -> Self {
         self.max_attempts = n;
         self
@@ -316,8 +340,11 @@ impl<P: Publisher> WalRelayBuilder<P> {
 #[derive(Default)]
 struct Reader {
     conn: Option<PgConnection>,
-    /// Failures per message id in this relay's life.
+    /// Refusals per message id in this relay's life.
     attempts: HashMap<uuid::Uuid, i32>,
+    /// Messages dead-lettered whose transaction the slot has not passed yet (a message of
+    /// another key in it still waits): settled, not offered again when it is read again.
+    dead: HashSet<uuid::Uuid>,
     /// Consecutive rounds with a failure (for the backoff).
     failing_rounds: u32,
     /// When the retained-WAL gauge was last set.
@@ -358,9 +385,45 @@ struct SlotTransaction {
     /// The position just past its commit: where the slot moves once it is published.
     end_lsn: u64,
     messages: Vec<Envelope>,
-    /// Unreadable content under this schema's prefix, with the reason.
-    unreadable: Vec<(u64, Vec<u8>, String)>,
+    /// Unreadable content under this schema's prefix.
+    unreadable: Vec<Unreadable>,
 }
+
+/// An emit under this schema's prefix that pgbox cannot read: dead-lettered as it is.
+struct Unreadable {
+    /// Its dead letter's `seq`: its position in the WAL (see [`wal_seq`]).
+    seq: i64,
+    /// Its dead letter's message id, derived from the position: the same at every read, so
+    /// that a re-read after a crash finds the dead letter it already wrote.
+    id: uuid::Uuid,
+    content: Vec<u8>,
+    reason: String,
+}
+
+/// What became of a message in a round.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Fate {
+    /// Not offered yet.
+    Pending,
+    /// Confirmed by the transport.
+    Published,
+    /// Moved to the dead letters (now or in an earlier round).
+    Dead,
+    /// Refused (attempts left) or not taken by an unavailable transport: read again later,
+    /// and the rest of its key waits behind it.
+    Waiting,
+}
+
+/// The (topic, ordering key) a message's order is kept within, if it has a key.
+fn key_of(m: &Envelope) -> Option<(&str, &str)> {
+    m.ordering_key.as_deref().map(|k| (m.topic.as_str(), k))
+}
+
+/// Counter: WAL relay rounds in which the transport was unavailable (an outage: backed off,
+/// nothing counted, nothing dead-lettered). Label `slot`.
+// TODO(lead): move to `telemetry` (a `WAL_RELAY_OUTAGE_ROUNDS` constant, its table row and
+// its description) with the table relay's outage counter.
+pub(crate) const WAL_RELAY_OUTAGE_ROUNDS: &str = "pgbox_wal_relay_outage_rounds_total";
 
 impl<P: Publisher> WalRelay<P> {
     /// A WAL relay reading `slot` on `pool` (direct connections: the reader holds a session
@@ -392,11 +455,11 @@ impl<P: Publisher> WalRelay<P> {
                 return Ok(());
             }
             let (wait, idle_reader) = match self.relay_once().await {
-                Ok(report) if report.read > 0 && report.retried == 0 => (Duration::ZERO, false),
-                Ok(report) if report.retried > 0 => {
+                Ok(report) if report.retried > 0 || report.unavailable > 0 => {
                     let rounds = self.reader.lock().await.failing_rounds;
                     (self.backoff.delay_after(rounds), false)
                 }
+                Ok(report) if report.read > 0 => (Duration::ZERO, false),
                 Ok(report) => (self.poll_interval, report.reader),
                 Err(e) => {
                     tracing::warn!(slot = self.slot.name(), error = %e, "pgbox WAL relay round failed; will retry");
@@ -474,7 +537,9 @@ impl<P: Publisher> WalRelay<P> {
     }
 
     /// Publishes until the slot has nothing more of this schema, then returns what it did.
-    /// Fails if another relay is the reader, or as a round fails.
+    /// Fails if another relay is the reader, or as a round fails. Refusals and outages are
+    /// waited out with the backoff: while the transport is unavailable, `drain` keeps
+    /// waiting (bound it with a timeout if it must return).
     pub async fn drain(&self) -> Result<WalRoundReport> {
         let mut total = WalRoundReport::default();
         loop {
@@ -490,7 +555,8 @@ impl<P: Publisher> WalRelay<P> {
             total.published += round.published;
             total.retried += round.retried;
             total.dead_lettered += round.dead_lettered;
-            if round.retried > 0 {
+            total.unavailable += round.unavailable;
+            if round.retried > 0 || round.unavailable > 0 {
                 let rounds = self.reader.lock().await.failing_rounds;
                 tokio::time::sleep(self.backoff.delay_after(rounds)).await;
                 continue;
@@ -559,8 +625,9 @@ impl<P: Publisher> WalRelay<P> {
         let conn = reader.conn.as_mut().expect("just set");
         let (transactions, covered) = self.read(conn).await?;
         let Some(last_read) = transactions.last().map(|t| t.end_lsn) else {
-            // Nothing committed of ours up to `covered`: move the slot there, so that it
-            // neither holds other work's WAL nor decodes it again at every read.
+            // Nothing of ours commits before `covered` (the flush position before the read):
+            // move the slot there, never further, so that it neither holds other work's WAL
+            // nor decodes it again at every read.
             if let Some(lsn) = covered
                 && reader.advanced_to < lsn
             {
@@ -569,73 +636,124 @@ impl<P: Publisher> WalRelay<P> {
             }
             return Ok(report);
         };
-        let batch: Vec<Envelope> = transactions
-            .iter()
-            .flat_map(|t| t.messages.iter().cloned())
-            .collect();
+        let batch: Vec<&Envelope> = transactions.iter().flat_map(|t| &t.messages).collect();
         report.read = batch.len()
             + transactions
                 .iter()
                 .map(|t| t.unreadable.len())
                 .sum::<usize>();
-        let results = super::publish_in_key_order(&*self.publisher, &batch).await;
-        let mut results = results.into_iter();
-        let mut advance_to = None;
-        let mut first_error = None;
-        let mut confirmed: Vec<&Envelope> = Vec::new();
-        for t in &transactions {
-            let mut complete = true;
-            let mut to_dead_letter: Vec<(&Envelope, String)> = Vec::new();
-            for m in &t.messages {
-                match results.next().flatten() {
-                    Some(Ok(())) => {
-                        reader.attempts.remove(&m.id);
-                        report.published += 1;
-                        confirmed.push(m);
-                    }
-                    failed => {
-                        let error = match failed {
-                            Some(Err(PublishError(e))) => e,
-                            _ => "not attempted: an earlier message of its key failed".into(),
-                        };
-                        let attempts = reader.attempts.entry(m.id).or_insert(0);
-                        *attempts += 1;
-                        if *attempts >= self.max_attempts {
-                            to_dead_letter.push((m, error));
-                        } else {
-                            first_error.get_or_insert(error);
-                            report.retried += 1;
-                            complete = false;
-                        }
-                    }
-                }
-            }
-            if !complete {
+        // What became of each message this round. A message dead-lettered in an earlier round
+        // whose transaction the slot has not passed yet is settled already.
+        let mut fates: Vec<Fate> = batch
+            .iter()
+            .map(|m| match reader.dead.contains(&m.id) {
+                true => Fate::Dead,
+                false => Fate::Pending,
+            })
+            .collect();
+        // Keys whose next message must wait for a later round: a message refused (and not yet
+        // out of attempts), or not taken because the transport is unavailable.
+        let mut held: HashSet<(&str, &str)> = HashSet::new();
+        let mut first_refusal: Option<String> = None;
+        let mut first_outage: Option<String> = None;
+        // Passes: a message dead-lettered in a pass no longer holds its key, so the messages
+        // of its key that were not offered behind it are offered in the next pass. Each pass
+        // after the first follows a dead letter: at most one pass per message, plus one.
+        for _ in 0..=batch.len() {
+            let offer: Vec<usize> = (0..batch.len())
+                .filter(|&i| {
+                    fates[i] == Fate::Pending
+                        && !key_of(batch[i]).is_some_and(|k| held.contains(&k))
+                })
+                .collect();
+            if offer.is_empty() {
                 break;
             }
-            for (m, error) in to_dead_letter {
-                let attempts = reader.attempts.remove(&m.id).unwrap_or(self.max_attempts);
-                self.dead_letter_message(conn, m, attempts, &error).await?;
-                tracing::error!(message_id = %m.id, attempts, error, "pgbox WAL message failed for the last time; dead-lettered");
-                report.dead_lettered += 1;
+            let envelopes: Vec<Envelope> = offer.iter().map(|&i| batch[i].clone()).collect();
+            let results = super::publish_in_key_order(&*self.publisher, &envelopes).await;
+            let mut died = false;
+            for (&i, result) in offer.iter().zip(results) {
+                let m = batch[i];
+                match result {
+                    Some(Ok(())) => {
+                        reader.attempts.remove(&m.id);
+                        fates[i] = Fate::Published;
+                    }
+                    // An outage is not the message's failure: not counted, never a dead letter.
+                    Some(Err(e)) if e.is_unavailable() => {
+                        tracing::debug!(message_id = %m.id, error = e.message(), "pgbox WAL publish: transport unavailable");
+                        first_outage.get_or_insert_with(|| e.message().to_owned());
+                        report.unavailable += 1;
+                        fates[i] = Fate::Waiting;
+                        held.extend(key_of(m));
+                    }
+                    Some(Err(e)) => {
+                        let attempts = reader.attempts.entry(m.id).or_insert(0);
+                        *attempts += 1;
+                        let attempts = *attempts;
+                        if attempts >= self.max_attempts {
+                            let conn = reader.conn.as_mut().expect("the reader's connection");
+                            self.dead_letter_message(conn, m, attempts, e.message())
+                                .await?;
+                            tracing::error!(message_id = %m.id, attempts, error = e.message(), "pgbox WAL message failed for the last time; dead-lettered");
+                            reader.attempts.remove(&m.id);
+                            reader.dead.insert(m.id);
+                            report.dead_lettered += 1;
+                            fates[i] = Fate::Dead;
+                            died = true;
+                        } else {
+                            tracing::debug!(message_id = %m.id, attempts, error = e.message(), "pgbox WAL publish refused; will read again");
+                            first_refusal.get_or_insert_with(|| e.message().to_owned());
+                            report.retried += 1;
+                            fates[i] = Fate::Waiting;
+                            held.extend(key_of(m));
+                        }
+                    }
+                    // Not offered: an earlier message of its key failed in this pass. Never
+                    // an attempt of its own; offered again in a later pass or round.
+                    None => {}
+                }
             }
-            for (lsn, content, reason) in &t.unreadable {
-                self.dead_letter_unreadable(conn, *lsn, content, reason)
-                    .await?;
+            if !died {
+                break;
+            }
+        }
+        // The slot moves past the leading transactions whose messages are all published or
+        // dead-lettered; the first with a message still waiting, and everything after it,
+        // is read again.
+        let conn = reader.conn.as_mut().expect("the reader's connection");
+        let mut advance_to = None;
+        let mut confirmed: Vec<&Envelope> = Vec::new();
+        let mut passed = 0;
+        let mut offset = 0;
+        for t in &transactions {
+            let fate = &fates[offset..offset + t.messages.len()];
+            if fate
+                .iter()
+                .any(|f| !matches!(f, Fate::Published | Fate::Dead))
+            {
+                break;
+            }
+            offset += t.messages.len();
+            for (m, f) in t.messages.iter().zip(fate) {
+                if *f == Fate::Published {
+                    confirmed.push(m);
+                }
+            }
+            for u in &t.unreadable {
+                self.dead_letter_unreadable(conn, u).await?;
                 report.dead_lettered += 1;
             }
             advance_to = Some(t.end_lsn);
+            passed = offset;
         }
+        report.published = confirmed.len();
         if let Some(lsn) = advance_to {
-            sqlx::query(
-                "SELECT 1 FROM pg_catalog.pg_replication_slot_advance($1, $2::text::pg_lsn)",
-            )
-            .persistent(false)
-            .bind(self.slot.name())
-            .bind(format_lsn(lsn))
-            .execute(&mut *conn)
-            .await
-            .map_err(|e| self.slot_error(e.into()))?;
+            self.advance(conn, lsn).await?;
+            reader.advanced_to = reader.advanced_to.max(lsn);
+            for m in &batch[..passed] {
+                reader.dead.remove(&m.id);
+            }
         }
         let now = OffsetDateTime::now_utc();
         for m in confirmed {
@@ -655,14 +773,27 @@ impl<P: Publisher> WalRelay<P> {
             metrics::counter!(telemetry::WAL_RELAY_DEAD_LETTERED, &slot_label)
                 .increment(report.dead_lettered as u64);
         }
+        // One line per round, however many messages a failure touched (each message has its
+        // debug line above).
+        if report.unavailable > 0 {
+            metrics::counter!(WAL_RELAY_OUTAGE_ROUNDS, &slot_label).increment(1);
+            tracing::warn!(
+                slot = self.slot.name(),
+                messages = report.unavailable,
+                error = first_outage.as_deref().unwrap_or(""),
+                "pgbox WAL relay: the transport is unavailable; backing off (an outage: no attempt counted, nothing dead-lettered)"
+            );
+        }
         if report.retried > 0 {
-            reader.failing_rounds += 1;
             tracing::warn!(
                 slot = self.slot.name(),
                 messages = report.retried,
-                error = first_error.as_deref().unwrap_or(""),
-                "pgbox WAL publish failed; will read again"
+                error = first_refusal.as_deref().unwrap_or(""),
+                "pgbox WAL publish refused; will read again"
             );
+        }
+        if report.retried > 0 || report.unavailable > 0 {
+            reader.failing_rounds += 1;
         } else {
             reader.failing_rounds = 0;
         }
@@ -674,7 +805,6 @@ impl<P: Publisher> WalRelay<P> {
         );
         Ok(report)
     }
-
     /// Moves the slot past `lsn` (never backwards: an earlier position is a no-op).
     async fn advance(&self, conn: &mut PgConnection, lsn: u64) -> Result<()> {
         sqlx::query("SELECT 1 FROM pg_catalog.pg_replication_slot_advance($1, $2::text::pg_lsn)")
@@ -690,13 +820,20 @@ impl<P: Publisher> WalRelay<P> {
     /// Decodes up to a batch of whole transactions from the slot, without consuming them.
     ///
     /// Also returns the WAL position the read covered completely, when it did: every
-    /// transaction that committed before it was returned (fewer changes than the batch size).
-    /// Moving the slot there when nothing of ours was in it keeps the slot from holding the
-    /// WAL of other work forever, and each read from decoding it again.
+    /// transaction whose commit record starts before it was returned (fewer changes than the
+    /// batch size). Moving the slot there when nothing of ours was in it keeps the slot from
+    /// holding the WAL of other work forever, and each read from decoding it again.
+    ///
+    /// The read is bounded by the *flush* position, taken before it: the slot functions
+    /// decode only flushed WAL, and whatever starts before that bound is decoded whole. The
+    /// write position (`pg_current_wal_lsn`) can be past a commit that is written but not
+    /// flushed (asynchronous commits wait up to 3 × `wal_writer_delay`): a read bounded by it
+    /// returns nothing of that commit, and moving the slot to it, however late the advance
+    /// arrives (the server clamps it to the flush position *then*), skips the commit for good.
     async fn read(&self, conn: &mut PgConnection) -> Result<(Vec<SlotTransaction>, Option<u64>)> {
         let limit = i32::try_from(self.batch_size).unwrap_or(i32::MAX);
         let rows = sqlx::query(
-            "WITH upto AS (SELECT pg_catalog.pg_current_wal_lsn() AS lsn) \
+            "WITH upto AS MATERIALIZED (SELECT pg_catalog.pg_current_wal_flush_lsn() AS lsn) \
              SELECT upto.lsn::text, c.data FROM upto LEFT JOIN LATERAL \
                pg_catalog.pg_logical_slot_peek_binary_changes($1, upto.lsn, $2, \
                  'proto_version', '1', 'publication_names', $1, 'messages', 'true') AS c ON true",
@@ -749,10 +886,21 @@ impl<P: Publisher> WalRelay<P> {
                     match wal::decode(content) {
                         Ok(decoded) => {
                             for (i, d) in decoded.into_iter().enumerate() {
-                                t.messages.push(envelope(d, lsn, i, *commit_ts));
+                                let seq = wal_seq(lsn, content.len(), i)
+                                    .map_err(|e| self.protocol_error(e))?;
+                                t.messages.push(envelope(d, seq, *commit_ts));
                             }
                         }
-                        Err(reason) => t.unreadable.push((lsn, content.to_vec(), reason)),
+                        Err(reason) => {
+                            let seq = wal_seq(lsn, content.len(), 0)
+                                .map_err(|e| self.protocol_error(e))?;
+                            t.unreadable.push(Unreadable {
+                                seq,
+                                id: unreadable_id(seq),
+                                content: content.to_vec(),
+                                reason,
+                            });
+                        }
                     }
                 }
                 pgoutput::Change::Commit { end_lsn } => {
@@ -774,7 +922,7 @@ impl<P: Publisher> WalRelay<P> {
         attempts: i32,
         error: &str,
     ) -> Result<()> {
-        sqlx::query(AssertSqlSafe(self.dead_letter.clone()))
+        let inserted = sqlx::query(AssertSqlSafe(self.dead_letter.clone()))
             .persistent(false)
             .bind(m.seq)
             .bind(m.id)
@@ -787,22 +935,57 @@ impl<P: Publisher> WalRelay<P> {
             .bind(attempts)
             .bind(error.replace('\0', "\\0"))
             .execute(&mut *conn)
-            .await?;
-        Ok(())
+            .await?
+            .rows_affected();
+        self.check_dead_letter(conn, inserted, m.seq, m.id).await
     }
 
-    async fn dead_letter_unreadable(
+    /// A dead letter that was not inserted must be the same message's, written by an earlier
+    /// read of the same transaction (the relay stopped before the slot moved past it). A
+    /// position taken by another message would drop this one silently: refuse instead.
+    async fn check_dead_letter(
         &self,
         conn: &mut PgConnection,
-        lsn: u64,
-        content: &[u8],
-        reason: &str,
+        inserted: u64,
+        seq: i64,
+        id: uuid::Uuid,
     ) -> Result<()> {
-        tracing::error!(slot = self.slot.name(), lsn = %format_lsn(lsn), reason, "pgbox WAL message under this schema's prefix is unreadable; dead-lettered");
-        sqlx::query(AssertSqlSafe(self.dead_letter.clone()))
+        if inserted == 1 {
+            return Ok(());
+        }
+        let sql = format!(
+            "SELECT EXISTS (SELECT 1 FROM {}.outbox_dead_letters WHERE message_id = $1)",
+            self.schema.quoted()
+        );
+        let there: bool = sqlx::query_scalar(AssertSqlSafe(sql))
             .persistent(false)
-            .bind(-(lsn as i64))
-            .bind(uuid::Uuid::now_v7())
+            .bind(id)
+            .fetch_one(&mut *conn)
+            .await?;
+        if there {
+            return Ok(());
+        }
+        Err(Error::WalSlot {
+            slot: self.slot.name().to_owned(),
+            reason: format!(
+                "dead letter seq {seq} of message {id} is taken by another message; nothing \
+                 was skipped (the slot stays before it)"
+            ),
+        })
+    }
+
+    async fn dead_letter_unreadable(&self, conn: &mut PgConnection, u: &Unreadable) -> Result<()> {
+        let (content, reason) = (&u.content, &u.reason);
+        tracing::error!(
+            slot = self.slot.name(),
+            seq = u.seq,
+            reason,
+            "pgbox WAL message under this schema's prefix is unreadable; dead-lettered"
+        );
+        let inserted = sqlx::query(AssertSqlSafe(self.dead_letter.clone()))
+            .persistent(false)
+            .bind(u.seq)
+            .bind(u.id)
             .bind("pgbox.undecodable")
             .bind(None::<String>)
             .bind(content)
@@ -812,8 +995,9 @@ impl<P: Publisher> WalRelay<P> {
             .bind(0i32)
             .bind(format!("unreadable WAL message: {reason}"))
             .execute(&mut *conn)
-            .await?;
-        Ok(())
+            .await?
+            .rows_affected();
+        self.check_dead_letter(conn, inserted, u.seq, u.id).await
     }
 
     /// A slot-function error in words: missing, invalidated, or read by someone else.
@@ -871,12 +1055,53 @@ impl<P: Publisher> WalRelay<P> {
     }
 }
 
-/// The envelope of the `index`th message of the emit at `lsn`: `seq` is minus the emit's WAL
-/// position times 1024 plus the index, negative so it never meets a table outbox `seq`.
-fn envelope(d: Decoded, lsn: u64, index: usize, commit_ts: OffsetDateTime) -> Envelope {
-    let seq = -((lsn as i64)
-        .saturating_mul(1024)
-        .saturating_add(index as i64 % 1024));
+/// WAL outbox `seq`s are below this: `i64::MIN` plus a WAL position under 2⁶². (Earlier
+/// releases wrote minus the position times 1,024 minus the index modulo 1,024: between this
+/// and 0, later messages lower.)
+pub(crate) const WAL_SEQ_CEILING: i64 = i64::MIN / 2;
+
+/// The `seq` of the `index`th message of the emit whose WAL record ends at `end_lsn` (the
+/// position pgoutput reports for a logical-decoding message) and carries `content_len` bytes:
+/// `i64::MIN` plus the position `end_lsn - content_len + index`.
+///
+/// Injective, and increasing in WAL order: the record holds its content, so the positions
+/// `end_lsn - content_len ..= end_lsn` lie inside it (past its start, which the record's
+/// header precedes), and records do not overlap. An emit of `count` messages carries at
+/// least 33 bytes per message, so every index fits. An unreadable emit takes index 0.
+/// Negative, below [`WAL_SEQ_CEILING`], so it never meets a table outbox `seq` (an
+/// identity, from 1). Fails, rather than wraps, past 2⁶² (4 EiB of WAL).
+fn wal_seq(end_lsn: u64, content_len: usize, index: usize) -> std::result::Result<i64, String> {
+    let content_len = content_len as u64;
+    let index = index as u64;
+    let position = end_lsn
+        .checked_sub(content_len)
+        .filter(|_| index <= content_len)
+        .and_then(|start| start.checked_add(index))
+        .filter(|&p| p < 1 << 62)
+        .ok_or_else(|| {
+            format!(
+                "message {index} of an emit of {content_len} bytes ending at {} has no position",
+                format_lsn(end_lsn)
+            )
+        })?;
+    Ok(i64::MIN + position as i64)
+}
+
+/// The message id of an unreadable emit's dead letter: a UUID (version 8) carrying its
+/// position, the same at every read.
+fn unreadable_id(seq: i64) -> uuid::Uuid {
+    let p = seq.wrapping_sub(i64::MIN) as u64;
+    let mut b = [0u8; 16];
+    b[..6].copy_from_slice(&(p >> 16).to_be_bytes()[2..]);
+    b[6] = 0x80 | ((p >> 12) & 0x0f) as u8;
+    b[7] = (p >> 4) as u8;
+    b[8] = 0x80 | (p & 0x0f) as u8;
+    b[9..].copy_from_slice(b"pgbxwal");
+    uuid::Uuid::from_bytes(b)
+}
+
+/// The envelope of a message read from the WAL at `seq` (see [`wal_seq`]).
+fn envelope(d: Decoded, seq: i64, commit_ts: OffsetDateTime) -> Envelope {
     let mut e = Envelope::new(d.id, d.topic, d.payload);
     e.seq = seq;
     e.ordering_key = d.ordering_key;
@@ -986,5 +1211,151 @@ mod pgoutput {
 
     fn u64_be(r: &mut &[u8]) -> Result<u64, String> {
         Ok(u64::from_be_bytes(take(r, 8)?.try_into().expect("8 bytes")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::outbox::Message;
+
+    /// A tiny deterministic generator (xorshift64*): generated cases without a dependency.
+    struct Gen(u64);
+
+    impl Gen {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+
+        fn below(&mut self, n: u64) -> u64 {
+            self.next() % n
+        }
+    }
+
+    /// The smallest message the format can carry: what bounds an emit's count by its size.
+    fn smallest() -> Message {
+        let mut m = Message::bytes("", Vec::new());
+        m.content_type = String::new();
+        m
+    }
+
+    #[test]
+    fn an_emit_carries_at_least_33_bytes_per_message() {
+        for n in [1usize, 2, 1023, 1024, 1025, 5000] {
+            let messages = vec![smallest(); n];
+            assert!(wal::encode(&messages).len() >= 9 + 33 * n, "{n}");
+        }
+    }
+
+    /// Emits of every size across 1,024 and beyond, readable and not, laid out as WAL records
+    /// (header, prefix, content, page headers, alignment) from LSNs near the boundaries: every
+    /// `seq` is distinct, increases in WAL order, stays below the ceiling; past 2⁶² the
+    /// derivation fails instead of wrapping.
+    #[test]
+    fn wal_seqs_are_injective_and_in_wal_order_across_batch_sizes_and_lsn_boundaries() {
+        let sizes = [1usize, 2, 1023, 1024, 1025, 2048, 5000];
+        let starts = [
+            0x28u64,
+            0xFFFF_0000,
+            0xFFFF_FFFF - 40,
+            0x1_0000_0000,
+            0x7FFF_FFFF_FFFF,
+            (1 << 62) - 400_000,
+        ];
+        let mut g = Gen(0x9E37_79B9_7F4A_7C15);
+        for &start in &starts {
+            for round in 0..20 {
+                let mut lsn = start + g.below(64);
+                let mut seen: Vec<i64> = Vec::new();
+                let mut overflowed = false;
+                for _ in 0..12 {
+                    let unreadable = g.below(5) == 0;
+                    let count = if unreadable {
+                        0
+                    } else if round % 2 == 0 {
+                        sizes[g.below(sizes.len() as u64) as usize]
+                    } else {
+                        1 + g.below(3000) as usize
+                    };
+                    let content_len = if unreadable {
+                        g.below(100) as usize
+                    } else {
+                        9 + 33 * count + g.below(5000) as usize
+                    };
+                    // Record header (24) + logical message header (~16) + prefix + content,
+                    // maybe a page header or two, aligned to 8.
+                    let size = 24 + 16 + 13 + content_len as u64 + 24 * g.below(3);
+                    let end = lsn + size;
+                    let indexes: Vec<usize> = if unreadable {
+                        vec![0]
+                    } else {
+                        (0..count).collect()
+                    };
+                    for i in indexes {
+                        match wal_seq(end, content_len, i) {
+                            Ok(seq) => {
+                                assert!(seq < WAL_SEQ_CEILING, "{seq}");
+                                let position = seq.wrapping_sub(i64::MIN) as u64;
+                                assert!(position > lsn && position <= end, "inside its record");
+                                if let Some(&last) = seen.last() {
+                                    assert!(seq > last, "in WAL order: {last} then {seq}");
+                                }
+                                seen.push(seq);
+                            }
+                            Err(e) => {
+                                assert!(end - content_len as u64 + i as u64 >= 1 << 62, "{e}");
+                                overflowed = true;
+                            }
+                        }
+                    }
+                    lsn = (end + 7) & !7;
+                }
+                let distinct: HashSet<i64> = seen.iter().copied().collect();
+                assert_eq!(distinct.len(), seen.len());
+                if start < 1 << 40 {
+                    assert!(!overflowed);
+                }
+            }
+        }
+        // An index beyond the content (a malformed count) has no position, and neither has an
+        // emit longer than the WAL before it.
+        assert!(wal_seq(1000, 10, 11).is_err());
+        assert!(wal_seq(10, 11, 0).is_err());
+        assert!(wal_seq(u64::MAX, 0, 0).is_err());
+    }
+
+    /// The earlier derivation (minus the position times 1,024 minus the index modulo 1,024)
+    /// gave messages i and i + 1,024 of one emit one `seq`; this one gives each its own.
+    #[test]
+    fn messages_1024_apart_in_one_emit_have_different_seqs() {
+        let content_len = 9 + 40 * 1500;
+        let end = 0x15C_78E8 + content_len as u64 + 64;
+        let seqs: HashSet<i64> = (0..1500)
+            .map(|i| wal_seq(end, content_len, i).unwrap())
+            .collect();
+        assert_eq!(seqs.len(), 1500);
+    }
+
+    #[test]
+    fn unreadable_ids_are_distinct_version_8_uuids() {
+        let mut g = Gen(7);
+        let mut ids = HashSet::new();
+        for p in (0..2000u64).chain((0..2000).map(|_| g.below(1 << 62))) {
+            let id = unreadable_id(i64::MIN + p as i64);
+            assert_eq!(id.get_version_num(), 8);
+            assert_eq!(id.get_variant(), uuid::Variant::RFC4122);
+            assert_eq!(
+                unreadable_id(i64::MIN + p as i64),
+                id,
+                "the same at every read"
+            );
+            ids.insert((p, id));
+        }
+        let distinct: HashSet<uuid::Uuid> = ids.iter().map(|(_, id)| *id).collect();
+        let positions: HashSet<u64> = ids.iter().map(|(p, _)| *p).collect();
+        assert_eq!(distinct.len(), positions.len());
     }
 }
