@@ -240,3 +240,44 @@ async fn on_a_held_connection_a_finished_call_ends_its_transaction_and_a_dropped
     assert_every_connection_in_autocommit(&db, &pool, 1).await;
     assert_exactly_once(&db.pool).await;
 }
+
+/// `claim_batch` opens a savepoint on the caller's transaction. Dropped while its `SAVEPOINT`
+/// awaited the server, sqlx 0.9.0's savepoint guard queued a top-level `ROLLBACK` and forgot
+/// the caller's transaction, whose `commit()` then answered `Ok` having committed nothing.
+/// A `commit()` that answers `Ok` has committed what the caller wrote.
+#[tokio::test]
+async fn a_commit_after_a_dropped_claim_batch_is_never_ok_for_nothing() {
+    let db = setup().await;
+    let inbox = Inbox::new("points").unwrap();
+    let mut rng = rng();
+    let (mut dropped, mut lost) = (0, Vec::new());
+    for i in 0..1_000 {
+        let mut tx = db.pool.begin().await.unwrap();
+        let mine = format!("mine-{i}");
+        sqlx::query("INSERT INTO effects (key) VALUES ($1)")
+            .bind(&mine)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let keys = [format!("a-{i}"), format!("b-{i}")];
+        let claim = inbox.claim_batch(&mut tx, keys.iter().map(String::as_str));
+        if tokio::time::timeout(budget(&mut rng), claim).await.is_ok() {
+            continue;
+        }
+        dropped += 1;
+        let committed = tx.commit().await;
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE key = $1")
+            .bind(&mine)
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        if committed.is_ok() && rows != 1 {
+            lost.push(i);
+        }
+    }
+    assert!(dropped > 0);
+    assert!(
+        lost.is_empty(),
+        "commit() answered Ok and committed nothing after calls {lost:?} ({dropped} dropped)"
+    );
+}

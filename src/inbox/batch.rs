@@ -7,6 +7,12 @@ use sqlx::{AssertSqlSafe, Postgres, Transaction};
 use super::{Inbox, Key};
 use crate::error::Result;
 
+/// The plain batch claim's savepoint (see [`Inbox::claim_batch`]).
+const SAVEPOINT: &str = "SAVEPOINT pgbox_claim_batch";
+const RELEASE: &str = "RELEASE SAVEPOINT pgbox_claim_batch";
+const ROLLBACK_TO: &str =
+    "ROLLBACK TO SAVEPOINT pgbox_claim_batch; RELEASE SAVEPOINT pgbox_claim_batch";
+
 impl Inbox {
     /// Claims every key on the caller's transaction: a plain `INSERT … SELECT unnest(…)` in
     /// a savepoint (three statements for the whole batch), falling back to
@@ -22,6 +28,10 @@ impl Inbox {
     /// ones, commit. Keys claimed concurrently by another transaction are waited for (the
     /// inbox's [`Wait`](crate::Wait) setting does not apply here). Every key is validated
     /// before anything is sent.
+    ///
+    /// If this future is dropped before it returns (a timeout, `select!`), roll the
+    /// transaction back: some of the batch's claims may be in it, and committing them would
+    /// record keys whose effects never ran.
     pub async fn claim_batch<'k, K>(
         &self,
         tx: &mut Transaction<'_, Postgres>,
@@ -57,18 +67,24 @@ impl Inbox {
         // `ON CONFLICT DO NOTHING` (no speculative insertion). It runs in a savepoint, so
         // that a duplicate (a unique violation) rolls back only the attempt; then the
         // conflict-tolerant statement decides key by key.
+        //
+        // The savepoint is pgbox's own statements, not sqlx's nested `begin`: sqlx 0.9.0's,
+        // dropped while its SAVEPOINT awaits the server's answer, queues a top-level
+        // ROLLBACK and forgets the caller's transaction, whose `commit()` then answers `Ok`
+        // having committed nothing. Dropped here, at worst a savepoint is left in the
+        // caller's transaction, which its commit or rollback ends.
         let plain = {
-            let mut savepoint = sqlx::Connection::begin(&mut **tx).await?;
+            sqlx::raw_sql(SAVEPOINT).execute(&mut **tx).await?;
             let inserted = sqlx::query(AssertSqlSafe(self.inner.sql.claim_batch_plain.clone()))
                 .persistent(self.inner.persistent())
                 .bind(&self.inner.consumer)
                 .bind(&key_strs)
                 .bind(&message_ids)
-                .execute(&mut *savepoint)
+                .execute(&mut **tx)
                 .await;
             match inserted {
                 Ok(_) => {
-                    savepoint.commit().await?;
+                    sqlx::raw_sql(RELEASE).execute(&mut **tx).await?;
                     true
                 }
                 Err(e) => {
@@ -76,7 +92,7 @@ impl Inbox {
                     if e.db_kind() != Some(crate::DbErrorKind::UniqueViolation) {
                         return Err(super::partitions::layout_error(e));
                     }
-                    savepoint.rollback().await?;
+                    sqlx::raw_sql(ROLLBACK_TO).execute(&mut **tx).await?;
                     false
                 }
             }
