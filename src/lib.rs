@@ -46,9 +46,10 @@ pub use crate::error::{DbErrorKind, Error, Result};
 pub use crate::idempotency::{Finality, IdempotencyLayer, IdempotencyTx};
 pub use crate::ident::{Identifier, MAX_IDENTIFIER_BYTES, MAX_PGBOX_SCHEMA_BYTES};
 pub use crate::inbox::{
-    Claim, Claimed, ConnectionLike, Duplicate, FencingToken, GapPolicy, HandlerConnection, Inbox,
-    InboxBuilder, InboxPartition, InboxPartitioning, InboxPartitions, Key, Lease, LeaseAttempt,
-    LeasedRun, MAX_KEY_BYTES, MAX_LEASE_TTL, MIN_LEASE_TTL, Outcome, Sequenced, Verdict, Wait,
+    BeginsItsOwn, Claim, Claimed, ConnectionLike, Duplicate, FencingToken, GapPolicy,
+    HandlerConnection, Inbox, InboxBuilder, InboxPartition, InboxPartitioning, InboxPartitions,
+    Key, Lease, LeaseAttempt, LeasedRun, MAX_KEY_BYTES, MAX_LEASE_TTL, MIN_LEASE_TTL, Outcome,
+    Sequenced, Verdict, Wait,
 };
 pub use crate::migrate::{
     AppliedMigration, DEFAULT_SCHEMA, HISTORY_TABLE, MigrationReport, Migrator, migrate,

@@ -30,6 +30,7 @@ use sqlx::postgres::PgRow;
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
 use tracing::Instrument;
 
+pub use self::committing::BeginsItsOwn;
 pub use self::connection::{ConnectionLike, HandlerConnection};
 pub use self::key::{Key, MAX_CONSUMER_BYTES, MAX_KEY_BYTES, MAX_MESSAGE_ID_BYTES};
 pub(crate) use self::lease::ttl_micros as lease_ttl_micros;
