@@ -9,7 +9,7 @@ mod support;
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use pgbox::transport::{PublishError, Publisher};
@@ -120,6 +120,37 @@ impl Publisher for Broker {
             })
             .collect()
     }
+}
+
+/// The debugging recorder, installed once for this binary; the sum of counter `name` of slot
+/// `pgbox_outbox` recorded since the last call.
+fn counter(name: &str) -> u64 {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
+    let snapshotter = SNAPSHOTTER.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder
+            .install()
+            .expect("the only recorder of this binary");
+        snapshotter
+    });
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, _, _, _)| {
+            key.key().name() == name
+                && key
+                    .key()
+                    .labels()
+                    .any(|l| l.key() == "slot" && l.value() == "pgbox_outbox")
+        })
+        .map(|(_, _, _, value)| match value {
+            DebugValue::Counter(n) => n,
+            _ => 0,
+        })
+        .sum()
 }
 
 async fn emit(pool: &PgPool, messages: Vec<Message>) {
@@ -554,6 +585,7 @@ async fn an_outage_longer_than_the_retry_budget_dead_letters_nothing() {
     )
     .await;
     emit(&pool, vec![keyed("b2", "B"), keyed("a3", "A")]).await;
+    counter(pgbox::telemetry::WAL_RELAY_UNAVAILABLE); // installed, and drained
     let broker = Broker::default();
     broker.set(|s| s.down = true);
     let relay = WalRelay::builder(pool.clone(), slot.clone(), broker.clone())
@@ -572,6 +604,11 @@ async fn an_outage_longer_than_the_retry_budget_dead_letters_nothing() {
         outage_rounds += 1;
     }
     assert_eq!(outage_rounds, 6);
+    assert_eq!(
+        counter(pgbox::telemetry::WAL_RELAY_UNAVAILABLE),
+        18,
+        "3 per round"
+    );
     assert!(
         dead_letters(&pool).await.is_empty(),
         "an outage is not the messages' failure"

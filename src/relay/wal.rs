@@ -36,7 +36,7 @@
 //! **Outages.** A transport that is unavailable (cannot be reached, does not answer:
 //! [`PublishError::unavailable`](crate::transport::PublishError::unavailable)) is not the
 //! message's failure: the round backs off, counts nothing, dead-letters nothing, logs one
-//! warning, increments `pgbox_wal_relay_outage_rounds_total` and reports
+//! warning, counts `pgbox_wal_relay_publish_unavailable_total` and reports
 //! [`WalRoundReport::unavailable`]; the messages wait in the slot for as long as the outage
 //! lasts (the slot retains WAL meanwhile: watch `max_slot_wal_keep_size` and the doctor's
 //! retained-WAL check).
@@ -419,12 +419,6 @@ fn key_of(m: &Envelope) -> Option<(&str, &str)> {
     m.ordering_key.as_deref().map(|k| (m.topic.as_str(), k))
 }
 
-/// Counter: WAL relay rounds in which the transport was unavailable (an outage: backed off,
-/// nothing counted, nothing dead-lettered). Label `slot`.
-// TODO(lead): move to `telemetry` (a `WAL_RELAY_OUTAGE_ROUNDS` constant, its table row and
-// its description) with the table relay's outage counter.
-pub(crate) const WAL_RELAY_OUTAGE_ROUNDS: &str = "pgbox_wal_relay_outage_rounds_total";
-
 impl<P: Publisher> WalRelay<P> {
     /// A WAL relay reading `slot` on `pool` (direct connections: the reader holds a session
     /// of its own) and publishing through `publisher`.
@@ -776,7 +770,8 @@ impl<P: Publisher> WalRelay<P> {
         // One line per round, however many messages a failure touched (each message has its
         // debug line above).
         if report.unavailable > 0 {
-            metrics::counter!(WAL_RELAY_OUTAGE_ROUNDS, &slot_label).increment(1);
+            metrics::counter!(telemetry::WAL_RELAY_UNAVAILABLE, &slot_label)
+                .increment(report.unavailable as u64);
             tracing::warn!(
                 slot = self.slot.name(),
                 messages = report.unavailable,
