@@ -158,3 +158,62 @@ async fn payment_points_example_keeps_its_invariants() {
     let db = support::TestDb::empty().await;
     brokers::payment_points_on(&db.pool, &db.url(), "nats").await;
 }
+
+/// JetStream's answer to a publish it cannot take right now (a 503 API error: "JetStream
+/// system temporarily unavailable" while a cluster has no quorum, "insufficient resources",
+/// JetStream not enabled) is an outage, not a refusal of the message: the relay backs off
+/// and never dead-letters it. A 4xx answer about the message stays a refusal. The stream is
+/// stood in for by a plain subscriber on the subjects that answers each publish as
+/// JetStream does (the server's own condition cannot be brought about on demand).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_503_is_an_outage_and_a_4xx_a_refusal() {
+    use futures_util::StreamExt;
+    use pgbox::transport::{PublishErrorKind, Publisher};
+
+    support::init_tracing();
+    let url = brokers::nats_url().await;
+    let prefix = format!("pgbox-503-{}", uuid::Uuid::now_v7().simple());
+    let nats = Nats::builder(&url)
+        .subject_prefix(&prefix)
+        // No stream takes these subjects: the responder below answers instead.
+        .declare(false)
+        .build()
+        .unwrap();
+    let client = async_nats::connect(&url).await.unwrap();
+    let mut requests = client.subscribe(format!("{prefix}.>")).await.unwrap();
+    client.flush().await.unwrap();
+    let responder = tokio::spawn({
+        let client = client.clone();
+        async move {
+            while let Some(request) = requests.next().await {
+                let Some(reply) = request.reply else { continue };
+                let answer = if request.subject.as_str().ends_with(".unavailable") {
+                    r#"{"type":"io.nats.jetstream.api.v1.pub_ack","error":{"code":503,"err_code":10008,"description":"JetStream system temporarily unavailable"}}"#
+                } else {
+                    r#"{"type":"io.nats.jetstream.api.v1.pub_ack","error":{"code":400,"err_code":10060,"description":"expected stream does not match"}}"#
+                };
+                client.publish(reply, answer.into()).await.unwrap();
+            }
+        }
+    });
+
+    let results = nats
+        .publish(&[
+            conformance::envelope("unavailable", "a"),
+            conformance::envelope("refused", "b"),
+        ])
+        .await;
+    responder.abort();
+    let kinds: Vec<Option<PublishErrorKind>> = results
+        .iter()
+        .map(|r| r.as_ref().err().map(|e| e.kind()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            Some(PublishErrorKind::Unavailable),
+            Some(PublishErrorKind::Refused)
+        ],
+        "{results:?}"
+    );
+}

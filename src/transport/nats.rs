@@ -626,6 +626,11 @@ fn headers(envelope: &Envelope) -> Result<HeaderMap, PublishError> {
 /// deleted stream, `declare(false)` without creating it) stops every topic alike. It is an
 /// outage: the relay backs off and reports it (metrics, a log line per round) and nothing is
 /// dead-lettered; create the stream and the messages flow.
+///
+/// JetStream's own answer is read by its status: a 5xx (503 "JetStream system temporarily
+/// unavailable" while a cluster has no quorum or the stream no leader, "insufficient
+/// resources", JetStream not enabled) says the server cannot take messages now, whatever
+/// the message; it is an outage too. A 4xx is about this message, and refuses it.
 fn nats_publish_error(what: &str, e: &jetstream::context::PublishError) -> PublishError {
     use jetstream::context::PublishErrorKind as Kind;
     let message = format!("{what}: {e}");
@@ -633,8 +638,16 @@ fn nats_publish_error(what: &str, e: &jetstream::context::PublishError) -> Publi
         Kind::TimedOut | Kind::BrokenPipe | Kind::MaxAckPending | Kind::StreamNotFound => {
             PublishError::unavailable(message)
         }
+        Kind::Other if api_error(e).is_some_and(|api| api.code() >= 500) => {
+            PublishError::unavailable(message)
+        }
         _ => PublishError::refused(message),
     }
+}
+
+/// The JetStream API error inside a publish error, if the server answered with one.
+fn api_error(e: &jetstream::context::PublishError) -> Option<&jetstream::Error> {
+    std::error::Error::source(e)?.downcast_ref::<jetstream::Error>()
 }
 
 fn decode(topic: &str, headers: &HeaderMap, payload: &[u8]) -> Result<Envelope> {
