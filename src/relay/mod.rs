@@ -280,13 +280,13 @@ impl Statements {
                  FROM {s}.outbox AS o \
                  WHERE o.published_at IS NULL \
                    AND (o.ordering_key IS NULL OR NOT EXISTS (SELECT 1 FROM {s}.outbox_dead_letters AS d \
-                     WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key))"
+                     WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key AND d.seq > 0))"
             ),
             held: format!(
                 "SELECT pg_catalog.count(*) FROM {s}.outbox AS o \
                  WHERE o.published_at IS NULL AND o.ordering_key IS NOT NULL \
                    AND EXISTS (SELECT 1 FROM {s}.outbox_dead_letters AS d \
-                     WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key)"
+                     WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key AND d.seq > 0)"
             ),
         }
     }
@@ -314,7 +314,7 @@ fn claim_sql(s: &Identifier, batch_size: usize, columns: &str) -> String {
              NOT EXISTS (SELECT 1 FROM blocked AS b \
                WHERE b.topic = o.topic AND b.ordering_key = o.ordering_key) \
              AND NOT EXISTS (SELECT 1 FROM {s}.outbox_dead_letters AS d \
-               WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key))) \
+               WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key AND d.seq > 0))) \
          ORDER BY o.seq LIMIT {batch_size} FOR UPDATE SKIP LOCKED"
     )
 }
