@@ -292,3 +292,109 @@ async fn nats_outage_longer_than_the_retry_budget_dead_letters_nothing() {
     let delivered = receive_all(&direct, &topic, messages().len()).await;
     assert_all_in_key_order(&delivered);
 }
+
+/// Into the built-in queue on another database, whose batches are atomic: a batch the queue
+/// refuses because of one message (here a trigger of the queue's database refuses it) costs
+/// an attempt of that message only. The others are published in the same round, except the
+/// later messages of its key, which wait behind it without counting (and, as the table
+/// relay's dead letters hold their key, go on waiting until it is replayed or discarded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_atomic_batch_refused_for_one_message_counts_only_that_message() {
+    support::init_tracing();
+    let outbox_db = TestDb::migrated().await;
+    let queue_db = TestDb::migrated().await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION refuse_poison() RETURNS trigger LANGUAGE plpgsql AS $$ \
+         BEGIN \
+           IF NEW.payload = convert_to('poison', 'UTF8') THEN \
+             RAISE EXCEPTION 'poison is refused here'; \
+           END IF; \
+           RETURN NEW; \
+         END $$; \
+         CREATE TRIGGER refuse_poison BEFORE INSERT ON pgbox.queue \
+           FOR EACH ROW EXECUTE FUNCTION refuse_poison();",
+    )
+    .execute(&queue_db.pool)
+    .await
+    .unwrap();
+    let topic = "refused.one";
+    let outbox = Outbox::new();
+    let scenario = [
+        (Some("A"), "a1"),
+        (None, "u1"),
+        (Some("B"), "poison"),
+        (Some("A"), "a2"),
+        (Some("B"), "b2"),
+        (None, "u2"),
+    ];
+    let mut tx = outbox_db.pool.begin().await.unwrap();
+    for (key, payload) in scenario {
+        let mut m = Message::bytes(topic, payload.as_bytes().to_vec());
+        if let Some(k) = key {
+            m = m.ordering_key(k);
+        }
+        outbox.enqueue(&mut tx, m).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+
+    let relay = Relay::builder(outbox_db.pool.clone(), PgQueue::new(queue_db.pool.clone()))
+        .max_attempts(3)
+        .backoff(
+            RetryPolicy::new()
+                .base_delay(Duration::from_millis(1))
+                .max_delay(Duration::from_millis(1)),
+        )
+        .build()
+        .unwrap();
+    let round = relay.relay_once().await.unwrap();
+    let attempts: Vec<(String, i32)> = sqlx::query_as(
+        "SELECT convert_from(payload, 'UTF8'), attempts FROM pgbox.outbox ORDER BY seq",
+    )
+    .fetch_all(&outbox_db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        attempts,
+        [("poison".to_owned(), 1), ("b2".to_owned(), 0)],
+        "after one round: {round:?}"
+    );
+
+    let report = tokio::time::timeout(Duration::from_secs(60), relay.drain())
+        .await
+        .expect("drain finishes")
+        .expect("drain");
+    let dead: Vec<String> = sqlx::query_scalar(
+        "SELECT convert_from(payload, 'UTF8') FROM pgbox.outbox_dead_letters ORDER BY seq",
+    )
+    .fetch_all(&outbox_db.pool)
+    .await
+    .unwrap();
+    assert_eq!(dead, ["poison"], "{report:?}");
+    let delivered: Vec<(Option<String>, String)> = sqlx::query_as(
+        "SELECT ordering_key, convert_from(payload, 'UTF8') FROM pgbox.queue ORDER BY seq",
+    )
+    .fetch_all(&queue_db.pool)
+    .await
+    .unwrap();
+    let of_key = |k: &str| -> Vec<&str> {
+        delivered
+            .iter()
+            .filter(|(key, _)| key.as_deref() == Some(k))
+            .map(|(_, p)| p.as_str())
+            .collect()
+    };
+    assert_eq!(delivered.len(), 4, "{delivered:?}");
+    assert_eq!(of_key("A"), ["a1", "a2"]);
+    assert!(of_key("B").is_empty(), "{delivered:?}");
+    let waiting: Vec<(String, i32)> = sqlx::query_as(
+        "SELECT convert_from(payload, 'UTF8'), attempts FROM pgbox.outbox ORDER BY seq",
+    )
+    .fetch_all(&outbox_db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        waiting,
+        [("b2".to_owned(), 0)],
+        "behind its key's dead letter, uncounted"
+    );
+}

@@ -973,10 +973,7 @@ pub(crate) async fn publish_in_key_order<P: Publisher>(
 ) -> Vec<Option<Result<(), PublishError>>> {
     let mut results: Vec<Option<Result<(), PublishError>>> = vec![None; batch.len()];
     if publisher.atomic_batches() {
-        let all = checked_publish(publisher, batch).await;
-        for (slot, result) in results.iter_mut().zip(all) {
-            *slot = Some(result);
-        }
+        results = publish_atomic(publisher, batch).await;
     } else {
         // Position of each message within its key's run in this batch.
         let mut seen: HashMap<(&str, &str), usize> = HashMap::new();
@@ -1028,6 +1025,80 @@ pub(crate) async fn publish_in_key_order<P: Publisher>(
             }
         } else if matches!(slot, Some(Err(_)) | None) {
             failed.insert(key);
+        }
+    }
+    results
+}
+
+/// `batch` through a publisher whose batches are atomic: in one call, and when the
+/// transport refuses it, the message at fault is found by halving, so that only that message
+/// counts a failed attempt.
+///
+/// A refused atomic batch published nothing, so its parts can be offered again, in order: a
+/// refused part of several messages is halved (its first half first), a refused single
+/// message is the one at fault. A message is offered only while no earlier message of its
+/// key failed (otherwise `None`: not attempted, nothing counted), so per-key order holds. An
+/// outage ends the search: what was not offered yet reports it too (it waits, uncounted).
+/// Costs one call when the batch goes through, and about two per halving level (the
+/// logarithm of the batch size) per message at fault otherwise.
+async fn publish_atomic<P: Publisher>(
+    publisher: &P,
+    batch: &[Envelope],
+) -> Vec<Option<Result<(), PublishError>>> {
+    let mut results: Vec<Option<Result<(), PublishError>>> = vec![None; batch.len()];
+    let mut failed: HashSet<(&str, &str)> = HashSet::new();
+    let mut outage: Option<PublishError> = None;
+    // Ranges of `batch` still to offer, the next one last. Bounded: each refused range of
+    // several messages is replaced by two with fewer messages each.
+    let mut todo = vec![0..batch.len()];
+    while let Some(range) = todo.pop() {
+        let members: Vec<usize> = range
+            .clone()
+            .filter(|&i| {
+                batch[i]
+                    .ordering_key
+                    .as_deref()
+                    .is_none_or(|k| !failed.contains(&(batch[i].topic.as_str(), k)))
+            })
+            .collect();
+        if members.is_empty() {
+            continue;
+        }
+        if let Some(error) = &outage {
+            for &i in &members {
+                results[i] = Some(Err(error.clone()));
+            }
+            continue;
+        }
+        let got = if members.len() == batch.len() {
+            checked_publish(publisher, batch).await
+        } else {
+            let part: Vec<Envelope> = members.iter().map(|&i| batch[i].clone()).collect();
+            checked_publish(publisher, &part).await
+        };
+        let refused = got
+            .iter()
+            .any(|r| r.as_ref().is_err_and(|e| !e.is_unavailable()));
+        if refused && members.len() > 1 {
+            let middle = members[members.len() / 2];
+            tracing::debug!(
+                messages = members.len(),
+                "pgbox publish: an atomic batch was refused; offering its halves to find the message at fault"
+            );
+            todo.push(middle..range.end);
+            todo.push(range.start..middle);
+            continue;
+        }
+        for (&i, result) in members.iter().zip(got) {
+            if let Err(error) = &result {
+                if let Some(k) = &batch[i].ordering_key {
+                    failed.insert((batch[i].topic.as_str(), k.as_str()));
+                }
+                if error.is_unavailable() {
+                    outage.get_or_insert_with(|| error.clone());
+                }
+            }
+            results[i] = Some(result);
         }
     }
     results
