@@ -534,3 +534,53 @@ async fn requeued_message_that_never_returns_holds_its_key_only_until_the_bound(
     let ids: Vec<_> = dead.iter().map(|d| d.envelope.id).collect();
     assert_eq!(ids, [id1], "the broker dead-lettered a1");
 }
+
+/// The broker closes the publishing channel over one message of a batch (here 406
+/// PRECONDITION_FAILED: over its `max_message_size`, 128 MiB by default), and every confirm
+/// still pending on that channel fails with the same error. Only that message is refused
+/// (counts an attempt at the relay); the others of the batch are published all the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_channel_closed_over_one_message_refuses_that_message_only() {
+    use pgbox::transport::{PublishErrorKind, Publisher, Subscriber};
+
+    let h = harness().await;
+    let topic = h.fresh_topic().await;
+    let rabbit = h.transport(&h.url);
+    let batch = [
+        conformance::envelope(&topic, "before"),
+        conformance::envelope(&topic, vec![7u8; (128 << 20) + 1]),
+        conformance::envelope(&topic, "after"),
+        conformance::envelope(&topic, "last"),
+    ];
+    let results = rabbit.publish(&batch).await;
+    let kinds: Vec<Option<PublishErrorKind>> = results
+        .iter()
+        .map(|r| r.as_ref().err().map(|e| e.kind()))
+        .collect();
+    assert_eq!(
+        kinds,
+        [None, Some(PublishErrorKind::Refused), None, None],
+        "{results:?}"
+    );
+
+    // The three are in the queue (a message acked before the channel closed may be there
+    // twice: at least once).
+    let mut got = std::collections::BTreeSet::new();
+    for _ in 0..50 {
+        if got.len() == 3 {
+            break;
+        }
+        for d in rabbit
+            .receive(&topic, 10, Duration::from_secs(30))
+            .await
+            .unwrap()
+        {
+            got.insert(String::from_utf8(d.envelope().payload.clone()).unwrap());
+            rabbit.ack(&d).await.unwrap();
+        }
+    }
+    let want: std::collections::BTreeSet<String> =
+        ["before", "after", "last"].map(String::from).into();
+    assert_eq!(got, want);
+    rabbit.close().await;
+}

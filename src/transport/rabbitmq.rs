@@ -891,7 +891,8 @@ fn confirmed(confirmation: Confirmation) -> Result<(), PublishError> {
 /// channel over what was sent (a soft AMQP error: 406 message over `max_message_size`, 404
 /// exchange not found, 403 access refused) refuses the message; everything else (I/O, a
 /// connection or channel already closed, a connection-level error such as 320 when the
-/// broker shuts down, a missed heartbeat) is an outage.
+/// broker shuts down, a missed heartbeat) is an outage. The close fails every publish
+/// pending on the channel alike: [`RabbitMq::publish`] finds the one it was over.
 fn lapin_publish_error(what: &str, e: &lapin::Error) -> PublishError {
     let message = format!("{what}: {e}");
     if e.is_amqp_soft_error() {
@@ -908,19 +909,78 @@ fn delay_bucket(delay: Duration) -> u64 {
 }
 
 impl Publisher for RabbitMq {
+    /// See [`RabbitMq::publish_pipelined`]; then, when the broker closed the channel with
+    /// several confirms pending, finds the message it was over.
+    ///
+    /// A channel closed by the broker (a soft AMQP error: 406 over `max_message_size`, say)
+    /// fails every confirm still pending on it with the same error, and the close does not
+    /// say which publish it was over. So the messages that got it are published again one
+    /// at a time, in order, each on a channel of its own: the one the broker closes the
+    /// channel over again is refused (an attempt of that message), the others get their own
+    /// answer. A message acked before the close may so be published twice (the relay's
+    /// delivery is at least once anyway). Only one such message: it is the one.
     async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        let (mut results, closed_over) = self.publish_pipelined(batch).await;
+        let shared: Vec<usize> = (0..batch.len()).filter(|&i| closed_over[i]).collect();
+        if shared.len() < 2 {
+            return results;
+        }
+        tracing::debug!(
+            messages = shared.len(),
+            "pgbox rabbitmq: the broker closed the publishing channel with several confirms pending; publishing them one at a time to find the message at fault"
+        );
+        let mut outage: Option<PublishError> = None;
+        for i in shared {
+            results[i] = match &outage {
+                Some(error) => Err(error.clone()),
+                None => {
+                    let (mut one, _) = self
+                        .publish_pipelined(std::slice::from_ref(&batch[i]))
+                        .await;
+                    let result = one.pop().expect("one result per message");
+                    if let Err(error) = &result
+                        && error.is_unavailable()
+                    {
+                        outage = Some(error.clone());
+                    }
+                    result
+                }
+            };
+        }
+        results
+    }
+}
+
+impl RabbitMq {
+    /// Publishes `batch` on the publishing channel, pipelined, and awaits its confirms.
+    /// Beside each result: whether it failed because the broker closed the channel (a soft
+    /// AMQP error, which every publish pending on the channel shares, whichever message
+    /// it was over).
+    async fn publish_pipelined(
+        &self,
+        batch: &[Envelope],
+    ) -> (Vec<Result<(), PublishError>>, Vec<bool>) {
+        let no_close = vec![false; batch.len()];
         let conn = match self.conn().await {
             Ok(c) => c,
             Err(e) => {
                 // Not the messages' fault, whatever failed on the way (connect, the publish
                 // channel, the exchange's declaration): an outage.
                 tracing::debug!(error = %e, "pgbox rabbitmq publish: no connection");
-                return vec![Err(PublishError::unavailable(e.to_string())); batch.len()];
+                return (
+                    vec![Err(PublishError::unavailable(e.to_string())); batch.len()],
+                    no_close,
+                );
             }
         };
         let exchange = match short(&self.inner.config.exchange) {
             Ok(x) => x,
-            Err(e) => return vec![Err(PublishError::refused(e.to_string())); batch.len()],
+            Err(e) => {
+                return (
+                    vec![Err(PublishError::refused(e.to_string())); batch.len()],
+                    no_close,
+                );
+            }
         };
         // Write the whole batch out, then await the confirms: one round trip per batch.
         // The publishes run concurrently: each waits for lapin's I/O loop to write its
@@ -937,7 +997,7 @@ impl Publisher for RabbitMq {
             });
             let exchange = exchange.clone();
             async move {
-                let (props, routing_key) = prepared?;
+                let (props, routing_key) = prepared.map_err(|e| (e, false))?;
                 let publish = publish_channel.basic_publish(
                     exchange,
                     routing_key,
@@ -950,25 +1010,33 @@ impl Publisher for RabbitMq {
                 );
                 match tokio::time::timeout(bound.limit, publish).await {
                     Ok(Ok(confirm)) => Ok(confirm),
-                    Ok(Err(e)) => Err(lapin_publish_error("publish", &e)),
+                    Ok(Err(e)) => Err((lapin_publish_error("publish", &e), e.is_amqp_soft_error())),
                     Err(_) => {
                         bound.suspect.store(true, Ordering::Relaxed);
-                        Err(PublishError::unavailable(format!(
-                            "publish: no answer within {:?}",
-                            bound.limit
-                        )))
+                        Err((
+                            PublishError::unavailable(format!(
+                                "publish: no answer within {:?}",
+                                bound.limit
+                            )),
+                            false,
+                        ))
                     }
                 }
             }
         });
         let pending = join_all(sends).await;
         let mut results = Vec::with_capacity(batch.len());
+        let mut closed_over = Vec::with_capacity(batch.len());
         let deadline = tokio::time::Instant::now() + self.inner.config.confirm_timeout;
         for (envelope, p) in batch.iter().zip(pending) {
+            let mut closed = false;
             let result = match p {
                 Ok(confirm) => match tokio::time::timeout_at(deadline, confirm).await {
                     Ok(Ok(c)) => confirmed(c),
-                    Ok(Err(e)) => Err(lapin_publish_error("confirm failed", &e)),
+                    Ok(Err(e)) => {
+                        closed = e.is_amqp_soft_error();
+                        Err(lapin_publish_error("confirm failed", &e))
+                    }
                     Err(_) => {
                         // The broker (or the way to it) is silent: replace the connection.
                         bound.suspect.store(true, Ordering::Relaxed);
@@ -977,8 +1045,12 @@ impl Publisher for RabbitMq {
                         ))
                     }
                 },
-                Err(e) => Err(e),
+                Err((e, soft)) => {
+                    closed = soft;
+                    Err(e)
+                }
             };
+            closed_over.push(closed);
             match &result {
                 Ok(()) => {
                     tracing::debug!(message_id = %envelope.id, topic = %envelope.topic, "pgbox rabbitmq published")
@@ -989,7 +1061,7 @@ impl Publisher for RabbitMq {
             }
             results.push(result);
         }
-        results
+        (results, closed_over)
     }
 }
 
