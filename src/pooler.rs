@@ -315,3 +315,82 @@ pub(crate) async fn shares_sessions(pool: &PgPool) -> Result<Option<bool>> {
 
 /// How many times [`shares_sessions`] looks before it answers that sessions are not shared.
 const PROBE_ATTEMPTS: usize = 6;
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    /// The places allowed to begin a transaction some other way than [`super::begin`]:
+    /// each on a connection that is never handed back to a pool in an unknown state (the
+    /// begin itself; the migrator's session, closed on drop; the janitor's own session,
+    /// thrown away after a failed pass; a connection the caller holds, documented).
+    const OTHER_BEGINS: &[(&str, usize)] = &[
+        ("pooler.rs", 1),
+        ("migrate.rs", 1),
+        ("janitor.rs", 1),
+        ("inbox/committing.rs", 1),
+    ];
+
+    fn begins_in(dir: &Path, root: &Path, found: &mut Vec<(String, usize, String)>) {
+        for entry in std::fs::read_dir(dir).expect("read src") {
+            let path = entry.expect("dir entry").path();
+            if path.is_dir() {
+                begins_in(&path, root, found);
+                continue;
+            }
+            if path.extension().is_none_or(|e| e != "rs") {
+                continue;
+            }
+            let text = std::fs::read_to_string(&path).expect("read source");
+            let name = path
+                .strip_prefix(root)
+                .expect("under src")
+                .to_string_lossy()
+                .replace('\\', "/");
+            // Library code only: a file's unit tests follow its `#[cfg(test)]`.
+            let library = text.split("#[cfg(test)]").next().unwrap_or_default();
+            for (n, line) in library.lines().enumerate() {
+                let code = line.trim_start();
+                if code.starts_with("//") {
+                    continue;
+                }
+                let begins = code.contains(".begin()")
+                    || code.contains(".begin_with(")
+                    || code.contains("Transaction::begin(");
+                if begins && (code.contains(".await") || code.contains("Transaction::begin(")) {
+                    found.push((name.clone(), n + 1, code.to_owned()));
+                }
+            }
+        }
+    }
+
+    /// sqlx 0.9.0's own begin, dropped while its `BEGIN` is on the wire, leaves the session
+    /// inside a transaction that the pool then lends on (#34.13, and `DeadLetters::replay`
+    /// after it). Every transaction pgbox begins on a pool goes through `pooler::begin`;
+    /// this keeps a new call site from slipping back to `pool.begin()`.
+    #[test]
+    fn every_begin_on_a_pool_goes_through_pooler_begin() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+        let mut found = Vec::new();
+        begins_in(&root, &root, &mut found);
+        let mut unexpected = Vec::new();
+        for (file, allowed) in OTHER_BEGINS {
+            let here: Vec<_> = found.iter().filter(|(f, _, _)| f == file).collect();
+            if here.len() != *allowed {
+                unexpected.push(format!(
+                    "{file}: {} begins, {allowed} allowed: {here:?}",
+                    here.len()
+                ));
+            }
+        }
+        for site in &found {
+            if !OTHER_BEGINS.iter().any(|(f, _)| *f == site.0) {
+                unexpected.push(format!("{}:{}: {}", site.0, site.1, site.2));
+            }
+        }
+        assert!(
+            unexpected.is_empty(),
+            "begin a transaction on a pool with pooler::begin (drop-safe), not sqlx's begin: {unexpected:#?}"
+        );
+    }
+}

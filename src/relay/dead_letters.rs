@@ -115,7 +115,7 @@ impl DeadLetters {
     ///   replication slot of this database would read them.
     pub async fn replay(&self, ids: &[Uuid]) -> Result<u64> {
         let s = &self.schema;
-        let mut tx = self.pool.begin().await?;
+        let mut tx = crate::pooler::begin(&self.pool, None).await?;
         let sql = format!(
             "DELETE FROM {s}.outbox_dead_letters WHERE message_id = ANY($1) AND seq < 0 \
              RETURNING seq, message_id, topic, ordering_key, payload, content_type, headers"
