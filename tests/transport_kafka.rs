@@ -682,3 +682,42 @@ fn build_refuses_settings_that_void_a_guarantee_or_that_librdkafka_refuses() {
             .unwrap_or_else(|e| panic!("{key}={value} is harmless: {e}"));
     }
 }
+
+/// A fatal error of the idempotent producer (here: the broker answers its first produce
+/// with OUT_OF_ORDER_SEQUENCE_NUMBER, a sequence desynchronization librdkafka cannot
+/// recover from) leaves a producer that fails every later message. It is not the message's
+/// fault: the publish is an outage (never counted, never dead-lettered), and the next
+/// publish goes through a producer made again. On librdkafka's mock cluster, which can
+/// inject the broker's answer (tansu cannot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fatal_producer_error_is_an_outage_and_the_producer_is_made_again() {
+    use pgbox::transport::{PublishErrorKind, Publisher};
+    use rdkafka::mocking::MockCluster;
+    use rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
+
+    support::init_tracing();
+    let mock = MockCluster::new(1).expect("mock cluster");
+    mock.create_topic("fatal", 1, 1).expect("topic");
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[RDKafkaRespErr::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER],
+    );
+    let kafka = Kafka::builder(mock.bootstrap_servers())
+        .declare(false)
+        .build()
+        .expect("valid config");
+
+    let first = kafka
+        .publish(&[conformance::envelope("fatal", "first")])
+        .await;
+    assert_eq!(
+        first[0].as_ref().err().map(|e| e.kind()),
+        Some(PublishErrorKind::Unavailable),
+        "{first:?}"
+    );
+    // A producer left broken fails this one too (with `_FATAL`, refused).
+    let next = kafka
+        .publish(&[conformance::envelope("fatal", "next")])
+        .await;
+    assert!(next[0].is_ok(), "the producer was not made again: {next:?}");
+}

@@ -304,7 +304,7 @@ impl KafkaBuilder {
         Ok(Kafka {
             inner: Arc::new(Inner {
                 config: self,
-                producer: OnceLock::new(),
+                producer: StdMutex::new(None),
                 admin: OnceLock::new(),
                 consumers: StdMutex::new(HashMap::new()),
                 declared: StdMutex::new(HashSet::new()),
@@ -490,7 +490,8 @@ impl fmt::Debug for Kafka {
 
 struct Inner {
     config: KafkaBuilder,
-    producer: OnceLock<FutureProducer>,
+    /// Made on first use, and made again after a fatal error (see [`Kafka::producer`]).
+    producer: StdMutex<Option<FutureProducer>>,
     admin: OnceLock<AdminClient<DefaultClientContext>>,
     consumers: StdMutex<HashMap<String, Arc<TopicConsumer>>>,
     declared: StdMutex<HashSet<String>>,
@@ -625,9 +626,23 @@ impl Kafka {
         self.inner.config.client_config()
     }
 
-    fn producer(&self) -> Result<&FutureProducer> {
-        if let Some(p) = self.inner.producer.get() {
-            return Ok(p);
+    /// The producer, made on first use and made again when librdkafka reports a fatal
+    /// error on it. An idempotent producer's fatal error (a sequence desynchronization with
+    /// the broker, a fenced or unauthorized producer id) leaves it failing every message
+    /// from then on; a new producer starts a new idempotent session.
+    fn producer(&self) -> Result<FutureProducer> {
+        let mut slot = self.inner.producer.lock().expect("producer");
+        if let Some(p) = slot.as_ref() {
+            match p.client().fatal_error() {
+                None => return Ok(p.clone()),
+                Some((code, reason)) => {
+                    tracing::warn!(
+                        ?code,
+                        reason,
+                        "pgbox kafka: the producer hit a fatal error; making a new one"
+                    );
+                }
+            }
         }
         let producer: FutureProducer = self
             .inner
@@ -635,7 +650,9 @@ impl Kafka {
             .producer_config()
             .create()
             .map_err(|e| broker_error("create producer", e))?;
-        Ok(self.inner.producer.get_or_init(|| producer))
+        // The broken one goes when its last in-flight user lets go of it.
+        *slot = Some(producer.clone());
+        Ok(producer)
     }
 
     fn admin(&self) -> Result<&AdminClient<DefaultClientContext>> {
@@ -986,7 +1003,9 @@ fn decode<M: Message>(topic: &str, message: &M) -> Result<Envelope> {
 /// broker down or unreachable: `message.timeout.ms` expired, all brokers down, the local
 /// queue full), and the broker's retriable errors (no leader, not enough replicas, request
 /// timed out, storage error) are an outage; what the broker or librdkafka says about this
-/// message (too large, invalid, an unknown or unauthorized topic) refuses it.
+/// message (too large, invalid, an unknown or unauthorized topic) refuses it. A fatal error
+/// of the producer is an outage whatever the message reports (see [`Kafka::producer`]; the
+/// publish checks the producer after its acks).
 fn kafka_publish_error(what: &str, e: &rdkafka::error::KafkaError) -> PublishError {
     let message = format!("{what}: {e}");
     if e.rdkafka_error_code().is_some_and(is_outage) {
@@ -1001,6 +1020,8 @@ fn is_outage(code: RDKafkaErrorCode) -> bool {
     matches!(
         code,
         C::BrokerDestroy
+            // The producer is broken (see `Kafka::producer`), not the message.
+            | C::Fatal
             | C::BrokerTransportFailure
             | C::Resolve
             | C::MessageTimedOut
@@ -1079,7 +1100,7 @@ impl Publisher for Kafka {
             };
             pending.push(sent);
         }
-        let acks = join_all(pending.into_iter().map(|p| async move {
+        let mut acks = join_all(pending.into_iter().map(|p| async move {
             match p {
                 Ok(future) => match future.await {
                     Ok(Ok(delivery)) => Ok((delivery.partition, delivery.offset)),
@@ -1090,6 +1111,19 @@ impl Publisher for Kafka {
             }
         }))
         .await;
+        // A fatal error of the producer fails what it held, whatever the error each message
+        // reports (`_FATAL`, or the broker's answer that caused it): not the messages'
+        // fault. An outage until the next publish, which makes a new producer.
+        if let Some((code, reason)) = producer.client().fatal_error() {
+            for ack in &mut acks {
+                if let Err(e) = ack {
+                    *e = PublishError::unavailable(format!(
+                        "{e} (the producer hit a fatal error, {code:?}: {reason}; a new one \
+                         is made at the next publish)"
+                    ));
+                }
+            }
+        }
         batch
             .iter()
             .zip(acks)
