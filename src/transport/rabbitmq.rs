@@ -909,8 +909,8 @@ fn delay_bucket(delay: Duration) -> u64 {
 }
 
 impl Publisher for RabbitMq {
-    /// See [`RabbitMq::publish_pipelined`]; then, when the broker closed the channel with
-    /// several confirms pending, finds the message it was over.
+    /// Publishes the batch pipelined (its confirms awaited together); then, when the broker
+    /// closed the channel with several confirms pending, finds the message it was over.
     ///
     /// A channel closed by the broker (a soft AMQP error: 406 over `max_message_size`, say)
     /// fails every confirm still pending on it with the same error, and the close does not
