@@ -114,7 +114,9 @@ async fn check_exactly_once(
 }
 
 // ---------------------------------------------------------------------------------------
-// Findings
+// Findings (fixed: sqlx's transaction depth against the claim's level, the claim's row in the
+// liveness check, 25P01 after the handler read as an ended transaction; each doc comment says
+// what the old code did)
 // ---------------------------------------------------------------------------------------
 
 /// A handler swallows a failed statement (pgbox promises to report that: never
@@ -124,7 +126,7 @@ async fn check_exactly_once(
 /// through the *watched* connection flushes that ROLLBACK and then runs in autocommit: the
 /// effect commits on its own, the inbox row does not, and the redelivery applies it again.
 #[tokio::test]
-async fn finding_a_refused_nested_begin_ends_the_inbox_transaction_and_the_effect_autocommits() {
+async fn a_refused_nested_begin_is_transaction_ended_and_nothing_after_it_autocommits() {
     let db = setup().await;
     let inbox = Inbox::builder(CONSUMER).build().unwrap();
     let mut broken = Vec::new();
@@ -158,7 +160,11 @@ async fn finding_a_refused_nested_begin_ends_the_inbox_transaction_and_the_effec
         }
         broken.extend(exactly_once(&db.pool, &inbox, &key, entry, &first).await);
     }
-    assert!(broken.is_empty(), "not exactly once:\n{}", broken.join("\n"));
+    assert!(
+        broken.is_empty(),
+        "not exactly once:\n{}",
+        broken.join("\n")
+    );
 }
 
 /// A nested unit whose `begin` is given up while its SAVEPOINT is on the wire (a timeout, a
@@ -166,7 +172,7 @@ async fn finding_a_refused_nested_begin_ends_the_inbox_transaction_and_the_effec
 /// savepoints, which pgbox's own batch claim works around). The inbox's transaction ends;
 /// the handler's next statement through the watched connection autocommits.
 #[tokio::test]
-async fn finding_a_nested_begin_given_up_mid_flight_ends_the_inbox_transaction() {
+async fn a_nested_begin_given_up_mid_flight_lets_nothing_run_outside_the_inbox_transaction() {
     let db = setup().await;
     let inbox = Inbox::builder(CONSUMER).build().unwrap();
     let key = "cancelled-begin";
@@ -202,7 +208,7 @@ async fn finding_a_nested_begin_given_up_mid_flight_ends_the_inbox_transaction()
 /// only releases the savepoint. It reports `Processed` having committed nothing, and the
 /// pool gets the connection back inside the open transaction.
 #[tokio::test]
-async fn finding_a_leaked_nested_unit_turns_process_and_commit_into_a_release() {
+async fn a_leaked_nested_unit_is_rolled_back_never_processed_and_never_lent_on_in_a_transaction() {
     let db = setup().await;
     let pool = PgPoolOptions::new()
         .max_connections(1)
@@ -237,7 +243,10 @@ async fn finding_a_leaked_nested_unit_turns_process_and_commit_into_a_release() 
             "process_and_commit returned Processed, but effects {e}, records {r} committed"
         );
     }
-    assert!(!next_in_tx, "the pool lent a connection inside an open transaction");
+    assert!(
+        !next_in_tx,
+        "the pool lent a connection inside an open transaction"
+    );
 }
 
 /// `process` on a transaction whose claim sits in a savepoint (the caller nested it, or a
@@ -247,7 +256,7 @@ async fn finding_a_leaked_nested_unit_turns_process_and_commit_into_a_release() 
 /// gone, the effect written after it commits, and `Processed` is reported. The redelivery
 /// runs the effect again.
 #[tokio::test]
-async fn finding_rollback_to_a_savepoint_older_than_the_claim_undoes_it_and_reports_processed() {
+async fn rollback_to_a_savepoint_older_than_the_claim_is_never_processed() {
     let db = setup().await;
     let inbox = Inbox::builder(CONSUMER).build().unwrap();
     let key = "rollback-to-claim";
@@ -269,7 +278,14 @@ async fn finding_rollback_to_a_savepoint_older_than_the_claim_undoes_it_and_repo
         drop(unit);
         drop(tx);
     }
-    check_exactly_once(&db.pool, &inbox, key, "ROLLBACK TO the claim's savepoint", &first).await;
+    check_exactly_once(
+        &db.pool,
+        &inbox,
+        key,
+        "ROLLBACK TO the claim's savepoint",
+        &first,
+    )
+    .await;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -332,8 +348,15 @@ async fn send(conn: &mut HandlerConnection<'_>, entry: Entry) -> Result<(), sqlx
         Entry::StrExecute => conn.execute("COMMIT").await.map(drop),
         Entry::StrFetchAll => conn.fetch_all("END").await.map(drop),
         Entry::StrFetchOptional => conn.fetch_optional("ROLLBACK").await.map(drop),
-        Entry::StrFetchMany => conn.fetch_many("ABORT").try_collect::<Vec<_>>().await.map(drop),
-        Entry::RawSql => sqlx::raw_sql("commit work").execute(&mut *conn).await.map(drop),
+        Entry::StrFetchMany => conn
+            .fetch_many("ABORT")
+            .try_collect::<Vec<_>>()
+            .await
+            .map(drop),
+        Entry::RawSql => sqlx::raw_sql("commit work")
+            .execute(&mut *conn)
+            .await
+            .map(drop),
         Entry::Query => sqlx::query("COMMIT").execute(&mut *conn).await.map(drop),
         Entry::QueryNotPersistent => sqlx::query("/* x */ COMMIT")
             .persistent(false)
@@ -359,7 +382,9 @@ async fn send(conn: &mut HandlerConnection<'_>, entry: Entry) -> Result<(), sqlx
             .map(drop),
         Entry::PreparedStatement => {
             // Parse only: never executes. Then the prepared statement through the wrapper.
-            let stmt = (&mut *conn).prepare(sqlx::SqlSafeStr::into_sql_str("COMMIT")).await?;
+            let stmt = (&mut *conn)
+                .prepare(sqlx::SqlSafeStr::into_sql_str("COMMIT"))
+                .await?;
             use sqlx::Statement;
             stmt.query().execute(&mut *conn).await.map(drop)
         }
@@ -372,10 +397,7 @@ async fn send(conn: &mut HandlerConnection<'_>, entry: Entry) -> Result<(), sqlx
             .await
             .map(drop),
         Entry::QueryTwoStatements => conn.execute("SELECT 1; COMMIT").await.map(drop),
-        Entry::DoBlockCommit => conn
-            .execute("DO $$BEGIN COMMIT; END$$")
-            .await
-            .map(drop),
+        Entry::DoBlockCommit => conn.execute("DO $$BEGIN COMMIT; END$$").await.map(drop),
         Entry::CallProcedureCommit => conn.execute("CALL committer()").await.map(drop),
         Entry::RollbackAndChain => conn.execute("ROLLBACK AND CHAIN").await.map(drop),
         Entry::CommitAndChain => conn.execute("COMMIT AND CHAIN").await.map(drop),
@@ -399,15 +421,19 @@ async fn every_entry_point(pooler: Pooler, fail: bool) {
         let key = format!("{entry:?}-{fail}");
         let sent = std::sync::Mutex::new(None);
         let first = inbox
-            .process_and_commit(&db.pool, key.as_str(), async |conn: &mut HandlerConnection<'_>| {
-                let r = send(conn, entry).await;
-                *sent.lock().unwrap() = Some(r.map_err(|e| e.to_string()));
-                let _ = effect(conn, &key).await;
-                if fail {
-                    anyhow::bail!("the handler fails after its effect");
-                }
-                Ok::<_, anyhow::Error>(())
-            })
+            .process_and_commit(
+                &db.pool,
+                key.as_str(),
+                async |conn: &mut HandlerConnection<'_>| {
+                    let r = send(conn, entry).await;
+                    *sent.lock().unwrap() = Some(r.map_err(|e| e.to_string()));
+                    let _ = effect(conn, &key).await;
+                    if fail {
+                        anyhow::bail!("the handler fails after its effect");
+                    }
+                    Ok::<_, anyhow::Error>(())
+                },
+            )
             .await;
         let sent = sent.into_inner().unwrap();
         eprintln!("{entry:?}: sent {sent:?}");
@@ -422,11 +448,10 @@ async fn every_entry_point(pooler: Pooler, fail: bool) {
         }
         check_exactly_once(&db.pool, &inbox, &key, &format!("{entry:?}"), &first).await;
     }
-    let proc_effects: i64 =
-        sqlx::query_scalar("SELECT count(*) FROM effects WHERE key = 'proc'")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
+    let proc_effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE key = 'proc'")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
     assert_eq!(proc_effects, 0, "the procedure's COMMIT committed");
 }
 
@@ -453,20 +478,27 @@ async fn every_entry_point_of_the_wrapper_refuses_transaction_control_behind_a_t
 async fn a_stream_dropped_before_its_error_is_never_processed_over_nothing() {
     let db = setup().await;
     for store in [false, true] {
-        let inbox = Inbox::builder(CONSUMER).store_outcomes(store).build().unwrap();
+        let inbox = Inbox::builder(CONSUMER)
+            .store_outcomes(store)
+            .build()
+            .unwrap();
         let key = format!("dropped-stream-{store}");
         let first = inbox
-            .process_and_commit(&db.pool, key.as_str(), async |conn: &mut HandlerConnection<'_>| {
-                effect(conn, &key).await?;
-                {
-                    let mut rows = sqlx::query_scalar::<_, i32>(
-                        "SELECT 1/(3 - n) FROM generate_series(1, 5) AS n",
-                    )
-                    .fetch(&mut *conn);
-                    let _first = rows.next().await;
-                }
-                Ok::<_, anyhow::Error>(Some(1))
-            })
+            .process_and_commit(
+                &db.pool,
+                key.as_str(),
+                async |conn: &mut HandlerConnection<'_>| {
+                    effect(conn, &key).await?;
+                    {
+                        let mut rows = sqlx::query_scalar::<_, i32>(
+                            "SELECT 1/(3 - n) FROM generate_series(1, 5) AS n",
+                        )
+                        .fetch(&mut *conn);
+                        let _first = rows.next().await;
+                    }
+                    Ok::<_, anyhow::Error>(Some(1))
+                },
+            )
             .await;
         let first = first.map(|o| match o {
             Outcome::Processed(_) => Outcome::Processed(()),
@@ -474,8 +506,14 @@ async fn a_stream_dropped_before_its_error_is_never_processed_over_nothing() {
             Outcome::Rejected(r) => Outcome::Rejected(r),
             Outcome::InProgress => Outcome::InProgress,
         });
-        check_exactly_once(&db.pool, &inbox, &key, &format!("dropped stream, store {store}"), &first)
-            .await;
+        check_exactly_once(
+            &db.pool,
+            &inbox,
+            &key,
+            &format!("dropped stream, store {store}"),
+            &first,
+        )
+        .await;
     }
 }
 
@@ -489,7 +527,8 @@ async fn savepoint_games_of_the_handlers_own_stay_inside_the_transaction() {
     let first = inbox
         .process_and_commit(&db.pool, key, async |conn: &mut HandlerConnection<'_>| {
             conn.execute("SAVEPOINT a").await?;
-            conn.execute("INSERT INTO effects VALUES ('undone')").await?;
+            conn.execute("INSERT INTO effects VALUES ('undone')")
+                .await?;
             conn.execute("ROLLBACK TO SAVEPOINT a").await?;
             conn.execute("RELEASE SAVEPOINT a").await?;
             // Release the nested unit's savepoint under it, then let the unit commit.
@@ -509,7 +548,7 @@ async fn savepoint_games_of_the_handlers_own_stay_inside_the_transaction() {
 /// the promised `TransactionEndedInHandler` comes back as an unrelated database error (the
 /// dropped unit's queued `ROLLBACK TO SAVEPOINT`, refused outside a transaction block, 25P01).
 #[tokio::test]
-async fn finding_a_rollback_inside_a_nested_unit_is_not_reported_as_transaction_ended() {
+async fn a_rollback_inside_a_nested_unit_is_reported_as_transaction_ended() {
     let db = setup().await;
     let inbox = Inbox::builder(CONSUMER).build().unwrap();
     let key = "rollback-in-unit";
@@ -524,12 +563,20 @@ async fn finding_a_rollback_inside_a_nested_unit_is_not_reported_as_transaction_
         })
         .await;
     eprintln!("{first:?}");
-    assert!(!matches!(first, Ok(Outcome::Processed(()))), "Processed: {first:?}");
+    assert!(
+        !matches!(first, Ok(Outcome::Processed(()))),
+        "Processed: {first:?}"
+    );
     assert_eq!(records(&db.pool, key).await, 0);
     let ended = first
         .as_ref()
         .err()
         .and_then(|e| e.downcast_ref::<Error>())
-        .map(|e| matches!(e, Error::TransactionEndedInHandler | Error::TransactionAbortedInHandler));
+        .map(|e| {
+            matches!(
+                e,
+                Error::TransactionEndedInHandler | Error::TransactionAbortedInHandler
+            )
+        });
     assert_eq!(ended, Some(true), "reported as {first:?}");
 }

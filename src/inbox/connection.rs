@@ -6,8 +6,11 @@ use std::ops::{Deref, DerefMut};
 use futures_util::future::BoxFuture;
 use futures_util::stream::BoxStream;
 use futures_util::{FutureExt, StreamExt};
-use sqlx::postgres::{PgArguments, PgQueryResult, PgRow, PgStatement, PgTypeInfo};
+use sqlx::postgres::{
+    PgArguments, PgQueryResult, PgRow, PgStatement, PgTransactionManager, PgTypeInfo,
+};
 use sqlx::{Either, Execute, Executor, PgConnection, Postgres, SqlStr};
+use sqlx_core::transaction::TransactionManager;
 
 use crate::pooler::Pooler;
 
@@ -18,7 +21,29 @@ use crate::pooler::Pooler;
 /// **Nested units of work are savepoints.** The connection is inside a transaction sqlx
 /// knows about, so `conn.begin()` (or any API that begins a `Transaction` on it) opens a
 /// savepoint: its `commit()` releases the savepoint and its `rollback()` undoes only the
-/// nested unit, never the inbox's transaction.
+/// nested unit, never the inbox's transaction. pgbox compares sqlx's transaction depth
+/// with the claim's level (no round trip), and these are never reported `Processed`:
+///
+/// - *A nested `begin` that fails or is given up.* sqlx 0.9.0 then rolls back the level
+///   *enclosing* the nested unit (a `SAVEPOINT` refused in an aborted transaction, or a
+///   `begin` dropped while its `SAVEPOINT` awaits the answer, queues a top-level `ROLLBACK`):
+///   the inbox's transaction is over. From then on every statement through the wrapper, and
+///   every pgbox row helper on it, is refused before anything is sent (so nothing runs, let
+///   alone commits, outside the transaction), and the handler's `Ok` becomes
+///   [`Error::TransactionEndedInHandler`]. Return the error instead of carrying on.
+/// - *A nested unit left open* (`mem::forget`, a leaked `Box`): the caller's commit would
+///   only release its savepoint. pgbox rolls the open units back, aborts the transaction and
+///   reports [`Error::TransactionEndedInHandler`]; with `process_and_commit` the pool gets
+///   the connection back outside any transaction.
+/// - *`ROLLBACK TO` a savepoint older than the claim* (one the caller took before calling
+///   [`Inbox::process`](crate::Inbox::process) on a nested unit): it undoes the claim while
+///   the transaction goes on. After a `ROLLBACK TO` through the wrapper (or any use of the
+///   raw connection), the liveness check also asks for the claim's row, written in this
+///   transaction: gone, the answer is [`Error::TransactionEndedInHandler`]. A handler that
+///   sends no `ROLLBACK TO` pays nothing for this.
+/// - *Transaction control inside a nested unit* (a `COMMIT` or `ROLLBACK` sent on the unit)
+///   is reported as [`Error::TransactionEndedInHandler`] too, not as the database error of the
+///   unit's own `RELEASE`/`ROLLBACK TO` that followed it.
 ///
 /// **Nothing sent through the wrapper ends the inbox's transaction.** Two rules give this:
 ///
@@ -61,22 +86,87 @@ use crate::pooler::Pooler;
 /// [`Error::TransactionAbortedInHandler`]: crate::Error::TransactionAbortedInHandler
 pub struct HandlerConnection<'c> {
     conn: &'c mut PgConnection,
+    /// sqlx's transaction depth when the handler got the connection: the claim's level.
+    depth: usize,
     /// A statement sent through the wrapper failed.
     failed: bool,
     /// The raw connection was handed out; what happened on it is unknown.
     unwatched: bool,
+    /// A `ROLLBACK TO` went through the wrapper: it may have named a savepoint older than
+    /// the claim, so the claim's row is checked before success is reported. (On the raw
+    /// connection statements are not read: there only the transaction is checked, which
+    /// keeps that common path free of a read of the inbox row.)
+    rolled_back_to: bool,
     /// Behind a transaction pooler: every statement goes unnamed.
     unnamed: bool,
+}
+
+/// The check a handler's run leaves owed before success may be reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Check {
+    /// Every statement went through the wrapper and succeeded: nothing to check.
+    None,
+    /// The transaction is alive and still the claiming one (a statement failed, or the raw
+    /// connection was handed out).
+    Alive,
+    /// That, and the claim's row is still there: a `ROLLBACK TO` went through the wrapper.
+    /// Costs one index look-up more, inside the same round trip.
+    AliveAndClaimed,
+}
+
+/// Where sqlx's transaction depth stands after the handler, against the claim's level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Nesting {
+    /// At the claim's level: every nested unit the handler opened was ended.
+    Level,
+    /// Below it: sqlx rolled back (or queued a rollback of) the level the claim is in, as it
+    /// does when a nested `begin` fails or is dropped while its `SAVEPOINT` is on the wire.
+    Below,
+    /// Above it by this many levels: nested units left open (leaked, forgotten), whose
+    /// savepoints a commit would only release.
+    Above(usize),
 }
 
 impl<'c> HandlerConnection<'c> {
     pub(crate) fn new(conn: &'c mut PgConnection, pooler: Pooler) -> Self {
         HandlerConnection {
+            depth: PgTransactionManager::get_transaction_depth(conn),
             conn,
             failed: false,
             unwatched: false,
+            rolled_back_to: false,
             unnamed: !pooler.persistent(),
         }
+    }
+
+    /// sqlx's transaction depth now, against the claim's level.
+    pub(crate) fn nesting(&self) -> Nesting {
+        let now = PgTransactionManager::get_transaction_depth(self.conn);
+        match now.cmp(&self.depth) {
+            std::cmp::Ordering::Equal => Nesting::Level,
+            std::cmp::Ordering::Less => Nesting::Below,
+            std::cmp::Ordering::Greater => Nesting::Above(now - self.depth),
+        }
+    }
+
+    /// The error a statement gets instead of being sent once sqlx has rolled back the
+    /// claim's level: sending anything would first flush sqlx's queued `ROLLBACK` and then
+    /// run the statement outside the inbox's transaction (in autocommit at the top level).
+    fn refusal_if_ended(&mut self) -> Option<sqlx::Error> {
+        if self.nesting() != Nesting::Below {
+            return None;
+        }
+        self.failed = true;
+        tracing::error!(
+            "pgbox refused a handler's statement: the inbox's transaction was rolled back under it \
+             (a nested unit's begin failed or was given up)"
+        );
+        Some(sqlx::Error::InvalidArgument(
+            "pgbox: the inbox's transaction was rolled back inside the handler (sqlx rolls back \
+             the enclosing transaction when a nested `begin` fails or is dropped before it \
+             finishes); nothing more can be sent on this connection: return an error"
+                .to_owned(),
+        ))
     }
 
     /// The connection, for a statement pgbox itself sends on the handler's behalf (an
@@ -90,10 +180,17 @@ impl<'c> HandlerConnection<'c> {
         self.failed = true;
     }
 
-    /// Whether the transaction may have been aborted behind the handler's back: then the
-    /// inbox checks before reporting success.
-    pub(crate) fn needs_check(&self) -> bool {
-        self.failed || self.unwatched
+    /// What the inbox must check before reporting success: whether the transaction may have
+    /// been aborted or ended behind the handler's back, and whether a `ROLLBACK TO` may have
+    /// undone the claim.
+    pub(crate) fn needs_check(&self) -> Check {
+        if self.rolled_back_to {
+            Check::AliveAndClaimed
+        } else if self.failed || self.unwatched {
+            Check::Alive
+        } else {
+            Check::None
+        }
     }
 }
 
@@ -102,6 +199,7 @@ impl fmt::Debug for HandlerConnection<'_> {
         f.debug_struct("HandlerConnection")
             .field("failed", &self.failed)
             .field("unwatched", &self.unwatched)
+            .field("rolled_back_to", &self.rolled_back_to)
             .finish_non_exhaustive()
     }
 }
@@ -132,8 +230,11 @@ impl<'c> Executor<'c> for &'c mut HandlerConnection<'_> {
         'c: 'e,
         E: 'q + Execute<'q, Postgres>,
     {
+        if let Some(refused) = self.refusal_if_ended() {
+            return futures_util::stream::once(async move { Err(refused) }).boxed();
+        }
         let failed = &mut self.failed;
-        match Screened::new(query, self.unnamed) {
+        match Screened::new(query, self.unnamed, &mut self.rolled_back_to) {
             Ok(query) => (&mut *self.conn)
                 .fetch_many(query)
                 .inspect(move |r| {
@@ -157,8 +258,11 @@ impl<'c> Executor<'c> for &'c mut HandlerConnection<'_> {
         'c: 'e,
         E: 'q + Execute<'q, Postgres>,
     {
+        if let Some(refused) = self.refusal_if_ended() {
+            return futures_util::future::ready(Err(refused)).boxed();
+        }
         let failed = &mut self.failed;
-        match Screened::new(query, self.unnamed) {
+        match Screened::new(query, self.unnamed, &mut self.rolled_back_to) {
             Ok(query) => (&mut *self.conn)
                 .fetch_optional(query)
                 .inspect(move |r| {
@@ -182,6 +286,9 @@ impl<'c> Executor<'c> for &'c mut HandlerConnection<'_> {
     where
         'c: 'e,
     {
+        if let Some(refused) = self.refusal_if_ended() {
+            return futures_util::future::ready(Err(refused)).boxed();
+        }
         let failed = &mut self.failed;
         (&mut *self.conn)
             .prepare_with(sql, parameters)
@@ -200,6 +307,9 @@ impl<'c> Executor<'c> for &'c mut HandlerConnection<'_> {
     where
         'c: 'e,
     {
+        if let Some(refused) = self.refusal_if_ended() {
+            return futures_util::future::ready(Err(refused)).boxed();
+        }
         let failed = &mut self.failed;
         (&mut *self.conn)
             .describe(sql)
@@ -218,9 +328,10 @@ impl<'c> Executor<'c> for &'c mut HandlerConnection<'_> {
 /// handler's connection the statements stay watched, so using a helper inside a handler costs
 /// no liveness check (passing `&mut **conn`, the raw connection, would owe one). Sealed.
 pub trait ConnectionLike: sealed::Sealed + Send {
-    /// The connection, for one statement.
+    /// The connection, for one statement (refused before it is sent when the handler's
+    /// transaction was rolled back under it: see [`HandlerConnection`]).
     #[doc(hidden)]
-    fn connection(&mut self) -> &mut PgConnection;
+    fn connection(&mut self) -> OneStatement<'_>;
     /// That statement failed (inside a transaction, the transaction is aborted).
     #[doc(hidden)]
     fn statement_failed(&mut self) {}
@@ -242,32 +353,113 @@ mod sealed {
 }
 
 impl ConnectionLike for PgConnection {
-    fn connection(&mut self) -> &mut PgConnection {
-        self
+    fn connection(&mut self) -> OneStatement<'_> {
+        OneStatement {
+            conn: self,
+            refused: None,
+        }
     }
 }
 
 impl ConnectionLike for sqlx::Transaction<'_, Postgres> {
-    fn connection(&mut self) -> &mut PgConnection {
-        self
+    fn connection(&mut self) -> OneStatement<'_> {
+        OneStatement {
+            conn: self,
+            refused: None,
+        }
     }
 }
 
 impl ConnectionLike for sqlx::pool::PoolConnection<Postgres> {
-    fn connection(&mut self) -> &mut PgConnection {
-        self
+    fn connection(&mut self) -> OneStatement<'_> {
+        OneStatement {
+            conn: self,
+            refused: None,
+        }
     }
 }
 
 impl ConnectionLike for HandlerConnection<'_> {
-    fn connection(&mut self) -> &mut PgConnection {
-        self.conn
+    fn connection(&mut self) -> OneStatement<'_> {
+        let refused = self.refusal_if_ended();
+        OneStatement {
+            conn: self.conn,
+            refused,
+        }
     }
     fn statement_failed(&mut self) {
         self.failed = true;
     }
     fn persistent(&self) -> bool {
         !self.unnamed
+    }
+}
+
+/// The executor [`ConnectionLike::connection`] lends for one statement: the connection, or
+/// the error the statement gets instead of being sent.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct OneStatement<'a> {
+    conn: &'a mut PgConnection,
+    refused: Option<sqlx::Error>,
+}
+
+impl<'a> Executor<'a> for OneStatement<'a> {
+    type Database = Postgres;
+
+    fn fetch_many<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> BoxStream<'e, Result<Either<PgQueryResult, PgRow>, sqlx::Error>>
+    where
+        'a: 'e,
+        E: 'q + Execute<'q, Postgres>,
+    {
+        match self.refused {
+            None => self.conn.fetch_many(query),
+            Some(refused) => futures_util::stream::once(async move { Err(refused) }).boxed(),
+        }
+    }
+
+    fn fetch_optional<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> BoxFuture<'e, Result<Option<PgRow>, sqlx::Error>>
+    where
+        'a: 'e,
+        E: 'q + Execute<'q, Postgres>,
+    {
+        match self.refused {
+            None => self.conn.fetch_optional(query),
+            Some(refused) => futures_util::future::ready(Err(refused)).boxed(),
+        }
+    }
+
+    fn prepare_with<'e>(
+        self,
+        sql: SqlStr,
+        parameters: &'e [PgTypeInfo],
+    ) -> BoxFuture<'e, Result<PgStatement, sqlx::Error>>
+    where
+        'a: 'e,
+    {
+        match self.refused {
+            None => self.conn.prepare_with(sql, parameters),
+            Some(refused) => futures_util::future::ready(Err(refused)).boxed(),
+        }
+    }
+
+    fn describe<'e>(
+        self,
+        sql: SqlStr,
+    ) -> BoxFuture<'e, Result<sqlx_core::describe::Describe<Postgres>, sqlx::Error>>
+    where
+        'a: 'e,
+    {
+        match self.refused {
+            None => self.conn.describe(sql),
+            Some(refused) => futures_util::future::ready(Err(refused)).boxed(),
+        }
     }
 }
 
@@ -282,7 +474,11 @@ struct Screened {
 impl Screened {
     /// The query, unless it would end the claim's transaction: then the error the handler
     /// gets instead of running it.
-    fn new<'q, E: Execute<'q, Postgres>>(mut query: E, unnamed: bool) -> Result<Self, sqlx::Error> {
+    fn new<'q, E: Execute<'q, Postgres>>(
+        mut query: E,
+        unnamed: bool,
+        rolled_back_to: &mut bool,
+    ) -> Result<Self, sqlx::Error> {
         // A query without arguments (`raw_sql`, a `&str`) would go out as a simple Query
         // message, in which the server runs every statement of the text. Empty arguments
         // send it through Parse/Bind/Execute instead, where the server refuses a second
@@ -305,6 +501,11 @@ impl Screened {
                  transaction, which pgbox ends itself; nest a unit of work with `conn.begin()` \
                  (a savepoint) instead"
             )));
+        }
+        if rolls_back_to_a_savepoint(sql.as_str()) {
+            // It may name a savepoint older than the claim (the caller's, holding the claim
+            // in a nested unit) and undo the claim while the transaction goes on.
+            *rolled_back_to = true;
         }
         Ok(Screened {
             sql,
@@ -361,6 +562,14 @@ fn transaction_control(sql: &str) -> Option<&'static str> {
         Some("PREPARE") if second.as_deref() == Some("TRANSACTION") => Some("PREPARE TRANSACTION"),
         _ => None,
     }
+}
+
+/// Whether `sql` is `ROLLBACK [WORK | TRANSACTION] TO …`, read as [`transaction_control`]
+/// reads it.
+fn rolls_back_to_a_savepoint(sql: &str) -> bool {
+    let words = leading_words(sql);
+    let is = |i: usize, w: &str| words.get(i).is_some_and(|x| x.eq_ignore_ascii_case(w));
+    is(0, "ROLLBACK") && (is(1, "TO") || ((is(1, "WORK") || is(1, "TRANSACTION")) && is(2, "TO")))
 }
 
 /// The first three words of the first statement of `sql`, as PostgreSQL's lexer reads them

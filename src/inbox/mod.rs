@@ -26,11 +26,13 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use serde::Serialize;
-use sqlx::postgres::PgRow;
+use sqlx::postgres::{PgRow, PgTransactionManager};
 use sqlx::{AssertSqlSafe, PgConnection, Postgres, Row, Transaction};
+use sqlx_core::transaction::TransactionManager;
 use tracing::Instrument;
 
 pub use self::committing::BeginsItsOwn;
+use self::connection::{Check, Nesting};
 pub use self::connection::{ConnectionLike, HandlerConnection};
 pub use self::key::{Key, MAX_CONSUMER_BYTES, MAX_KEY_BYTES, MAX_MESSAGE_ID_BYTES};
 pub(crate) use self::lease::ttl_micros as lease_ttl_micros;
@@ -125,6 +127,8 @@ struct Statements {
     store_outcome: Arc<str>,
     reject: Arc<str>,
     verify: Arc<str>,
+    /// `verify` and the claim's row still there (after a `ROLLBACK TO` in the handler).
+    verify_claimed: Arc<str>,
     claim_batch: Arc<str>,
     claim_batch_plain: Arc<str>,
     batch_unsettled: Arc<str>,
@@ -216,6 +220,7 @@ impl Statements {
             // was ended under the handler (a later one has another id, or none yet), and
             // the "transaction is aborted" error after a swallowed failure.
             verify: "SELECT pg_catalog.pg_current_xact_id_if_assigned() = $1::xid8".into(),
+            verify_claimed: verify_claimed_sql(&format!("{s}.inbox")).into(),
             claim_batch: format!(
                 "INSERT INTO {s}.inbox (consumer, key, message_id) \
                  SELECT $1, k.key, k.message_id FROM unnest($2::text[], $3::text[]) AS k(key, message_id) \
@@ -273,6 +278,7 @@ impl Statements {
             )
             .into(),
             take_expired_lease: None,
+            verify_claimed: verify_claimed_sql(&format!("{s}.partitioned_inbox")).into(),
             store_outcome: update("outcome").into(),
             reject: update("rejection").into(),
             claim_batch: format!("SELECT * FROM {s}.partitioned_inbox_claim_batch($1, $2, $3)")
@@ -280,6 +286,19 @@ impl Statements {
             ..plain
         }
     }
+}
+
+/// The liveness check of [`Inbox::verify_alive`] after a `ROLLBACK TO` in the handler, on
+/// `table` (schema-qualified, quoted): `verify`, and the claim's row still there. False once
+/// a `ROLLBACK TO` a savepoint older than the claim undid the row while the transaction went
+/// on. The row must be the one this transaction wrote (`processed_at = now()`, the test the
+/// outcome's UPDATE makes too), not one a later claimer committed after the undo.
+fn verify_claimed_sql(table: &str) -> String {
+    format!(
+        "SELECT pg_catalog.pg_current_xact_id_if_assigned() = $1::xid8 \
+           AND EXISTS (SELECT FROM {table} WHERE consumer = $2 AND key = $3 \
+                       AND processed_at = pg_catalog.now())"
+    )
 }
 
 /// The sequence watermark statements (shared by both layouts).
@@ -552,8 +571,8 @@ impl Inbox {
             let (outcome, check_owed) = self
                 .record_verdict(tx, &claimed, verdict, needs_check)
                 .await?;
-            if check_owed {
-                self.verify_alive(tx, &claimed)
+            if check_owed != Check::None {
+                self.verify(tx, &claimed, check_owed)
                     .await
                     .map_err(handler_aborted)?;
             }
@@ -808,8 +827,8 @@ impl Inbox {
         conn: &mut PgConnection,
         claimed: &Claimed,
         verdict: Verdict<T>,
-        needs_check: bool,
-    ) -> Result<(Outcome<T>, bool)> {
+        needs_check: Check,
+    ) -> Result<(Outcome<T>, Check)> {
         match verdict {
             Verdict::Accept(value) => {
                 let json = if self.inner.store_outcomes {
@@ -829,9 +848,10 @@ impl Inbox {
                         self.store_json(conn, claimed, json)
                             .await
                             .map_err(handler_ended)?;
-                        false
+                        Check::None
                     }
-                    None => self.inner.verify_transaction && needs_check,
+                    None if self.inner.verify_transaction => needs_check,
+                    None => Check::None,
                 };
                 Ok((Outcome::Processed(value), check_owed))
             }
@@ -839,7 +859,7 @@ impl Inbox {
                 self.store_rejection(conn, claimed, &reason)
                     .await
                     .map_err(handler_ended)?;
-                Ok((Outcome::Rejected(reason), false))
+                Ok((Outcome::Rejected(reason), Check::None))
             }
         }
     }
@@ -864,12 +884,20 @@ impl Inbox {
     /// Checks that the handler left the claim's transaction alive and in place: fails with
     /// the server's "transaction is aborted" error if a statement inside the handler failed,
     /// and with [`Error::TransactionEndedInHandler`] if the connection is no longer in the
-    /// transaction that claimed.
+    /// transaction that claimed. (The idempotency layer's check.)
+    #[cfg(feature = "axum")]
     pub(crate) async fn verify_alive(
         &self,
         conn: &mut PgConnection,
         claimed: &Claimed,
     ) -> Result<()> {
+        self.verify(conn, claimed, Check::Alive).await
+    }
+
+    /// [`verify_alive`](Self::verify_alive); with [`Check::AliveAndClaimed`] the claim's row
+    /// must still be there too (a `ROLLBACK TO` in the handler may have undone it), else
+    /// [`Error::TransactionEndedInHandler`] as well.
+    async fn verify(&self, conn: &mut PgConnection, claimed: &Claimed, check: Check) -> Result<()> {
         metrics::counter!(
             crate::telemetry::INBOX_LIVENESS_CHECKS,
             "consumer" => self.inner.consumer.clone()
@@ -878,15 +906,29 @@ impl Inbox {
         tracing::debug!(
             "pgbox liveness check: the handler used the raw connection, or a statement failed"
         );
-        let same: Option<bool> = sqlx::query_scalar(AssertSqlSafe(self.inner.sql.verify.clone()))
+        let query = match check {
+            Check::AliveAndClaimed => {
+                sqlx::query_scalar(AssertSqlSafe(self.inner.sql.verify_claimed.clone()))
+                    .bind(&claimed.xact)
+                    .bind(&self.inner.consumer)
+                    .bind(&claimed.key)
+            }
+            Check::Alive | Check::None => {
+                sqlx::query_scalar(AssertSqlSafe(self.inner.sql.verify.clone())).bind(&claimed.xact)
+            }
+        };
+        let same: Option<bool> = query
             .persistent(self.inner.persistent())
-            .bind(&claimed.xact)
             .fetch_one(conn)
-            .await?;
+            .await
+            .map_err(|e| handler_aborted(e.into()))?;
         if same == Some(true) {
             Ok(())
         } else {
-            tracing::error!(key = %claimed.key, "pgbox: the claim's transaction was ended inside the handler");
+            tracing::error!(
+                key = %claimed.key,
+                "pgbox: the claim's transaction was ended inside the handler, or its claim rolled back"
+            );
             Err(Error::TransactionEndedInHandler)
         }
     }
@@ -965,10 +1007,16 @@ fn outcome_json<T: Serialize + ?Sized>(value: &T) -> Result<serde_json::Value> {
 }
 
 /// A statement after the handler failing with "transaction is aborted" means the handler
-/// swallowed an error: say so.
+/// swallowed an error: say so. Failing with "no transaction in progress" (25P01: a nested
+/// unit's queued `ROLLBACK TO SAVEPOINT`, flushed by pgbox's statement, found the
+/// transaction ended by transaction control sent inside the unit) means it ended it.
 pub(crate) fn handler_aborted(e: Error) -> Error {
     match e.db_kind() {
         Some(crate::DbErrorKind::TransactionAborted) => Error::TransactionAbortedInHandler,
+        _ if e.sqlstate().as_deref() == Some("25P01") => {
+            tracing::error!("pgbox: the claim's transaction was ended inside the handler");
+            Error::TransactionEndedInHandler
+        }
         _ => e,
     }
 }
@@ -988,19 +1036,35 @@ fn handler_ended(e: Error) -> Error {
 
 /// Runs a handler on the claim's transaction. An error or a panic aborts the transaction on
 /// the server first (see [`abort_transaction`]); a panic then resumes unwinding. Returns the
-/// value and whether the transaction may have been aborted behind the handler's back.
+/// value and the check owed before success may be reported (see [`Check`]).
+///
+/// sqlx's transaction depth is compared with the claim's level once the handler is done,
+/// whatever it returned: below it (sqlx rolled back the claim's level, as it does when a
+/// nested `begin` fails or is dropped mid-flight), or above it (a nested unit left open,
+/// which would turn the caller's commit into a `RELEASE`), the handler's `Ok` becomes
+/// [`Error::TransactionEndedInHandler`], never a success. Both are read from sqlx's
+/// bookkeeping: no round trip.
 pub(crate) async fn run_handler<V, E, F>(
     conn: &mut PgConnection,
     pooler: Pooler,
     handler: F,
-) -> Result<(V, bool), E>
+) -> Result<(V, Check), E>
 where
     F: AsyncFnOnce(&mut HandlerConnection<'_>) -> Result<V, E>,
+    E: From<Error>,
 {
     let mut watched = HandlerConnection::new(&mut *conn, pooler);
     let result = AssertUnwindSafe(handler(&mut watched)).catch_unwind().await;
     let needs_check = watched.needs_check();
+    let nesting = watched.nesting();
+    if nesting != Nesting::Level {
+        restore_level(conn, nesting).await;
+    }
     match result {
+        Ok(Ok(_)) if nesting != Nesting::Level => {
+            abort_transaction(conn).await;
+            Err(Error::TransactionEndedInHandler.into())
+        }
         Ok(Ok(value)) => Ok((value, needs_check)),
         Ok(Err(error)) => {
             tracing::warn!("pgbox handler failed; transaction aborted, roll it back");
@@ -1011,6 +1075,46 @@ where
             tracing::error!("pgbox handler panicked; transaction aborted");
             abort_transaction(conn).await;
             std::panic::resume_unwind(panic);
+        }
+    }
+}
+
+/// Brings sqlx's transaction depth back to the claim's level after a handler that left it
+/// elsewhere (see [`Nesting`]), so that what the caller does next (`commit`, `rollback`, the
+/// pool taking the connection back) acts on the level it expects.
+///
+/// - Above it: every nested unit left open is rolled back, newest first. sqlx's own queued
+///   rollback is used (it lowers the depth whatever the server answers: a level the server
+///   no longer has still leaves sqlx's count). The transaction is aborted afterwards by the
+///   caller, since a `ROLLBACK TO` would otherwise revive an aborted one.
+/// - Below it: sqlx has already rolled back the claim's level, or queued that rollback; it is
+///   sent now rather than with whatever statement comes next on the connection.
+async fn restore_level(conn: &mut PgConnection, nesting: Nesting) {
+    match nesting {
+        Nesting::Level => return,
+        Nesting::Above(levels) => {
+            tracing::error!(
+                levels,
+                "pgbox: the handler left nested units of work open (a leaked Transaction); \
+                 rolled back, the message is not recorded"
+            );
+            for _ in 0..levels {
+                PgTransactionManager::start_rollback(conn);
+            }
+        }
+        Nesting::Below => {
+            tracing::error!(
+                "pgbox: the inbox's transaction was rolled back inside the handler by a nested \
+                 unit's failed or abandoned begin; the message is not recorded"
+            );
+        }
+    }
+    // Sends what sqlx queued and reads every answer: each error ends one wait with the
+    // answers after it still unread, so a few rounds at most (one per queued statement,
+    // plus the in-flight one a dropped begin left). A lost connection fails every round.
+    for _ in 0..8 {
+        if sqlx::Connection::ping(&mut *conn).await.is_ok() {
+            break;
         }
     }
 }
