@@ -398,3 +398,80 @@ async fn an_atomic_batch_refused_for_one_message_counts_only_that_message() {
         "behind its key's dead letter, uncounted"
     );
 }
+
+/// An outage is visible to an operator in the doctor: the messages wait in the outbox,
+/// uncounted, and the age of the oldest one is a `outbox_stalled` finding (a warning, then
+/// critical), naming its topic and saying it was never refused. A young backlog is no
+/// finding, and none is left once the transport is back and the outbox drained.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_shows_in_the_doctor_as_a_stalled_outbox() {
+    use pgbox::doctor::{Code, Doctor, Severity};
+
+    support::init_tracing();
+    let db = TestDb::migrated().await;
+    let topic = "outage.doctor";
+    enqueue(&db.pool, topic).await;
+    let stalled = |report: &pgbox::doctor::Report| -> Vec<pgbox::doctor::Finding> {
+        report.with_code(Code::OutboxStalled).cloned().collect()
+    };
+    let report = Doctor::new().check(&db.pool).await.unwrap();
+    assert!(stalled(&report).is_empty(), "{report:#?}");
+
+    // The relay's broker cannot be reached.
+    let down = RabbitMq::builder(format!("amqp://guest:guest@{}/%2f", nowhere()))
+        .connect_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let relay = Relay::builder(db.pool.clone(), down)
+        .max_attempts(1)
+        .build()
+        .unwrap();
+    let round = relay.relay_once().await.unwrap();
+    assert!(
+        round.unavailable > 0 && round.published + round.retried + round.dead_lettered == 0,
+        "{round:?}"
+    );
+    // Older than the thresholds below.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+
+    let report = Doctor::new()
+        .outbox_age_warn(Duration::from_millis(10))
+        .check(&db.pool)
+        .await
+        .unwrap();
+    let found = stalled(&report);
+    assert_eq!(found.len(), 1, "{report:#?}");
+    let f = &found[0];
+    assert_eq!(f.severity, Severity::Warning);
+    assert_eq!(f.subject.as_deref(), Some(topic));
+    assert_eq!(f.details["attempts"], 0);
+    assert_eq!(f.details["pending"], messages().len());
+    assert!(f.message.contains("never refused"), "{}", f.message);
+    assert!(f.advice.contains("transport unavailable"), "{}", f.advice);
+
+    let report = Doctor::new()
+        .outbox_age_warn(Duration::from_millis(1))
+        .outbox_age_critical(Duration::from_millis(10))
+        .check(&db.pool)
+        .await
+        .unwrap();
+    let found = stalled(&report);
+    assert_eq!(found.len(), 1, "{report:#?}");
+    assert_eq!(found[0].severity, Severity::Critical);
+
+    // Back: drained, nothing stalled.
+    let back = Relay::builder(db.pool.clone(), pgbox::transport::DiscardPublisher)
+        .build()
+        .unwrap();
+    let drained = tokio::time::timeout(Duration::from_secs(60), back.drain())
+        .await
+        .expect("drain finishes")
+        .unwrap();
+    assert_eq!(drained.dead_lettered, 0, "{drained:?}");
+    let report = Doctor::new()
+        .outbox_age_warn(Duration::from_millis(1))
+        .check(&db.pool)
+        .await
+        .unwrap();
+    assert!(stalled(&report).is_empty(), "{report:#?}");
+}

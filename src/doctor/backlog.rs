@@ -1,5 +1,5 @@
 //! What waits: the notification queue, the time-partitioned inbox's partitions, leases,
-//! and dead letters.
+//! dead letters, and the outbox's oldest unpublished message.
 
 use super::format::*;
 use super::*;
@@ -229,5 +229,87 @@ impl Doctor {
             );
         }
         Ok(findings)
+    }
+
+    /// The oldest unpublished message of the table outbox, when it is older than
+    /// `outbox_age_warn`. Reads the head of `outbox_pending_idx` (and counts the pending
+    /// messages up to [`DEAD_LETTER_COUNT_CAP`]), never the whole table.
+    pub(super) async fn check_outbox_backlog(
+        &self,
+        conn: &mut PgConnection,
+    ) -> Result<Option<Finding>> {
+        let s = &self.schema;
+        let row = sqlx::query(AssertSqlSafe(format!(
+            "SELECT extract(epoch FROM pg_catalog.clock_timestamp() - o.created_at)::float8, \
+                    o.topic, o.ordering_key, o.attempts, o.last_error, \
+                    (SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {s}.outbox \
+                       WHERE published_at IS NULL LIMIT $1) p)::int8 \
+             FROM {s}.outbox AS o WHERE o.published_at IS NULL ORDER BY o.seq LIMIT 1"
+        )))
+        .persistent(false)
+        .bind(DEAD_LETTER_COUNT_CAP)
+        .fetch_optional(&mut *conn)
+        .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let age: f64 = row.try_get(0)?;
+        let critical = age >= self.outbox_age_critical.as_secs_f64();
+        if !critical && age < self.outbox_age_warn.as_secs_f64() {
+            return Ok(None);
+        }
+        let topic: String = row.try_get(1)?;
+        let ordering_key: Option<String> = row.try_get(2)?;
+        let attempts: i32 = row.try_get(3)?;
+        let last_error: Option<String> = row.try_get(4)?;
+        let pending: i64 = row.try_get(5)?;
+        let count = if pending >= DEAD_LETTER_COUNT_CAP {
+            format!("{}+", group_digits(pending))
+        } else {
+            group_digits(pending)
+        };
+        let why = match (&last_error, attempts) {
+            (Some(error), n) if n > 0 => format!(
+                "the transport refused it {n} time(s) (last error: {error}); it is retried with \
+                 backoff and dead-lettered after the relay's max_attempts"
+            ),
+            _ => "it was never refused: no relay publishes this topic, or the relay's transport \
+                  is unavailable"
+                .to_owned(),
+        };
+        let schema = s.as_str();
+        Ok(Some(
+            Finding::new(
+                if critical {
+                    Severity::Critical
+                } else {
+                    Severity::Warning
+                },
+                Code::OutboxStalled,
+                format!(
+                    "the oldest unpublished outbox message (topic \"{topic}\") was enqueued {} \
+                     ago, and {count} message(s) wait: {why}",
+                    human_duration(age)
+                ),
+                format!(
+                    "Check that a relay runs for schema {schema}. A transport outage counts no \
+                     attempt and dead-letters nothing: the messages wait here while the relay \
+                     logs `pgbox relay: transport unavailable` once per round and sets \
+                     pgbox_relay_transport_unavailable{{topic}} to 1; bring the broker back (or \
+                     the relay's route to it) and they flow. A message of an ordering key with \
+                     a dead letter waits behind it: see the dead_letters findings."
+                ),
+            )
+            .subject(topic.clone())
+            .details(json!({
+                "age_seconds": age,
+                "topic": topic,
+                "ordering_key": ordering_key,
+                "attempts": attempts,
+                "last_error": last_error,
+                "pending": pending,
+                "capped": pending >= DEAD_LETTER_COUNT_CAP,
+            })),
+        ))
     }
 }

@@ -50,6 +50,13 @@
 //!   When the queue is full, every transaction that notifies fails at commit.
 //! - **Dead letters** ([`Check::DeadLetters`]): the outbox's and the built-in queue's, counted up
 //!   to [`DEAD_LETTER_COUNT_CAP`] each.
+//! - **Outbox backlog** ([`Check::OutboxBacklog`]): the age of the oldest unpublished message
+//!   of the table outbox (warning from [`Doctor::outbox_age_warn`], default 5 minutes;
+//!   critical from [`Doctor::outbox_age_critical`], default 1 hour). A relay that is down, or
+//!   whose transport is unavailable, shows here: an outage counts no attempt and dead-letters
+//!   nothing, so the messages wait in the outbox and their age is the signal. No finding
+//!   while the oldest is younger than the warning age. (The WAL outbox's oldest unpublished
+//!   commit is reported by the WAL slots check.)
 //! - **Replication** ([`Check::Replication`]): whether a failover can lose commits pgbox already
 //!   acknowledged. A primary with standbys (`pg_stat_replication`) whose commits do not wait
 //!   for one (`synchronous_standby_names` empty, or `synchronous_commit` not `on`,
@@ -153,6 +160,9 @@ pub enum Check {
     NotificationQueue,
     /// Dead letters waiting (`dead_letters`).
     DeadLetters,
+    /// The oldest unpublished message of the table outbox, by age (`outbox_backlog`; a
+    /// finding only when it is old).
+    OutboxBacklog,
     /// Partitions of the time-partitioned inbox created ahead (`inbox_partitions`; only in
     /// schemas that use it).
     InboxPartitions,
@@ -181,6 +191,7 @@ impl Check {
             Check::XminHorizon => "xmin_horizon",
             Check::NotificationQueue => "notification_queue",
             Check::DeadLetters => "dead_letters",
+            Check::OutboxBacklog => "outbox_backlog",
             Check::InboxPartitions => "inbox_partitions",
             Check::InboxLeases => "inbox_leases",
             Check::Replication => "replication",
@@ -254,6 +265,10 @@ pub enum Code {
     OutboxDeadLetters,
     /// Dead letters of the built-in queue are waiting (`queue_dead_letters`; warning).
     QueueDeadLetters,
+    /// The oldest unpublished outbox message is older than [`Doctor::outbox_age_warn`]
+    /// (`outbox_stalled`; warning, critical from [`Doctor::outbox_age_critical`]): no relay
+    /// runs, or its transport is unavailable (an outage), or it refuses the message.
+    OutboxStalled,
     /// The partitioned inbox has partitions ahead (`inbox_partitions_ok`; ok).
     InboxPartitionsOk,
     /// The partitioned inbox is running out of partitions (`inbox_partitions_running_out`;
@@ -325,6 +340,7 @@ impl Code {
             Code::NoDeadLetters => "no_dead_letters",
             Code::OutboxDeadLetters => "outbox_dead_letters",
             Code::QueueDeadLetters => "queue_dead_letters",
+            Code::OutboxStalled => "outbox_stalled",
             Code::InboxPartitionsOk => "inbox_partitions_ok",
             Code::InboxPartitionsRunningOut => "inbox_partitions_running_out",
             Code::InboxLeasesConsistent => "inbox_leases_consistent",
@@ -363,6 +379,7 @@ impl Code {
             Code::NoDeadLetters | Code::OutboxDeadLetters | Code::QueueDeadLetters => {
                 Check::DeadLetters
             }
+            Code::OutboxStalled => Check::OutboxBacklog,
             Code::InboxPartitionsOk | Code::InboxPartitionsRunningOut => Check::InboxPartitions,
             Code::InboxLeasesConsistent | Code::InboxLeaseInconsistent => Check::InboxLeases,
             Code::ReplicationOk | Code::AsyncReplication | Code::ServerIsStandby => {
@@ -542,6 +559,8 @@ pub struct Doctor {
     statement_timeout: Duration,
     application_role: Option<Identifier>,
     wal_slot_retained_warn: i64,
+    outbox_age_warn: Duration,
+    outbox_age_critical: Duration,
 }
 
 impl Default for Doctor {
@@ -568,6 +587,8 @@ impl Doctor {
             statement_timeout: Duration::from_secs(10),
             application_role: None,
             wal_slot_retained_warn: 1024 * 1024 * 1024,
+            outbox_age_warn: Duration::from_secs(5 * 60),
+            outbox_age_critical: Duration::from_secs(60 * 60),
         }
     }
 
@@ -646,6 +667,22 @@ impl Doctor {
     /// WAL a logical slot may retain before it is a warning (default 1 GiB).
     pub fn wal_slot_retained_warn(mut self, bytes: i64) -> Self {
         self.wal_slot_retained_warn = bytes;
+        self
+    }
+
+    /// The oldest unpublished message of the table outbox this old is a warning
+    /// ([`Code::OutboxStalled`]): no relay publishes it, or the relay's transport is
+    /// unavailable (an outage keeps messages waiting, uncounted), or the transport refuses it.
+    /// Default 5 minutes; set it above the longest backlog your relay drains in normal
+    /// running.
+    pub fn outbox_age_warn(mut self, age: Duration) -> Self {
+        self.outbox_age_warn = age;
+        self
+    }
+
+    /// ... and this old, critical. Default 1 hour. When below the warning age, this one wins.
+    pub fn outbox_age_critical(mut self, age: Duration) -> Self {
+        self.outbox_age_critical = age;
         self
     }
 
@@ -780,6 +817,9 @@ impl Doctor {
         findings.extend(xmin_findings);
         findings.push(self.check_notification_queue(&mut tx).await?);
         findings.extend(self.check_dead_letters(&mut tx, &tables).await?);
+        if tables.contains(&"outbox") {
+            findings.extend(self.check_outbox_backlog(&mut tx).await?);
+        }
         if versions.contains(&10) {
             findings.extend(self.check_inbox_partitions(&mut tx).await?);
         }
