@@ -1,9 +1,11 @@
 //! The table relay through a transport outage longer than its whole retry budget
 //! (`max_attempts(2)`, millisecond backoffs): no message is dead-lettered, and once the
 //! transport is back every message is delivered, in per-key order. One test per transport
-//! the relay publishes to: the built-in queue (its pool on another database), RabbitMQ and
-//! NATS, each reached through a TCP proxy that the test points at a port where nothing
-//! listens for the outage.
+//! the relay publishes to: the built-in queue (its pool on another database), RabbitMQ,
+//! NATS and Kafka (a tansu broker of the test's own), each reached through a TCP proxy that
+//! the test points at a port where nothing listens for the outage. Then what an outage must
+//! not do either: an atomic batch refused for one message counts only that message, and an
+//! outage shows in the doctor.
 
 mod support;
 
@@ -474,4 +476,70 @@ async fn an_outage_shows_in_the_doctor_as_a_stalled_outbox() {
         .await
         .unwrap();
     assert!(stalled(&report).is_empty(), "{report:#?}");
+}
+
+/// A tansu broker of this test's own, advertised at `proxy`'s address (so every client
+/// connection goes through the proxy); killed, and its directory removed, on drop.
+struct OwnKafka {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+}
+
+impl Drop for OwnKafka {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_outage_longer_than_the_retry_budget_dead_letters_nothing() {
+    use pgbox::transport::kafka::Kafka;
+
+    support::init_tracing();
+    let db = TestDb::migrated().await;
+    let tansu = tokio::task::spawn_blocking(brokers::kafka::tansu)
+        .await
+        .unwrap()
+        .expect("the tansu broker");
+    let listen = nowhere();
+    let proxy = Proxy::start(listen).await;
+    let dir = std::env::temp_dir().join(format!(
+        "pgbox-kafka-outage-{}",
+        uuid::Uuid::now_v7().simple()
+    ));
+    let _broker = OwnKafka {
+        child: brokers::kafka::spawn(&tansu, listen, proxy.addr(), &dir).expect("start tansu"),
+        dir,
+    };
+    let build = || {
+        Kafka::builder(proxy.addr().to_string())
+            .partitions(2)
+            .session_timeout(Duration::from_secs(3))
+            .receive_wait(Duration::from_millis(100))
+            .build()
+            .unwrap()
+    };
+    let direct = build();
+    let topic = "outage.kafka";
+    // Bounded: tansu answers within seconds of its start.
+    let mut declared = Err(pgbox::Error::InvalidConfig("not tried".into()));
+    for _ in 0..60 {
+        declared = direct.declare_topic(topic).await;
+        if declared.is_ok() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    declared.expect("declare the topic on tansu");
+    enqueue(&db.pool, topic).await;
+
+    // Each publish during the outage waits out the producer's message.timeout.ms (30 s).
+    let relay_transport = build();
+    relay_transport.declare_topic(topic).await.unwrap();
+    ride_out_outage(&db.pool, relay_transport, &proxy, listen).await;
+
+    let delivered = receive_all(&direct, topic, messages().len()).await;
+    assert_all_in_key_order(&delivered);
 }
