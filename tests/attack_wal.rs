@@ -188,7 +188,7 @@ async fn rounds_until<P: Publisher>(
 }
 
 // ---------------------------------------------------------------------------------------------
-// Findings
+// Findings (fixed; kept as regression tests under descriptive names)
 // ---------------------------------------------------------------------------------------------
 
 /// A message dead-lettered in a transaction the slot has not passed yet (another message of
@@ -198,7 +198,7 @@ async fn rounds_until<P: Publisher>(
 /// `dead` and treats the replayed copy as settled: it is never offered, the slot moves past
 /// it, and the message is gone (neither published nor in the dead letters).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_a_replayed_dead_letter_whose_transaction_is_not_passed_yet_is_lost() {
+async fn a_replayed_dead_letter_whose_transaction_the_slot_has_not_passed_is_published() {
     let (_cluster, pool, slot) = logical(&[]).await;
     // One business transaction, two topics' messages: `orders` refuses m1, `audit` is down.
     emit(
@@ -220,7 +220,11 @@ async fn finding_a_replayed_dead_letter_whose_transaction_is_not_passed_yet_is_l
         .build()
         .unwrap();
     let round = relay.relay_once().await.unwrap();
-    assert_eq!((round.dead_lettered, round.unavailable), (1, 1), "{round:?}");
+    assert_eq!(
+        (round.dead_lettered, round.unavailable),
+        (1, 1),
+        "{round:?}"
+    );
     assert_eq!(dead_payloads(&pool).await, ["m1"]);
 
     // The operator fixes what made m1 fail and replays it; the audit broker comes back.
@@ -228,7 +232,10 @@ async fn finding_a_replayed_dead_letter_whose_transaction_is_not_passed_yet_is_l
         s.refuse.clear();
         s.unavailable.clear();
     });
-    assert_eq!(DeadLetters::new(pool.clone()).replay_all().await.unwrap(), 1);
+    assert_eq!(
+        DeadLetters::new(pool.clone()).replay_all().await.unwrap(),
+        1
+    );
     let report = relay.drain().await.unwrap();
     let published = broker.published();
     let dead = dead_payloads(&pool).await;
@@ -246,7 +253,7 @@ async fn finding_a_replayed_dead_letter_whose_transaction_is_not_passed_yet_is_l
 /// its schema: one read of 20,000 changes full of the other schema's transactions. Its own
 /// message, committed after them, is left unpublished, and drain reports success.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_drain_returns_with_its_schemas_message_behind_another_schemas_backlog() {
+async fn drain_reads_past_another_schemas_backlog_to_its_own_message() {
     let (_cluster, pool, slot) = logical(&[]).await;
     Migrator::new()
         .schema("other")
@@ -287,7 +294,7 @@ async fn finding_drain_returns_with_its_schemas_message_behind_another_schemas_b
 /// next read returns the same changes. The relay is stuck for good; every pgbox message
 /// behind them waits forever (and the slot retains WAL until it is invalidated).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_a_read_full_of_non_transactional_foreign_messages_wedges_the_relay() {
+async fn a_read_full_of_other_apps_non_transactional_messages_moves_the_slot_past_them() {
     let (_cluster, pool, slot) = logical(&[]).await;
     sqlx::query(
         "SELECT count(pg_logical_emit_message(false, 'heartbeat', 'beat')) \
@@ -316,7 +323,7 @@ async fn finding_a_read_full_of_non_transactional_foreign_messages_wedges_the_re
 /// dead-lettered (`pgbox.undecodable`), never skipped silently. Instead every round fails
 /// ("a message outside a transaction") and nothing after it is ever published.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_a_non_transactional_emit_under_the_prefix_wedges_the_relay() {
+async fn a_non_transactional_emit_under_the_prefix_is_dead_lettered_and_the_relay_goes_on() {
     let (_cluster, pool, slot) = logical(&[]).await;
     sqlx::query("SELECT pg_logical_emit_message(false, 'pgbox:pgbox', 'not pgbox''s format')")
         .execute(&pool)
@@ -340,13 +347,14 @@ async fn finding_a_non_transactional_emit_under_the_prefix_wedges_the_relay() {
         "10 rounds: errors {:?}",
         errors.first()
     );
+    assert!(errors.is_empty(), "no round fails over it: {errors:?}");
 }
 
 /// Two schemas' relays on one slot (nothing says a slot serves one schema, and nothing
 /// refuses it): the reader of schema `pgbox` passes over schema `other`'s messages and moves
 /// the slot past them. When `other`'s relay becomes the reader, they are gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_two_schemas_relays_sharing_a_slot_lose_the_other_schemas_messages() {
+async fn a_slot_serves_one_schema_and_another_schemas_relay_is_refused_naming_both() {
     let (_cluster, pool, slot) = logical(&[]).await;
     Migrator::new()
         .schema("other")
@@ -383,14 +391,34 @@ async fn finding_two_schemas_relays_sharing_a_slot_lose_the_other_schemas_messag
             }
         }
     }
-    let refused = matches!(a, Err(Error::WalSlot { .. }))
-        || matches!(b, Some(Err(Error::WalSlot { .. })));
+    let refused =
+        matches!(a, Err(Error::WalSlot { .. })) || matches!(b, Some(Err(Error::WalSlot { .. })));
     assert!(
         refused || broker_b.published() == ["b1"],
         "schema other's b1 is lost: relay a {a:?} published {:?}; relay b {b:?} published {:?}",
         broker_a.published(),
         broker_b.published()
     );
+    // The decision: the slot is the first reader's schema's; another schema's relay is
+    // refused, typed, naming both, and reads nothing.
+    assert!(a.is_ok(), "{a:?}");
+    assert_eq!(broker_a.published(), ["a1"]);
+    match b {
+        Some(Err(Error::WalSlot { slot, reason })) => {
+            assert_eq!(slot, "pgbox_outbox");
+            assert!(
+                reason.contains("schema pgbox") && reason.contains("schema other"),
+                "{reason}"
+            );
+        }
+        other => panic!("relay of schema other: {other:?}"),
+    }
+    assert!(broker_b.published().is_empty());
+    // Refused at every try, not once.
+    assert!(matches!(
+        relay_b.relay_once().await,
+        Err(Error::WalSlot { .. })
+    ));
 }
 
 /// `DeadLetters::replay` is "refused with Error::WalSlot when no logical slot would read
@@ -398,7 +426,7 @@ async fn finding_two_schemas_relays_sharing_a_slot_lose_the_other_schemas_messag
 /// slot (`wal_status = lost`, past `max_slot_wal_keep_size`), which will never read anything
 /// again, passes. The replay deletes the dead letter and emits into WAL no slot reads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_replay_with_only_an_invalidated_slot_is_accepted_and_the_message_is_lost() {
+async fn replay_with_only_an_invalidated_slot_is_refused_and_keeps_the_dead_letter() {
     let (cluster, pool, slot) = logical(&["max_slot_wal_keep_size = '1MB'"]).await;
     emit(&pool, vec![keyed("dead-1", "A")]).await;
     let broker = Broker::default();
@@ -449,7 +477,7 @@ async fn finding_replay_with_only_an_invalidated_slot_is_accepted_and_the_messag
 /// between `i64::MIN / 2` and 0), which `replay` knows how to order, are listed newest first,
 /// and after every current one although they are older; `list(1)` gives the newest.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_list_orders_old_formula_wal_dead_letters_newest_first() {
+async fn list_orders_old_and_current_wal_dead_letters_as_replay_does() {
     let (_cluster, pool, slot) = logical(&[]).await;
     let old = |position: i64, index: i64| -(position * 1024) - index;
     let rows: [(i64, &str); 4] = [
@@ -490,6 +518,126 @@ async fn finding_list_orders_old_formula_wal_dead_letters_newest_first() {
         "replay's order"
     );
     assert_eq!(listed, ["old-1", "old-2", "old-3", "new-4"], "list's order");
+}
+
+/// The sweep of the last two findings: a replay is refused, typed, keeping its dead
+/// letters, when the only live slot is claimed by another schema's relay (it would pass the
+/// replayed messages over); accepted once a slot of its own exists.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_is_refused_when_the_only_live_slot_is_another_schemas() {
+    let (_cluster, pool, slot) = logical(&[]).await;
+    Migrator::new()
+        .schema("other")
+        .unwrap()
+        .run(&pool)
+        .await
+        .unwrap();
+    // Schema other's relay reads the slot first: it is other's.
+    let other_relay = WalRelay::builder(pool.clone(), slot.clone(), Broker::default())
+        .schema("other")
+        .build()
+        .unwrap();
+    other_relay.drain().await.unwrap();
+    drop(other_relay);
+    let old = i64::MIN + 0x0100_0000;
+    sqlx::query(
+        "INSERT INTO pgbox.outbox_dead_letters \
+           (seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, attempts) \
+         VALUES ($1, $2, 't', 'A', 'dead-1', 'application/octet-stream', '{}', now(), 10)",
+    )
+    .bind(old)
+    .bind(uuid::Uuid::now_v7())
+    .execute(&pool)
+    .await
+    .unwrap();
+    let dead = DeadLetters::new(pool.clone());
+    let err = dead.replay_all().await.unwrap_err();
+    match &err {
+        Error::WalSlot { reason, .. } => assert!(reason.contains("schema pgbox"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(dead_payloads(&pool).await, ["dead-1"], "kept");
+
+    // A slot of its own: replayed and published by its relay.
+    let own = WalSlot::new("pgbox_own").unwrap();
+    own.create(&pool).await.unwrap();
+    let broker = Broker::default();
+    let relay = WalRelay::builder(pool.clone(), own.clone(), broker.clone())
+        .build()
+        .unwrap();
+    relay.drain().await.unwrap(); // claims it for schema pgbox
+    assert_eq!(dead.replay_all().await.unwrap(), 1);
+    relay.drain().await.unwrap();
+    assert_eq!(broker.published(), ["dead-1"]);
+    assert!(dead_payloads(&pool).await.is_empty());
+}
+
+/// `DeadLetters::list` over generated `seq`s of all three kinds, boundaries included
+/// (`i64::MIN`, the ceiling between the WAL formulas, -1, 1, `i64::MAX`): the earlier
+/// release's WAL dead letters first in their original order (minus the position times 1,024
+/// minus the index: the original order is descending `seq`), then the current ones (`i64::MIN`
+/// plus the position: ascending), then the table outbox's (ascending); `list(n)` is a prefix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn list_orders_generated_dead_letters_of_every_kind_in_original_order() {
+    let db = support::TestDb::migrated().await;
+    let ceiling = i64::MIN / 2;
+    let mut seqs: Vec<i64> = vec![i64::MIN, ceiling - 1, ceiling, -1, 1, i64::MAX];
+    let mut x: u64 = 0x2545_F491_4F6C_DD1D;
+    while seqs.len() < 300 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let seq = match x % 3 {
+            0 => i64::MIN + (x >> 3) as i64 % (1 << 62),
+            1 => -(((x >> 8) % (1 << 40)) as i64 * 1024) - ((x >> 2) % 1024) as i64 - 1,
+            _ => 1 + ((x >> 1) % (1 << 62)) as i64,
+        };
+        if !seqs.contains(&seq) {
+            seqs.push(seq);
+        }
+    }
+    for seq in &seqs {
+        sqlx::query(
+            "INSERT INTO pgbox.outbox_dead_letters \
+               (seq, message_id, topic, payload, content_type, headers, created_at, attempts) \
+             VALUES ($1, $2, 't', '', 'application/octet-stream', '{}', now(), 1)",
+        )
+        .bind(seq)
+        .bind(uuid::Uuid::now_v7())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let mut old: Vec<i64> = seqs
+        .iter()
+        .copied()
+        .filter(|&s| (ceiling..0).contains(&s))
+        .collect();
+    old.sort_by(|a, b| b.cmp(a));
+    let mut current: Vec<i64> = seqs.iter().copied().filter(|&s| s < ceiling).collect();
+    current.sort();
+    let mut table: Vec<i64> = seqs.iter().copied().filter(|&s| s > 0).collect();
+    table.sort();
+    let want: Vec<i64> = old.into_iter().chain(current).chain(table).collect();
+    let dead = DeadLetters::new(db.pool.clone());
+    let listed: Vec<i64> = dead
+        .list(1000)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| d.seq)
+        .collect();
+    assert_eq!(listed, want);
+    for n in [1usize, 7, 150] {
+        let prefix: Vec<i64> = dead
+            .list(n as i64)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|d| d.seq)
+            .collect();
+        assert_eq!(prefix, want[..n]);
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -582,7 +730,10 @@ async fn prepared_transactions_publish_at_commit_prepared_once() {
         emit(&pool, vec![keyed("plain", "B")]).await;
     }
     relay.drain().await.unwrap();
-    assert!(broker.published_of("A").is_empty(), "nothing before COMMIT PREPARED");
+    assert!(
+        broker.published_of("A").is_empty(),
+        "nothing before COMMIT PREPARED"
+    );
     sqlx::query("COMMIT PREPARED 'p-commit'")
         .execute(&pool)
         .await
@@ -678,7 +829,10 @@ async fn rounds_cancelled_at_random_points_lose_nothing() {
             if (t * 4 + j) % 23 == 0 {
                 refused.insert(payload.clone());
             } else {
-                expected.entry(key.clone()).or_default().push(payload.clone());
+                expected
+                    .entry(key.clone())
+                    .or_default()
+                    .push(payload.clone());
             }
             batch.push(keyed(&payload, &key));
         }
@@ -779,7 +933,11 @@ async fn two_relays_on_one_slot_publish_everything() {
 async fn an_outage_after_a_refusal_counts_nothing_and_dead_letters_nothing() {
     let (_cluster, pool, slot) = logical(&[]).await;
     for i in 1..=3 {
-        emit(&pool, vec![keyed(&format!("a{i}"), "A"), plain(&format!("u{i}"))]).await;
+        emit(
+            &pool,
+            vec![keyed(&format!("a{i}"), "A"), plain(&format!("u{i}"))],
+        )
+        .await;
     }
     let broker = Broker::default();
     broker.set(|s| {
@@ -881,7 +1039,10 @@ async fn a_replay_over_64_mib_keeps_the_order() {
         .unwrap();
     relay.drain().await.unwrap();
     broker.0.lock().unwrap().0 = false;
-    assert_eq!(DeadLetters::new(pool.clone()).replay_all().await.unwrap(), 9);
+    assert_eq!(
+        DeadLetters::new(pool.clone()).replay_all().await.unwrap(),
+        9
+    );
     relay.drain().await.unwrap();
     let want: Vec<String> = (0..9).map(|i| format!("big-{i}")).collect();
     assert_eq!(broker.0.lock().unwrap().1, want);

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::ident::DEFAULT_SCHEMA;
 use crate::ident::Identifier;
 use crate::outbox::{Message, WAL_ASLEEP_LOCK_CLASS, wal};
-use crate::relay::wal::WAL_SEQ_CEILING;
+use crate::relay::wal::{WAL_SEQ_CEILING, slot_claim};
 
 /// A message that failed every publish attempt.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,17 +70,25 @@ impl DeadLetters {
         })
     }
 
-    /// Up to `limit` dead letters: the WAL outbox's first, in WAL order, then the table
-    /// outbox's, in outbox order.
+    /// Up to `limit` dead letters: the WAL outbox's first, in WAL order (an earlier
+    /// release's before the current ones, as [`replay`](Self::replay) orders them), then the
+    /// table outbox's, in outbox order.
     pub async fn list(&self, limit: i64) -> Result<Vec<DeadLetter>> {
+        // The SQL twin of `wal_order`: table ones last; of the WAL ones, an earlier release's
+        // (from the ceiling to 0, later lower) first, by minus `seq`; then the current ones
+        // (below the ceiling), by `seq`. Never negates a current one (i64::MIN would overflow).
         let sql = format!(
             "SELECT seq, message_id, topic, ordering_key, headers, pg_catalog.octet_length(payload) AS payload_bytes, \
                     attempts, last_error, created_at, dead_at \
-             FROM {}.outbox_dead_letters ORDER BY seq LIMIT $1",
+             FROM {}.outbox_dead_letters \
+             ORDER BY seq > 0, seq < $2, \
+                      CASE WHEN seq > 0 OR seq < $2 THEN seq ELSE -seq END \
+             LIMIT $1",
             self.schema
         );
         let rows = sqlx::query(AssertSqlSafe(sql))
             .bind(limit)
+            .bind(WAL_SEQ_CEILING)
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(decode).collect()
@@ -112,7 +120,9 @@ impl DeadLetters {
     ///   [`WalRelay`](crate::WalRelay) publishes them, in that order, after whatever of their
     ///   keys it published meanwhile (a WAL dead letter held nothing back). No table relay is
     ///   needed. Refused ([`Error::WalSlot`]), with nothing replayed, when no logical
-    ///   replication slot of this database would read them.
+    ///   replication slot of this database would read them: none with its publication that
+    ///   is not invalidated (`wal_status = 'lost'`) and not claimed by another schema's
+    ///   relay.
     pub async fn replay(&self, ids: &[Uuid]) -> Result<u64> {
         let s = &self.schema;
         let mut tx = crate::pooler::begin(&self.pool, None).await?;
@@ -127,22 +137,33 @@ impl DeadLetters {
             .await?;
         let wal_replayed = rows.len() as u64;
         if !rows.is_empty() {
+            // A slot a WalRelay of this schema could read: pgoutput, in this database, not
+            // invalidated (an invalidated slot never reads again), with its publication, not
+            // claimed by another schema's relay.
             let read: bool = sqlx::query_scalar(
-                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots \
-                 WHERE slot_type = 'logical' AND plugin = 'pgoutput' \
-                   AND database = pg_catalog.current_database())",
+                "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_replication_slots s \
+                   JOIN pg_catalog.pg_publication p ON p.pubname = s.slot_name \
+                 WHERE s.slot_type = 'logical' AND s.plugin = 'pgoutput' \
+                   AND s.database = pg_catalog.current_database() \
+                   AND coalesce(s.wal_status, 'lost') <> 'lost' \
+                   AND coalesce(pg_catalog.obj_description(p.oid, 'pg_publication'), $1) = $1)",
             )
             .persistent(false)
+            .bind(slot_claim(self.schema.as_str()))
             .fetch_one(&mut *tx)
             .await?;
             if !read {
                 return Err(Error::WalSlot {
                     slot: "(none)".into(),
-                    reason: "no logical replication slot of this database reads the WAL \
-                             outbox, and replaying a WAL dead letter emits it into the WAL \
-                             again; create the slot (WalSlot::create or `pgbox wal \
-                             create-slot`) and run a WalRelay, then replay"
-                        .into(),
+                    reason: format!(
+                        "no logical replication slot of this database would read schema {}'s \
+                         WAL outbox (none exists with its publication, or each is invalidated \
+                         (wal_status lost) or another schema's), and replaying a WAL dead \
+                         letter emits it into the WAL again; nothing was replayed; create the \
+                         slot (WalSlot::create or `pgbox wal create-slot`) and run a WalRelay, \
+                         then replay",
+                        self.schema.as_str()
+                    ),
                 });
             }
             let mut wal_rows: Vec<(i64, Message)> = rows

@@ -31,7 +31,19 @@
 //! position, so dead letters list in WAL order) and the next messages of its key are offered
 //! in the same round: unlike the table relay, a WAL dead letter does not hold back later
 //! messages of its key, WAL or table-mode. Content under the schema's prefix that pgbox cannot
-//! read is dead-lettered the same way (topic `pgbox.undecodable`), never skipped silently.
+//! read is dead-lettered the same way (topic `pgbox.undecodable`), never skipped silently; so
+//! is a non-transactional message under the prefix (`pg_logical_emit_message(false, …)`:
+//! pgbox emits only in transactions). The relay's bookkeeping of a message (its refusals,
+//! whether it is dead-lettered already) is by WAL position, not message id: a replayed dead
+//! letter is a new message, even while the slot has not passed the original.
+//!
+//! **Other work in the slot.** A slot decodes the whole database's WAL: other schemas'
+//! messages and other applications' logical messages (a CDC tool's non-transactional
+//! heartbeats) are passed over, and the slot moves past them, also when a whole read holds
+//! nothing else. A slot serves one schema: the first reader records its schema in the comment
+//! of the slot's publication, and a relay of another schema is refused with
+//! [`Error::WalSlot`] naming both (a relay that does not own the publication cannot record
+//! it: it logs a warning and reads on, unclaimed).
 //!
 //! **Outages.** A transport that is unavailable (cannot be reached, does not answer:
 //! [`PublishError::unavailable`](crate::transport::PublishError::unavailable)) is not the
@@ -259,7 +271,9 @@ impl<P: Publisher> WalRelayBuilder<P> {
 
     /// The pgbox schema whose messages to publish (default `pgbox`): the producers'
     /// [`Outbox`](crate::Outbox) schema. Messages of other schemas in the slot are passed
-    /// over.
+    /// over, so a slot serves one schema: the first reader records its schema in the
+    /// comment of the slot's publication, and a relay of another schema on that slot fails
+    /// its rounds with [`Error::WalSlot`] naming both (give each schema its own slot).
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
         self.schema = schema.into();
         self
@@ -340,11 +354,14 @@ impl<P: Publisher> WalRelayBuilder<P> {
 #[derive(Default)]
 struct Reader {
     conn: Option<PgConnection>,
-    /// Refusals per message id in this relay's life.
-    attempts: HashMap<uuid::Uuid, i32>,
+    /// Refusals per message in this relay's life, by WAL position (`seq`): a replayed dead
+    /// letter carries its id again, at a new position, and starts afresh.
+    attempts: HashMap<i64, i32>,
     /// Messages dead-lettered whose transaction the slot has not passed yet (a message of
-    /// another key in it still waits): settled, not offered again when it is read again.
-    dead: HashSet<uuid::Uuid>,
+    /// another key in it still waits): settled, not offered again when it is read again. By
+    /// WAL position, not id: a replay of one of them, read in the same rounds, is a new
+    /// message to publish, not a settled one.
+    dead: HashSet<i64>,
     /// Consecutive rounds with a failure (for the backoff).
     failing_rounds: u32,
     /// When the retained-WAL gauge was last set.
@@ -380,9 +397,11 @@ impl<P> std::fmt::Debug for WalRelay<P> {
     }
 }
 
-/// One decoded transaction of the slot.
+/// One decoded transaction of the slot, or one non-transactional logical message (no
+/// messages of ours; unreadable if under this schema's prefix).
 struct SlotTransaction {
-    /// The position just past its commit: where the slot moves once it is published.
+    /// The position just past its commit (or past the non-transactional message's record):
+    /// where the slot moves once it is published.
     end_lsn: u64,
     messages: Vec<Envelope>,
     /// Unreadable content under this schema's prefix.
@@ -448,13 +467,17 @@ impl<P: Publisher> WalRelay<P> {
             if shutdown.is_cancelled() {
                 return Ok(());
             }
-            let (wait, idle_reader) = match self.relay_once().await {
-                Ok(report) if report.retried > 0 || report.unavailable > 0 => {
+            let (wait, idle_reader) = match self.round_once().await {
+                Ok((report, _)) if report.retried > 0 || report.unavailable > 0 => {
                     let rounds = self.reader.lock().await.failing_rounds;
                     (self.backoff.delay_after(rounds), false)
                 }
-                Ok(report) if report.read > 0 => (Duration::ZERO, false),
-                Ok(report) => (self.poll_interval, report.reader),
+                // Read more at once when this round had messages, or when it did not reach
+                // the flush position (a read full of other work's WAL).
+                Ok((report, caught_up)) if report.read > 0 || (report.reader && !caught_up) => {
+                    (Duration::ZERO, false)
+                }
+                Ok((report, _)) => (self.poll_interval, report.reader),
                 Err(e) => {
                     tracing::warn!(slot = self.slot.name(), error = %e, "pgbox WAL relay round failed; will retry");
                     (self.poll_interval, false)
@@ -514,8 +537,8 @@ impl<P: Publisher> WalRelay<P> {
             // Producers stayed in flight for a whole poll interval: just read again.
             return Ok(());
         }
-        let recheck = self.relay_once().await;
-        if matches!(&recheck, Ok(r) if r.read == 0 && r.reader) {
+        let recheck = self.round_once().await;
+        if matches!(&recheck, Ok((r, true)) if r.read == 0 && r.reader) {
             tokio::select! {
                 _ = shutdown.cancelled() => {}
                 _ = tokio::time::sleep(self.poll_interval) => {}
@@ -530,14 +553,19 @@ impl<P: Publisher> WalRelay<P> {
         recheck.map(|_| ())
     }
 
-    /// Publishes until the slot has nothing more of this schema, then returns what it did.
-    /// Fails if another relay is the reader, or as a round fails. Refusals and outages are
-    /// waited out with the backoff: while the transport is unavailable, `drain` keeps
-    /// waiting (bound it with a timeout if it must return).
+    /// Publishes until the slot has nothing more of this schema, then returns what it did:
+    /// it returns after a round that found nothing of this schema in a read that reached the
+    /// flush position taken before it (every message of this schema committed before that
+    /// round is published or dead-lettered). A read full of other work's WAL (other
+    /// schemas' messages, other applications' logical messages) is not the end: the slot
+    /// moves past it and `drain` reads on. Fails if another relay is the reader, or as a
+    /// round fails. Refusals and outages are waited out with the backoff: while the
+    /// transport is unavailable, `drain` keeps waiting (bound it with a timeout if it must
+    /// return).
     pub async fn drain(&self) -> Result<WalRoundReport> {
         let mut total = WalRoundReport::default();
         loop {
-            let round = self.relay_once().await?;
+            let (round, caught_up) = self.round_once().await?;
             if !round.reader {
                 return Err(Error::WalSlot {
                     slot: self.slot.name().to_owned(),
@@ -555,7 +583,7 @@ impl<P: Publisher> WalRelay<P> {
                 tokio::time::sleep(self.backoff.delay_after(rounds)).await;
                 continue;
             }
-            if round.read == 0 {
+            if round.read == 0 && caught_up {
                 return Ok(total);
             }
         }
@@ -564,6 +592,13 @@ impl<P: Publisher> WalRelay<P> {
     /// One round: become the reader if no relay is, read a batch of whole transactions,
     /// publish them, move the slot past the confirmed ones.
     pub async fn relay_once(&self) -> Result<WalRoundReport> {
+        self.round_once().await.map(|(report, _)| report)
+    }
+
+    /// [`relay_once`](Self::relay_once), and whether the round's read reached the flush
+    /// position taken before it with everything in it settled (nothing of this schema left
+    /// up to there).
+    async fn round_once(&self) -> Result<(WalRoundReport, bool)> {
         let span = tracing::debug_span!("pgbox.wal_relay.round", slot = self.slot.name());
         let mut reader = self.reader.lock().await;
         let result = self.round(&mut reader).instrument(span).await;
@@ -577,7 +612,7 @@ impl<P: Publisher> WalRelay<P> {
         result
     }
 
-    async fn round(&self, reader: &mut Reader) -> Result<WalRoundReport> {
+    async fn round(&self, reader: &mut Reader) -> Result<(WalRoundReport, bool)> {
         let mut report = WalRoundReport::default();
         if reader.conn.is_none() {
             let mut conn = self.pool.connect_options().connect().await?;
@@ -592,7 +627,12 @@ impl<P: Publisher> WalRelay<P> {
             .await?;
             if !locked {
                 let _ = conn.close().await;
-                return Ok(report);
+                return Ok((report, false));
+            }
+            // Under the reader's lock: no relay of another schema claims the slot meanwhile.
+            if let Err(e) = self.claim(&mut conn).await {
+                let _ = conn.close().await;
+                return Err(e);
             }
             tracing::info!(
                 slot = self.slot.name(),
@@ -628,7 +668,7 @@ impl<P: Publisher> WalRelay<P> {
                 self.advance(conn, lsn).await?;
                 reader.advanced_to = lsn;
             }
-            return Ok(report);
+            return Ok((report, covered.is_some()));
         };
         let batch: Vec<&Envelope> = transactions.iter().flat_map(|t| &t.messages).collect();
         report.read = batch.len()
@@ -640,7 +680,7 @@ impl<P: Publisher> WalRelay<P> {
         // whose transaction the slot has not passed yet is settled already.
         let mut fates: Vec<Fate> = batch
             .iter()
-            .map(|m| match reader.dead.contains(&m.id) {
+            .map(|m| match reader.dead.contains(&m.seq) {
                 true => Fate::Dead,
                 false => Fate::Pending,
             })
@@ -670,7 +710,7 @@ impl<P: Publisher> WalRelay<P> {
                 let m = batch[i];
                 match result {
                     Some(Ok(())) => {
-                        reader.attempts.remove(&m.id);
+                        reader.attempts.remove(&m.seq);
                         fates[i] = Fate::Published;
                     }
                     // An outage is not the message's failure: not counted, never a dead letter.
@@ -682,7 +722,7 @@ impl<P: Publisher> WalRelay<P> {
                         held.extend(key_of(m));
                     }
                     Some(Err(e)) => {
-                        let attempts = reader.attempts.entry(m.id).or_insert(0);
+                        let attempts = reader.attempts.entry(m.seq).or_insert(0);
                         *attempts += 1;
                         let attempts = *attempts;
                         if attempts >= self.max_attempts {
@@ -690,8 +730,8 @@ impl<P: Publisher> WalRelay<P> {
                             self.dead_letter_message(conn, m, attempts, e.message())
                                 .await?;
                             tracing::error!(message_id = %m.id, attempts, error = e.message(), "pgbox WAL message failed for the last time; dead-lettered");
-                            reader.attempts.remove(&m.id);
-                            reader.dead.insert(m.id);
+                            reader.attempts.remove(&m.seq);
+                            reader.dead.insert(m.seq);
                             report.dead_lettered += 1;
                             fates[i] = Fate::Dead;
                             died = true;
@@ -720,6 +760,7 @@ impl<P: Publisher> WalRelay<P> {
         let mut confirmed: Vec<&Envelope> = Vec::new();
         let mut passed = 0;
         let mut offset = 0;
+        let mut settled = 0;
         for t in &transactions {
             let fate = &fates[offset..offset + t.messages.len()];
             if fate
@@ -740,13 +781,20 @@ impl<P: Publisher> WalRelay<P> {
             }
             advance_to = Some(t.end_lsn);
             passed = offset;
+            settled += 1;
+        }
+        // Everything read is settled and the read reached `covered` (the flush position
+        // before it): the slot may move there, as after a read that found nothing.
+        let caught_up = settled == transactions.len() && covered.is_some();
+        if caught_up {
+            advance_to = advance_to.max(covered);
         }
         report.published = confirmed.len();
         if let Some(lsn) = advance_to {
             self.advance(conn, lsn).await?;
             reader.advanced_to = reader.advanced_to.max(lsn);
             for m in &batch[..passed] {
-                reader.dead.remove(&m.id);
+                reader.dead.remove(&m.seq);
             }
         }
         let now = OffsetDateTime::now_utc();
@@ -798,8 +846,81 @@ impl<P: Publisher> WalRelay<P> {
             up_to = %format_lsn(advance_to.unwrap_or(last_read)),
             "pgbox WAL relay round"
         );
-        Ok(report)
+        Ok((report, caught_up))
     }
+    /// Ties the slot to this relay's schema, or refuses it when it is another schema's: a
+    /// slot has one position, and a relay passes over (and moves the slot past) the messages
+    /// of other schemas, so a second schema's relay on the same slot would find them gone.
+    /// The claim is the comment of the slot's publication ([`slot_claim`]), written by the
+    /// first reader; a publication that does not exist is left to the read to report.
+    async fn claim(&self, conn: &mut PgConnection) -> Result<()> {
+        let slot = self.slot.name();
+        let comment: Option<Option<String>> = sqlx::query_scalar(
+            "SELECT pg_catalog.obj_description(oid, 'pg_publication') \
+             FROM pg_catalog.pg_publication WHERE pubname = $1",
+        )
+        .persistent(false)
+        .bind(slot)
+        .fetch_optional(&mut *conn)
+        .await?;
+        let Some(comment) = comment else {
+            return Ok(());
+        };
+        let ours = slot_claim(self.schema.as_str());
+        match comment {
+            Some(c) if c == ours => Ok(()),
+            Some(c) => {
+                let reason = match c.strip_prefix(SLOT_CLAIM_PREFIX) {
+                    Some(other) => format!(
+                        "it is schema {other}'s (its publication's comment says so), and this \
+                         relay publishes schema {}: a slot serves one schema (a relay passes \
+                         over other schemas' messages, and they would be lost); give each \
+                         schema a slot of its own",
+                        self.schema.as_str()
+                    ),
+                    None => format!(
+                        "its publication has a comment pgbox did not write ({c:?}); pgbox \
+                         records there the one schema that reads the slot (schema {} here): \
+                         remove it (COMMENT ON PUBLICATION {} IS NULL) or use another slot",
+                        self.schema.as_str(),
+                        self.slot.name.quoted()
+                    ),
+                };
+                Err(Error::WalSlot {
+                    slot: slot.to_owned(),
+                    reason,
+                })
+            }
+            None => {
+                // The schema name is a validated identifier: a literal without quoting issues.
+                let sql = format!(
+                    "COMMENT ON PUBLICATION {} IS '{ours}'",
+                    self.slot.name.quoted()
+                );
+                match sqlx::raw_sql(AssertSqlSafe(sql)).execute(&mut *conn).await {
+                    Ok(_) => {
+                        tracing::info!(
+                            slot,
+                            schema = self.schema.as_str(),
+                            "pgbox WAL slot claimed for its schema"
+                        );
+                        Ok(())
+                    }
+                    Err(e) => {
+                        let e = Error::from(e);
+                        if e.db_kind() != Some(DbErrorKind::InsufficientPrivilege) {
+                            return Err(e);
+                        }
+                        // Not the publication's owner: read on, unclaimed (as before this
+                        // release); a relay run once as the owner claims it.
+                        tracing::warn!(slot, schema = self.schema.as_str(), error = %e, "pgbox WAL relay cannot claim its slot for its schema (not the publication's owner); a relay of another schema on this slot would not be refused");
+                        Ok(())
+                    }
+                }
+            }
+        }
+    }
+
     /// Moves the slot past `lsn` (never backwards: an earlier position is a no-op).
     async fn advance(&self, conn: &mut PgConnection, lsn: u64) -> Result<()> {
         sqlx::query("SELECT 1 FROM pg_catalog.pg_replication_slot_advance($1, $2::text::pg_lsn)")
@@ -812,7 +933,9 @@ impl<P: Publisher> WalRelay<P> {
         Ok(())
     }
 
-    /// Decodes up to a batch of whole transactions from the slot, without consuming them.
+    /// Decodes up to a batch of whole transactions from the slot, without consuming them. A
+    /// non-transactional logical message is returned as a transaction of its own, ending at
+    /// its position (see [`SlotTransaction`]).
     ///
     /// Also returns the WAL position the read covered completely, when it did: every
     /// transaction whose commit record starts before it was returned (fewer changes than the
@@ -872,12 +995,35 @@ impl<P: Publisher> WalRelay<P> {
                     prefix,
                     content,
                 } => {
+                    let Some((commit_ts, t)) = current.as_mut() else {
+                        // A non-transactional message (`pg_logical_emit_message(false, …)`),
+                        // decoded where it was written, between the transactions that commit
+                        // before and after it: the slot moves past it as past a transaction
+                        // (a read full of them still moves the slot). pgbox emits only in
+                        // transactions: one under this schema's prefix is unreadable.
+                        let mut t = SlotTransaction {
+                            end_lsn: lsn,
+                            messages: Vec::new(),
+                            unreadable: Vec::new(),
+                        };
+                        if prefix == self.prefix {
+                            let seq = wal_seq(lsn, content.len(), 0)
+                                .map_err(|e| self.protocol_error(e))?;
+                            t.unreadable.push(Unreadable {
+                                seq,
+                                id: unreadable_id(seq),
+                                content: content.to_vec(),
+                                reason: "a non-transactional message (pgbox emits only in \
+                                         transactions)"
+                                    .into(),
+                            });
+                        }
+                        transactions.push(t);
+                        continue;
+                    };
                     if prefix != self.prefix {
                         continue;
                     }
-                    let Some((commit_ts, t)) = current.as_mut() else {
-                        return Err(self.protocol_error("a message outside a transaction".into()));
-                    };
                     match wal::decode(content) {
                         Ok(decoded) => {
                             for (i, d) in decoded.into_iter().enumerate() {
@@ -1048,6 +1194,16 @@ impl<P: Publisher> WalRelay<P> {
             reason: format!("unexpected pgoutput data: {reason}"),
         }
     }
+}
+
+/// How the comment of a slot's publication names the schema whose relay reads it.
+const SLOT_CLAIM_PREFIX: &str = "pgbox WAL outbox of schema ";
+
+/// The comment of the publication of a slot that `schema`'s relay reads (schema names are
+/// validated identifiers: no quote to escape). [`DeadLetters::replay`](crate::DeadLetters)
+/// looks for a live slot unclaimed or claimed by its schema.
+pub(crate) fn slot_claim(schema: &str) -> String {
+    format!("{SLOT_CLAIM_PREFIX}{schema}")
 }
 
 /// WAL outbox `seq`s are below this: `i64::MIN` plus a WAL position under 2⁶². (Earlier
