@@ -57,9 +57,20 @@
 //! runs the handler again. A layer, rather than a closure API, because it fits any existing
 //! handler (extractors, state, `IntoResponse`) and any route; the transaction travels in the
 //! request's extensions because that is how a tower layer can hand something to an axum
-//! handler. The handler must not end the transaction itself: the store names the claiming
-//! transaction, so a handler that committed or swallowed a failed statement gets a 500, never
-//! a stored response.
+//! handler.
+//!
+//! **The handler cannot end the transaction.** `&mut **tx` is a [`LayerConnection`], which
+//! screens statements as the inbox's [`HandlerConnection`] does:
+//! each goes out alone with the extended protocol (the server refuses `SELECT 1; COMMIT`),
+//! and `BEGIN`, `COMMIT`, `END`, `ROLLBACK`, `ABORT`, `PREPARE TRANSACTION` are refused with
+//! an error before they are sent. Nested units of work (`tx.begin()`) are savepoints. What is
+//! not screened is the raw connection (`&mut ***tx`) and a nested unit's own connection;
+//! before storing or committing, the layer checks that the connection is still in the
+//! transaction it began (its id) and that no nested unit was left open, and answers 500 with
+//! nothing stored otherwise. Transaction control sent there may already have committed what
+//! the handler did before it: the 500 says so ("Transaction ended by the handler"), and so
+//! does every retry of that key ("Idempotency key used without a stored response"), which
+//! neither replays nor runs again.
 //!
 //! Effects the handler makes elsewhere (other pools, other services) are not covered: they
 //! happen once per run, and a run is repeated only when the previous one stored nothing.
@@ -77,7 +88,9 @@
 //! | first request, handler answers a final 4xx (400, 402, 405, 410, 413, 422, …) | the handler's response | yes |
 //! | first request, handler answers 401, 403, 404, 406, 408, 409, 411, 412, 415, 423, 424, 425, 428 or 429 | the handler's response; its effects roll back | no |
 //! | first request, handler answers 5xx, fails or panics | the handler's response; its effects roll back | no |
-//! | first request, handler swallowed a failed statement or ended the transaction | 500, problem JSON; nothing commits | no |
+//! | first request, handler sent transaction control or several statements through `&mut **tx` | the handler got an error for it; the transaction goes on | as the handler then answers |
+//! | first request, handler swallowed a failed statement, or left a nested unit open | 500, problem JSON; nothing commits | no |
+//! | first request, handler ended the transaction on the raw connection | 500 "Transaction ended by the handler"; what ran before the end may have committed | no; retries get 500 "Idempotency key used without a stored response" if the key's row committed |
 //! | first request, final response body over [`max_response_bytes`](IdempotencyBuilder::max_response_bytes) | 500, problem JSON; its effects roll back | no |
 //! | same key, same request, after the first committed | the stored response, plus `Idempotent-Replayed: true` | (already) |
 //! | same key, another method, path, query or body | 422, problem JSON | no |
@@ -146,6 +159,13 @@
 //! [`Wait::Timeout`](crate::Wait::Timeout) after a bounded wait (a pool-friendly default for
 //! slow handlers).
 //!
+//! **Database encoding.** On a database whose encoding is not UTF-8 (LATIN1, SQL_ASCII, …),
+//! which may have no character for a UTF-8 one, the layer writes only ASCII: a body or a
+//! stored header value that is not ASCII is stored as hex (replayed byte for byte all the
+//! same), a non-ASCII request line is escaped, and a scope that is not ASCII is keyed by its
+//! SHA-256 (`#<hash>:<key>`). The layer reads `server_encoding` once, on its first request
+//! with a key.
+//!
 //! **Isolation.** The layer's transaction begins at the pool's default level, so a handler
 //! on a database (or role, or `after_connect`) whose default is `REPEATABLE READ` or
 //! `SERIALIZABLE` runs at that level. There a waiting claim fails with a serialization error
@@ -155,18 +175,21 @@
 //! 5xx like any other: nothing committed, and the retry runs again.
 //!
 //! **Behind a pooler in transaction mode** (PgBouncer), build the inbox with
-//! [`Pooler::Transaction`](crate::Pooler::Transaction): the claim and the stored response are
-//! unnamed statements in the layer's transaction, the check before a keyless request's
-//! COMMIT uses the simple protocol, and [`IdempotencyLayer::purge_expired`] runs each batch
+//! [`Pooler::Transaction`]: the claim and the stored response are
+//! unnamed statements in the layer's transaction, the keyless request's transaction id (read
+//! when it begins) and the check before its COMMIT use the simple protocol, and [`IdempotencyLayer::purge_expired`] runs each batch
 //! in a transaction of its own. The handler's own statements are its to mark
-//! `.persistent(false)`, on a pool that never ran a named statement.
+//! `.persistent(false)`, on a pool that never ran a named statement. Through `&mut **tx`
+//! every text is a prepared statement (that is how the server refuses a second statement in
+//! it): `raw_sql` an unnamed one, a plain `&str` a named one (sqlx's default for it), so
+//! behind such a pooler use `sqlx::query(…).persistent(false)` or `raw_sql`.
 
 use std::convert::Infallible;
 use std::fmt;
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -175,15 +198,26 @@ use axum::extract::{FromRequestParts, OriginalUri, Request};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, IntoResponseParts, Response, ResponseParts};
-use futures_util::StreamExt;
+use futures_util::future::BoxFuture;
+use futures_util::stream::BoxStream;
+use futures_util::{FutureExt, StreamExt};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use sqlx::{PgPool, Postgres, Transaction};
+use sqlx::postgres::{PgQueryResult, PgRow, PgStatement, PgTransactionManager, PgTypeInfo};
+use sqlx::{
+    AssertSqlSafe, Either, Execute, Executor, PgConnection, PgPool, Postgres, Row, SqlStr,
+    Transaction,
+};
+use sqlx_core::describe::Describe;
+use sqlx_core::ext::async_stream::TryAsyncStream;
+use sqlx_core::transaction::TransactionManager;
 use tokio::sync::{MappedMutexGuard, Mutex, MutexGuard};
 use tower::{Layer, Service};
 
+use crate::HandlerConnection;
 use crate::error::{DbErrorKind, Error, Result};
 use crate::inbox::{Claim, Claimed, Duplicate, Inbox};
+use crate::pooler::Pooler;
 
 /// The request header carrying the key (the draft's name).
 pub const IDEMPOTENCY_KEY: &str = "Idempotency-Key";
@@ -422,6 +456,7 @@ impl IdempotencyBuilder {
                 retention: self.retention,
                 scope: self.scope,
                 is_final: self.is_final,
+                ascii_only: OnceLock::new(),
             }),
         })
     }
@@ -505,7 +540,7 @@ impl IdempotencyLayer {
     /// Returns the number of keys forgotten. Run it periodically, or let the
     /// [`Janitor`](crate::janitor::Janitor) do it with a `consumer_retention` for this
     /// layer's inbox consumer. Behind a pooler in transaction mode it needs the inbox built
-    /// with [`Pooler::Transaction`](crate::Pooler::Transaction), as the layer does.
+    /// with [`Pooler::Transaction`], as the layer does.
     pub async fn purge_expired(&self) -> Result<u64> {
         self.shared
             .inbox
@@ -571,8 +606,8 @@ where
 /// together with the stored response when the response is final, and rolls it back
 /// otherwise. For a request without a key (on a layer where the key is not
 /// [required](IdempotencyBuilder::required)), it begins on first use and is committed or
-/// rolled back by the same rule. Never commit it in the handler: nested units of work
-/// (`tx.begin()`) are savepoints and fine.
+/// rolled back by the same rule. The handler cannot commit it through the guard (see
+/// [`LayerConnection`]); nested units of work (`tx.begin()`) are savepoints and fine.
 ///
 /// Extracting it on a route without the layer fails with 500.
 #[derive(Clone)]
@@ -582,7 +617,7 @@ pub struct IdempotencyTx {
 }
 
 struct Slot {
-    tx: Option<Transaction<'static, Postgres>>,
+    tx: Option<LayerTransaction>,
     /// For a request without a key: begin on first use, from this pool.
     begin_from: Option<PgPool>,
 }
@@ -603,8 +638,9 @@ impl IdempotencyTx {
     }
 
     /// The transaction, for as long as the guard lives: run statements with
-    /// `.execute(&mut **tx)`, pass `&mut *tx` to APIs that take a `&mut Transaction` (such
-    /// as [`Outbox::enqueue`](crate::Outbox::enqueue)). Drop the guard before the handler
+    /// `.execute(&mut **tx)` (a [`LayerConnection`], which refuses transaction control), pass
+    /// `&mut tx.connection()` to pgbox's APIs that take a connection (such as
+    /// [`Outbox::enqueue`](crate::Outbox::enqueue)). Drop the guard before the handler
     /// returns: the layer takes the transaction back then. Fails once the layer has ended the
     /// transaction (a task that outlived the handler), or if beginning it fails.
     pub async fn lock(&self) -> Result<TxGuard<'_>> {
@@ -613,7 +649,9 @@ impl IdempotencyTx {
             && let Some(pool) = &slot.begin_from
         {
             // The pool stays until the layer closes the slot: a failed begin may be retried.
-            slot.tx = Some(crate::pooler::begin(pool, None).await?);
+            let mut tx = crate::pooler::begin(pool, None).await?;
+            let xact = transaction_id(&mut tx).await?;
+            slot.tx = Some(LayerTransaction::new(tx, Some(xact)));
         }
         MutexGuard::try_map(slot, |slot| slot.tx.as_mut())
             .map(|guard| TxGuard { guard })
@@ -632,7 +670,7 @@ impl IdempotencyTx {
     ) -> Self {
         IdempotencyTx {
             slot: Arc::new(Mutex::new(Slot {
-                tx,
+                tx: tx.map(|tx| LayerTransaction::new(tx, None)),
                 begin_from: pool,
             })),
             key: key.map(Arc::from),
@@ -640,10 +678,10 @@ impl IdempotencyTx {
     }
 
     /// Takes the transaction back after the handler, and closes the slot to late users.
-    async fn take(&self) -> Option<Transaction<'static, Postgres>> {
+    async fn take(&self) -> Option<LayerConnection> {
         let mut slot = self.slot.lock().await;
         slot.begin_from = None;
-        slot.tx.take()
+        slot.tx.take().map(|tx| tx.conn)
     }
 }
 
@@ -670,9 +708,12 @@ impl<S: Send + Sync> FromRequestParts<S> for IdempotencyTx {
     }
 }
 
-/// The layer's transaction, locked for the handler; derefs to the [`Transaction`].
+/// The layer's transaction, locked for the handler: `&mut **tx` (or `&mut *tx`) is an
+/// executor on it that refuses to end it (see [`LayerConnection`]);
+/// [`tx.connection()`](LayerConnection::connection) is the same for pgbox's own APIs
+/// ([`Outbox::enqueue`](crate::Outbox::enqueue), [`StateTable`](crate::StateTable)).
 pub struct TxGuard<'a> {
-    guard: MappedMutexGuard<'a, Transaction<'static, Postgres>>,
+    guard: MappedMutexGuard<'a, LayerTransaction>,
 }
 
 impl fmt::Debug for TxGuard<'_> {
@@ -682,16 +723,228 @@ impl fmt::Debug for TxGuard<'_> {
 }
 
 impl Deref for TxGuard<'_> {
-    type Target = Transaction<'static, Postgres>;
+    type Target = LayerTransaction;
 
-    fn deref(&self) -> &Self::Target {
+    fn deref(&self) -> &LayerTransaction {
         &self.guard
     }
 }
 
 impl DerefMut for TxGuard<'_> {
-    fn deref_mut(&mut self) -> &mut Self::Target {
+    fn deref_mut(&mut self) -> &mut LayerTransaction {
         &mut self.guard
+    }
+}
+
+/// The layer's transaction as the handler holds it (`*tx` of a [`TxGuard`]): an executor like
+/// the [`LayerConnection`] it derefs to, which is what `&mut **tx` gives. It is no
+/// [`Transaction`]: the layer ends it, the handler cannot.
+#[derive(Debug)]
+pub struct LayerTransaction {
+    conn: LayerConnection,
+}
+
+impl LayerTransaction {
+    fn new(tx: Transaction<'static, Postgres>, xact: Option<String>) -> Self {
+        LayerTransaction {
+            conn: LayerConnection {
+                tx,
+                unwatched: false,
+                xact,
+            },
+        }
+    }
+}
+
+impl Deref for LayerTransaction {
+    type Target = LayerConnection;
+
+    fn deref(&self) -> &LayerConnection {
+        &self.conn
+    }
+}
+
+impl DerefMut for LayerTransaction {
+    fn deref_mut(&mut self) -> &mut LayerConnection {
+        &mut self.conn
+    }
+}
+
+/// The connection of the layer's transaction, as the handler runs statements on it:
+/// `sqlx::query(…).execute(&mut **tx)`. It screens every statement as the inbox's
+/// [`HandlerConnection`] does, so **nothing sent through it ends the layer's transaction**:
+///
+/// - every statement goes out with the extended protocol, one statement per message, so the
+///   server refuses a text with a second statement (`SELECT 1; COMMIT`, SQLSTATE `42601`);
+///   send a script's statements one call at a time;
+/// - `BEGIN`, `START`, `COMMIT`, `END`, `ROLLBACK` (other than `ROLLBACK TO SAVEPOINT`),
+///   `ABORT` and `PREPARE TRANSACTION` are refused with an error before they are sent (the
+///   transaction stays usable). Nest a unit of work with `tx.begin()`: a savepoint.
+///
+/// **The raw connection is not screened**: `&mut ***tx` (a `&mut PgConnection`), or a nested
+/// unit from `tx.begin()`, whose `Transaction` sits on it. The layer then checks, before it
+/// stores or commits anything, that the connection is still in the transaction it began; if
+/// not, it answers 500 and stores nothing, but what the handler did before ending the
+/// transaction may have committed: never send transaction control there.
+pub struct LayerConnection {
+    tx: Transaction<'static, Postgres>,
+    /// The raw connection was handed out: the transaction may have been ended unseen.
+    unwatched: bool,
+    /// For a request without a key: the transaction's id (`xid8` as text), taken when it
+    /// began, for the check before COMMIT. (A keyed request's is its claim's.)
+    xact: Option<String>,
+}
+
+impl fmt::Debug for LayerConnection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LayerConnection")
+            .field("unwatched", &self.unwatched)
+            .finish_non_exhaustive()
+    }
+}
+
+impl LayerConnection {
+    /// The same screened connection as the inbox's handlers get, for pgbox's APIs that take
+    /// one: `outbox.enqueue(&mut tx.connection(), message)`,
+    /// `states.transition(&mut tx.connection(), id, to)`.
+    pub fn connection(&mut self) -> HandlerConnection<'_> {
+        HandlerConnection::new(&mut self.tx, Pooler::None)
+    }
+}
+
+impl Deref for LayerConnection {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        &self.tx
+    }
+}
+
+impl DerefMut for LayerConnection {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        self.unwatched = true;
+        &mut self.tx
+    }
+}
+
+/// Every call goes through a [`HandlerConnection`] made for it: its screening, one
+/// implementation for the inbox and the layer.
+impl<'c> Executor<'c> for &'c mut LayerConnection {
+    type Database = Postgres;
+
+    fn fetch_many<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> BoxStream<'e, std::result::Result<Either<PgQueryResult, PgRow>, sqlx::Error>>
+    where
+        'c: 'e,
+        E: 'q + Execute<'q, Postgres>,
+    {
+        let conn: &'c mut PgConnection = &mut self.tx;
+        // The screening connection lives in the stream's own future, which borrows it.
+        TryAsyncStream::new(move |yielder| async move {
+            let mut screened = HandlerConnection::new(conn, Pooler::None);
+            let mut results = (&mut screened).fetch_many(query);
+            while let Some(result) = results.next().await {
+                yielder.r#yield(result?).await;
+            }
+            Ok(())
+        })
+        .boxed()
+    }
+
+    fn fetch_optional<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> BoxFuture<'e, std::result::Result<Option<PgRow>, sqlx::Error>>
+    where
+        'c: 'e,
+        E: 'q + Execute<'q, Postgres>,
+    {
+        let conn: &'c mut PgConnection = &mut self.tx;
+        async move {
+            let mut screened = HandlerConnection::new(conn, Pooler::None);
+            (&mut screened).fetch_optional(query).await
+        }
+        .boxed()
+    }
+
+    fn prepare_with<'e>(
+        self,
+        sql: SqlStr,
+        parameters: &'e [PgTypeInfo],
+    ) -> BoxFuture<'e, std::result::Result<PgStatement, sqlx::Error>>
+    where
+        'c: 'e,
+    {
+        let conn: &'c mut PgConnection = &mut self.tx;
+        async move {
+            let mut screened = HandlerConnection::new(conn, Pooler::None);
+            (&mut screened).prepare_with(sql, parameters).await
+        }
+        .boxed()
+    }
+
+    fn describe<'e>(
+        self,
+        sql: SqlStr,
+    ) -> BoxFuture<'e, std::result::Result<Describe<Postgres>, sqlx::Error>>
+    where
+        'c: 'e,
+    {
+        let conn: &'c mut PgConnection = &mut self.tx;
+        async move {
+            let mut screened = HandlerConnection::new(conn, Pooler::None);
+            (&mut screened).describe(sql).await
+        }
+        .boxed()
+    }
+}
+
+impl<'c> Executor<'c> for &'c mut LayerTransaction {
+    type Database = Postgres;
+
+    fn fetch_many<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> BoxStream<'e, std::result::Result<Either<PgQueryResult, PgRow>, sqlx::Error>>
+    where
+        'c: 'e,
+        E: 'q + Execute<'q, Postgres>,
+    {
+        (&mut self.conn).fetch_many(query)
+    }
+
+    fn fetch_optional<'e, 'q: 'e, E>(
+        self,
+        query: E,
+    ) -> BoxFuture<'e, std::result::Result<Option<PgRow>, sqlx::Error>>
+    where
+        'c: 'e,
+        E: 'q + Execute<'q, Postgres>,
+    {
+        (&mut self.conn).fetch_optional(query)
+    }
+
+    fn prepare_with<'e>(
+        self,
+        sql: SqlStr,
+        parameters: &'e [PgTypeInfo],
+    ) -> BoxFuture<'e, std::result::Result<PgStatement, sqlx::Error>>
+    where
+        'c: 'e,
+    {
+        (&mut self.conn).prepare_with(sql, parameters)
+    }
+
+    fn describe<'e>(
+        self,
+        sql: SqlStr,
+    ) -> BoxFuture<'e, std::result::Result<Describe<Postgres>, sqlx::Error>>
+    where
+        'c: 'e,
+    {
+        (&mut self.conn).describe(sql)
     }
 }
 
@@ -710,6 +963,9 @@ struct Shared {
     retention: Duration,
     scope: Option<Arc<ScopeFn>>,
     is_final: Arc<FinalFn>,
+    /// Whether the database's encoding is not UTF-8, where what the layer writes must be
+    /// ASCII (see [`Shared::ascii_only`]); learned on the first request with a key.
+    ascii_only: OnceLock<bool>,
 }
 
 /// What a stored response is, in the inbox row's `outcome` column.
@@ -825,7 +1081,6 @@ impl Shared {
         let target = client_target(&parts);
         let fingerprint = fingerprint(&parts.method, target, &body);
         let request_line = format!("{} {}", parts.method, target.path());
-        let inbox_key = inbox_key(&scope, &key);
         let span = tracing::info_span!(
             "pgbox.idempotency",
             consumer = %self.inbox.consumer(),
@@ -834,7 +1089,7 @@ impl Shared {
         );
         let first = Request::from_parts(parts, Body::from(body));
         tracing::Instrument::instrument(
-            self.run_with_key(inner, first, &key, &inbox_key, fingerprint, request_line),
+            self.run_with_key(inner, first, &key, &scope, fingerprint, request_line),
             span,
         )
         .await
@@ -875,7 +1130,7 @@ impl Shared {
         inner: S,
         request: Request,
         key: &str,
-        inbox_key: &str,
+        scope: &str,
         fingerprint: String,
         request_line: String,
     ) -> Response
@@ -885,13 +1140,24 @@ impl Shared {
         S::Future: Send,
     {
         let mut attempt = 1;
-        let (tx, claimed) = loop {
+        let (tx, claimed, ascii_only) = loop {
             let mut tx = match crate::pooler::begin(&self.pool, None).await {
                 Ok(tx) => tx,
                 Err(e) => return store_failed("begin", &e, true),
             };
-            match self.inbox.claim(&mut tx, inbox_key).await {
-                Ok(Claim::Claimed(claimed)) => break (tx, claimed),
+            let ascii_only = match self.ascii_only(&mut tx).await {
+                Ok(ascii_only) => ascii_only,
+                Err(e) => {
+                    rollback(tx).await;
+                    return store_failed("begin", &e, true);
+                }
+            };
+            match self
+                .inbox
+                .claim(&mut tx, inbox_key(scope, key, ascii_only).as_str())
+                .await
+            {
+                Ok(Claim::Claimed(claimed)) => break (tx, claimed, ascii_only),
                 Ok(Claim::Duplicate(duplicate)) => {
                     // Read only: nothing to keep.
                     rollback(tx).await;
@@ -934,7 +1200,7 @@ impl Shared {
         let response = call(inner, with_tx(request, &handle)).await;
         let (mut parts, body) = response.into_parts();
         let is_final = self.is_final(parts.status, parts.extensions.remove::<Finality>());
-        let Some(tx) = handle.take().await else {
+        let Some(mut conn) = handle.take().await else {
             // Only the layer takes it.
             return store_failed(
                 "handler",
@@ -942,6 +1208,15 @@ impl Shared {
                 true,
             );
         };
+        // The handler took the raw connection, where transaction control is not screened:
+        // before anything else runs on it, make sure it is still in the claim's transaction.
+        if conn.unwatched
+            && let Err(e) = self.inbox.verify_alive(&mut conn.tx, &claimed).await
+        {
+            rollback(conn.tx).await;
+            return store_failed("handler", &ended_or_aborted(e), true);
+        }
+        let tx = conn.tx;
         if !is_final {
             rollback(tx).await;
             tracing::info!(
@@ -976,7 +1251,11 @@ impl Shared {
                 };
             }
         };
-        let stored = self.stored(&parts, &body, fingerprint, request_line);
+        if let Some(e) = nested_unit_left_open(&tx) {
+            rollback(tx).await;
+            return store_failed("handler", &e, true);
+        }
+        let stored = self.stored(&parts, &body, fingerprint, request_line, ascii_only);
         match commit_stored(tx, claimed, &stored).await {
             Ok(()) => {
                 tracing::debug!(
@@ -1001,25 +1280,59 @@ impl Shared {
         let response = call(inner, with_tx(request, &handle)).await;
         let (mut parts, body) = response.into_parts();
         let is_final = self.is_final(parts.status, parts.extensions.remove::<Finality>());
-        if let Some(mut tx) = handle.take().await {
-            if !is_final {
-                rollback(tx).await;
+        if let Some(mut conn) = handle.take().await {
+            // Statements through the screened connection cannot end the transaction, but a
+            // failed one aborts it (and COMMIT of an aborted transaction rolls back without
+            // an error), and the raw connection is not screened: a final answer is given only
+            // for the transaction the layer began, alive. A non-final one is checked when the
+            // raw connection was used, so that a 5xx never hides a COMMIT.
+            let checked = if is_final || conn.unwatched {
+                match still_in_transaction(&mut conn).await {
+                    Ok(()) if is_final => nested_unit_left_open(&conn.tx).map_or(Ok(()), Err),
+                    checked => checked,
+                }
             } else {
-                // COMMIT of an aborted transaction rolls back without an error: a handler that
-                // swallowed a failed statement must not be answered as if it took effect. The
-                // simple protocol: never a named statement, which a transaction pooler breaks.
-                let alive = sqlx::raw_sql("SELECT 1").execute(&mut *tx).await;
-                if let Err(e) = async {
-                    alive?;
-                    tx.commit().await
+                Ok(())
+            };
+            let ended = match checked {
+                Ok(()) if is_final => conn.tx.commit().await.map_err(Error::from),
+                Ok(()) => {
+                    rollback(conn.tx).await;
+                    Ok(())
                 }
-                .await
-                {
-                    return store_failed("commit", &Error::from(e), false);
+                Err(e) => {
+                    rollback(conn.tx).await;
+                    Err(e)
                 }
+            };
+            if let Err(e) = ended {
+                return store_failed("commit", &e, false);
             }
         }
         Response::from_parts(parts, body)
+    }
+
+    /// Whether what the layer writes must be ASCII: the database's encoding is not UTF-8
+    /// (LATIN1, SQL_ASCII, …), which may have no character for a UTF-8 one (SQLSTATE 22P05),
+    /// so a response body or header value that is not ASCII is stored as hex, and a scope that
+    /// is not ASCII is keyed by its SHA-256. Asked once per layer, in the claim's transaction
+    /// (the simple protocol: safe behind a transaction pooler).
+    async fn ascii_only(&self, tx: &mut PgConnection) -> Result<bool> {
+        if let Some(&ascii_only) = self.ascii_only.get() {
+            return Ok(ascii_only);
+        }
+        let row = sqlx::raw_sql("SELECT pg_catalog.current_setting('server_encoding')")
+            .fetch_one(tx)
+            .await?;
+        let encoding: String = row.try_get(0)?;
+        let ascii_only = !encoding.eq_ignore_ascii_case("UTF8");
+        if ascii_only {
+            tracing::info!(
+                encoding,
+                "database encoding is not UTF-8: idempotency records keep to ASCII (hex bodies)"
+            );
+        }
+        Ok(*self.ascii_only.get_or_init(|| ascii_only))
     }
 
     fn is_final(&self, status: StatusCode, finality: Option<Finality>) -> bool {
@@ -1039,6 +1352,7 @@ impl Shared {
         body: &Bytes,
         fingerprint: String,
         request: String,
+        ascii_only: bool,
     ) -> StoredResponse {
         let all: Vec<(&str, &[u8])> = self
             .stored_headers
@@ -1051,7 +1365,12 @@ impl Shared {
                     .map(move |value| (name.as_str(), value.as_bytes()))
             })
             .collect();
-        let utf8 = |value: &[u8]| std::str::from_utf8(value).ok().map(str::to_owned);
+        let utf8 = |value: &[u8]| {
+            std::str::from_utf8(value)
+                .ok()
+                .filter(|text| !ascii_only || text.is_ascii())
+                .map(str::to_owned)
+        };
         let headers = all
             .iter()
             .filter_map(|(name, value)| Some(((*name).to_owned(), utf8(value)?)))
@@ -1064,7 +1383,15 @@ impl Shared {
                 .map(|(name, value)| ((*name).to_owned(), to_hex(value)))
                 .collect()
         });
-        let text = std::str::from_utf8(body).ok().filter(|t| !t.contains('\0'));
+        let text = std::str::from_utf8(body)
+            .ok()
+            .filter(|t| !t.contains('\0') && (!ascii_only || t.is_ascii()));
+        // The request line is for people and the 422: its non-ASCII bytes, if any, escaped.
+        let request = if ascii_only && !request.is_ascii() {
+            request.escape_default().to_string()
+        } else {
+            request
+        };
         StoredResponse {
             format: STORED_FORMAT,
             fingerprint,
@@ -1094,7 +1421,7 @@ impl Shared {
         };
         let stored: StoredResponse = match duplicate.outcome() {
             Ok(Some(stored)) => stored,
-            Ok(None) => return unreadable("no stored response"),
+            Ok(None) => return self.spent_without_response(),
             Err(_) => return unreadable("not a stored response"),
         };
         if stored.fingerprint != fingerprint {
@@ -1150,6 +1477,26 @@ impl Shared {
         response
     }
 
+    /// A key whose record committed without a response: its request's effects may have
+    /// committed with it (a handler that ended the layer's transaction on the raw connection),
+    /// and running it again could do them twice. Neither a replay nor "retry".
+    fn spent_without_response(&self) -> Response {
+        tracing::error!(
+            "key recorded without a response: a handler ended the layer's transaction, or the \
+             inbox consumer is shared with something else than this layer"
+        );
+        problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "Idempotency key used without a stored response",
+            format!(
+                "a request with this {} committed without a stored response (its handler ended \
+                 the transaction); its outcome cannot be replayed and it will not run again: \
+                 check whether it took effect before sending it with a new key",
+                self.header_display
+            ),
+        )
+    }
+
     fn in_progress(&self) -> Response {
         tracing::info!("key in flight in another request: 409");
         let mut response = problem(
@@ -1188,11 +1535,12 @@ fn key_fault(key: &[u8], max_len: usize) -> Option<String> {
 }
 
 /// The inbox key of `key` in `scope`: the scope's length first, so no scope and key pair can
-/// spell another pair's key; a long scope (or one with NUL, which text columns refuse) as its
-/// SHA-256 behind `#`, which no length starts with. At most 3 + 1 + 256 + 1 + 512 bytes,
-/// under the inbox's limit.
-fn inbox_key(scope: &str, key: &str) -> String {
-    if scope.len() > MAX_SCOPE_BYTES || scope.contains('\0') {
+/// spell another pair's key; a long scope (or one with NUL, which text columns refuse, or,
+/// when the database's encoding is not UTF-8 (`ascii_only`), one that is not ASCII, which it
+/// may not hold) as its SHA-256 behind `#`, which no length starts with. At most 3 + 1 + 256
+/// + 1 + 512 bytes, under the inbox's limit.
+fn inbox_key(scope: &str, key: &str, ascii_only: bool) -> String {
+    if scope.len() > MAX_SCOPE_BYTES || scope.contains('\0') || (ascii_only && !scope.is_ascii()) {
         format!("#{}:{key}", to_hex(&Sha256::digest(scope.as_bytes())))
     } else {
         format!("{}:{scope}:{key}", scope.len())
@@ -1238,16 +1586,97 @@ async fn commit_stored(
 ) -> Result<()> {
     if let Err(e) = claimed.store_outcome(&mut tx, stored).await {
         rollback(tx).await;
-        return Err(match e.db_kind() {
-            Some(DbErrorKind::TransactionAborted) => Error::TransactionAbortedInHandler,
-            _ => e,
+        return Err(match crate::inbox::handler_aborted(e) {
+            // No row of this transaction's claim to store on: it is not the claim's any more.
+            Error::NotClaimed { .. } => Error::TransactionEndedInHandler,
+            e => e,
         });
     }
     tx.commit().await?;
     Ok(())
 }
 
-async fn rollback(tx: Transaction<'static, Postgres>) {
+/// A check after the handler failed: [`Error::TransactionAbortedInHandler`] for an aborted
+/// transaction, [`Error::TransactionEndedInHandler`] for none at all (SQLSTATE 25P01, e.g. the
+/// `ROLLBACK TO SAVEPOINT` sqlx queued for a nested unit dropped after the transaction ended).
+fn ended_or_aborted(e: Error) -> Error {
+    let no_transaction = matches!(
+        &e,
+        Error::Database { source, .. }
+            if source.as_database_error().and_then(|d| d.code()).as_deref() == Some("25P01")
+    );
+    if no_transaction {
+        tracing::error!(error = %e, "the idempotency layer's transaction was ended inside the handler");
+        return Error::TransactionEndedInHandler;
+    }
+    crate::inbox::handler_aborted(e)
+}
+
+/// Whether the handler left a nested unit of work (`tx.begin()`) neither committed nor rolled
+/// back (`mem::forget`): then sqlx's `commit()` would only release its savepoint, answering Ok
+/// with nothing committed, so the layer rolls back instead.
+fn nested_unit_left_open(tx: &Transaction<'static, Postgres>) -> Option<Error> {
+    (PgTransactionManager::get_transaction_depth(tx) > 1).then(|| {
+        Error::InvalidConfig(
+            "the handler left a nested unit of work (tx.begin()) neither committed nor rolled \
+             back"
+                .to_owned(),
+        )
+    })
+}
+
+/// The id of the transaction `tx` is in (`xid8` as text; assigning one if it had none). The
+/// simple protocol, as for [`still_in_transaction`].
+async fn transaction_id(tx: &mut PgConnection) -> Result<String> {
+    let row = sqlx::raw_sql("SELECT pg_catalog.pg_current_xact_id()::text")
+        .fetch_one(tx)
+        .await?;
+    Ok(row.try_get::<String, _>(0)?)
+}
+
+/// Whether a request without a key's transaction is alive and still the one the layer began:
+/// [`Error::TransactionAbortedInHandler`] after a swallowed failure,
+/// [`Error::TransactionEndedInHandler`] once the handler ended it. The simple protocol, with
+/// the id written in: the statement runs outside any transaction when the handler ended it,
+/// where a statement with parameters is unsafe behind a transaction pooler.
+async fn still_in_transaction(conn: &mut LayerConnection) -> Result<()> {
+    let Some(xact) = conn
+        .xact
+        .as_deref()
+        .filter(|x| !x.is_empty() && x.bytes().all(|b| b.is_ascii_digit()))
+    else {
+        return Err(Error::InvalidConfig(
+            "the layer's transaction has no id to check".to_owned(),
+        ));
+    };
+    let same = sqlx::raw_sql(AssertSqlSafe(format!(
+        "SELECT pg_catalog.pg_current_xact_id_if_assigned() = '{xact}'::xid8"
+    )))
+    .fetch_one(&mut *conn.tx)
+    .await
+    .map_err(|e| ended_or_aborted(e.into()))?;
+    match same.try_get::<Option<bool>, _>(0)? {
+        Some(true) => Ok(()),
+        _ => {
+            tracing::error!("the idempotency layer's transaction was ended inside the handler");
+            Err(Error::TransactionEndedInHandler)
+        }
+    }
+}
+
+async fn rollback(mut tx: Transaction<'static, Postgres>) {
+    // A nested unit the handler never ended (`mem::forget`) leaves sqlx's depth above 1, where
+    // `rollback()` only rolls back to the unit's savepoint and the pool lends the connection
+    // on inside the transaction: unwind the units first. Each step lowers the depth or fails.
+    while PgTransactionManager::get_transaction_depth(&tx) > 1 {
+        if let Err(e) = PgTransactionManager::rollback(&mut tx).await {
+            // The transaction was ended under sqlx too (transaction control on the raw
+            // connection): make sure the session is out of any, the rest is sqlx's.
+            tracing::warn!(error = %e, "idempotency rollback of a leaked nested unit failed");
+            let _ = sqlx::raw_sql("ROLLBACK").execute(&mut *tx).await;
+            break;
+        }
+    }
     if let Err(e) = tx.rollback().await {
         // The connection is gone with its transaction: nothing of it remains.
         tracing::warn!(error = %e, "idempotency rollback failed");
@@ -1259,6 +1688,17 @@ async fn rollback(tx: Transaction<'static, Postgres>) {
 /// Only a request that has a key (`keyed`) is told to retry with it.
 fn store_failed(step: &str, e: &Error, keyed: bool) -> Response {
     tracing::error!(step, error = %e, "idempotency layer failed");
+    if let Error::TransactionEndedInHandler = e {
+        // Not "nothing happened": what ran before the end may have committed.
+        return problem(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "Transaction ended by the handler",
+            "the handler ended the request's transaction itself; nothing was recorded for \
+             this request, but what it did before may have taken effect: check before sending \
+             it again"
+                .to_owned(),
+        );
+    }
     let detail = if keyed {
         format!("the request could not be completed ({step}); retry with the same key")
     } else {
@@ -1363,18 +1803,28 @@ mod tests {
         assert_eq!(key_fault(b"!~", 255), None);
     }
 
+    fn inbox_key_utf8(scope: &str, key: &str) -> String {
+        inbox_key(scope, key, false)
+    }
+
     #[test]
     fn inbox_keys_of_different_scopes_never_meet() {
-        assert_ne!(inbox_key("a:1", "x"), inbox_key("a", "1:x"));
-        assert_ne!(inbox_key("", "1:a:x"), inbox_key("a", "x"));
-        assert_eq!(inbox_key("alice", "k"), "5:alice:k");
+        assert_ne!(inbox_key_utf8("a:1", "x"), inbox_key_utf8("a", "1:x"));
+        assert_ne!(inbox_key_utf8("", "1:a:x"), inbox_key_utf8("a", "x"));
+        assert_eq!(inbox_key_utf8("alice", "k"), "5:alice:k");
         let long = "s".repeat(MAX_SCOPE_BYTES + 1);
-        let hashed = inbox_key(&long, &"k".repeat(MAX_KEY_LEN));
+        let hashed = inbox_key_utf8(&long, &"k".repeat(MAX_KEY_LEN));
         assert!(hashed.starts_with('#'));
         assert!(hashed.len() <= crate::MAX_KEY_BYTES);
-        let longest = inbox_key(&"s".repeat(MAX_SCOPE_BYTES), &"k".repeat(MAX_KEY_LEN));
+        let longest = inbox_key_utf8(&"s".repeat(MAX_SCOPE_BYTES), &"k".repeat(MAX_KEY_LEN));
         assert!(longest.len() <= crate::MAX_KEY_BYTES);
-        assert_ne!(inbox_key("a\0b", "k"), inbox_key("a", "k"));
+        assert_ne!(inbox_key_utf8("a\0b", "k"), inbox_key_utf8("a", "k"));
+        // A database that is not UTF-8 gets only ASCII: a scope that is not ASCII is hashed
+        // there (and only there: existing keys of UTF-8 databases keep their form).
+        assert_eq!(inbox_key("\u{7528}", "k", false), "3:\u{7528}:k");
+        let hashed = inbox_key("\u{7528}", "k", true);
+        assert!(hashed.starts_with('#') && hashed.is_ascii(), "{hashed}");
+        assert_eq!(inbox_key("alice", "k", true), "5:alice:k");
     }
 
     #[test]

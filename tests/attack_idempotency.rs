@@ -104,13 +104,11 @@ async fn act(
             Ok(g) => g,
             Err(e) => return failed(e),
         };
-        match sqlx::query_scalar(
-            "INSERT INTO charges (key, body_len) VALUES ($1, $2) RETURNING id",
-        )
-        .bind(&key)
-        .bind(body.len() as i32)
-        .fetch_one(&mut **guard)
-        .await
+        match sqlx::query_scalar("INSERT INTO charges (key, body_len) VALUES ($1, $2) RETURNING id")
+            .bind(&key)
+            .bind(body.len() as i32)
+            .fetch_one(&mut **guard)
+            .await
         {
             Ok(id) => id,
             Err(e) => return failed(e),
@@ -331,17 +329,16 @@ async fn no_pooled_connection_in_a_transaction(pool: &PgPool, size: u32) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Findings: a handler that ends the layer's transaction.
+// Findings (fixed): a handler that ends the layer's transaction through `&mut **tx`.
 // ---------------------------------------------------------------------------------------
 
-/// The known lead. A handler given the layer's transaction sends `COMMIT` (alone or hidden
-/// in a multi-statement text) and then answers 500. Promise: a failed handler leaves
-/// nothing, and the response is replayed iff the effects committed. What happens: the charge
-/// is committed, the key row is committed without a response, and every retry is 500 "this
-/// key is recorded without a response this server can replay" — the key is dead while the
-/// effect happened.
+/// A handler given the layer's transaction sends `COMMIT` (alone or hidden in a
+/// multi-statement text) and then answers 500. Promise: a failed handler leaves nothing, and
+/// the response is replayed iff the effects committed. Was: the charge and the key's row
+/// committed without a response, every retry 500 "unreadable". Now the statement is refused
+/// (or the text, by the server, as more than one statement), nothing commits, the retry runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_a_handler_that_commits_then_fails_leaves_its_effect_and_a_dead_key() {
+async fn transaction_control_from_a_failing_handler_is_refused_and_the_retry_runs_once() {
     let db = database().await;
     let ctl = ctl();
     let app = router(IdempotencyLayer::new(db.pool.clone(), inbox()), &ctl);
@@ -370,10 +367,7 @@ async fn finding_a_handler_that_commits_then_fails_leaves_its_effect_and_a_dead_
         // Either nothing of the failed run remains and the retry ran (1 charge, 201 not
         // replayed), or the retry replays what committed: never a committed effect behind a
         // key that answers 500 forever.
-        let ok = retries
-            .iter()
-            .all(|r| r.status == StatusCode::CREATED)
-            && charges == 1;
+        let ok = retries.iter().all(|r| r.status == StatusCode::CREATED) && charges == 1;
         if !ok {
             broken.push(format!(
                 "{sql:?}: first {} ; charges for the key {charges}; key row (exists, has \
@@ -393,11 +387,11 @@ async fn finding_a_handler_that_commits_then_fails_leaves_its_effect_and_a_dead_
     );
 }
 
-/// The same with a handler that commits and then answers 201: the client is told 500
-/// "retry with the same key", the charge is committed, and the retry is 500 forever. The
-/// response is not replayed although the effects committed.
+/// The same with a handler that commits and then answers 201. Was: told 500 "retry with the
+/// same key" into a key whose row committed without a response (500 forever). Now the
+/// COMMIT is refused, the handler's error rolls back, and the retry is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_a_handler_that_commits_then_succeeds_is_told_to_retry_into_a_dead_key() {
+async fn a_handlers_commit_is_refused_so_retry_with_the_same_key_is_answered() {
     let db = database().await;
     let ctl = ctl();
     let app = router(IdempotencyLayer::new(db.pool.clone(), inbox()), &ctl);
@@ -418,11 +412,11 @@ async fn finding_a_handler_that_commits_then_succeeds_is_told_to_retry_into_a_de
     );
 }
 
-/// A handler that sends `ROLLBACK` on the layer's transaction, then writes (now in
-/// autocommit) and answers 201: the write commits at once, the layer answers 500 "retry with
-/// the same key", the key is free, and the retry charges again: two effects for one key.
+/// A handler that sends `ROLLBACK` on the layer's transaction, then writes. Was: the write
+/// autocommitted, the key stayed free, the retry charged again (two effects for one key).
+/// Now the ROLLBACK is refused: at most one charge.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_a_handler_that_rolls_back_then_writes_doubles_its_effect_on_the_retry() {
+async fn a_handlers_rollback_is_refused_so_a_write_after_it_never_autocommits() {
     let db = database().await;
     let ctl = ctl();
     let app = router(IdempotencyLayer::new(db.pool.clone(), inbox()), &ctl);
@@ -464,11 +458,7 @@ async fn hostile_keys_are_refused_and_edge_keys_run() {
         // (DEL and other control characters cannot be built into a header value at all.)
     ];
     for (what, key) in &refused {
-        let r = send(
-            &app,
-            req(Method::POST, "/charges", Some(key), &[], "{}"),
-        )
-        .await;
+        let r = send(&app, req(Method::POST, "/charges", Some(key), &[], "{}")).await;
         assert_eq!(r.status, StatusCode::BAD_REQUEST, "{what}: {}", r.text());
         assert!(r.text().contains("visible ASCII"), "{what}: {}", r.text());
     }
@@ -483,17 +473,38 @@ async fn hostile_keys_are_refused_and_edge_keys_run() {
     // Missing.
     let r = send(&app, req(Method::POST, "/charges", None, &[], "{}")).await;
     assert_eq!(r.status, StatusCode::BAD_REQUEST, "{}", r.text());
-    assert_eq!((all_charges(&db.pool).await, all_keys(&db.pool).await), (0, 0));
+    assert_eq!(
+        (all_charges(&db.pool).await, all_keys(&db.pool).await),
+        (0, 0)
+    );
 
     let k255 = "k".repeat(255);
     let accepted = [
-        "x", &k255, "!", "~", "\"8e03978e\"", "a\\b", "%_%", "0::x", "';DROP/**/TABLE/**/charges;--",
+        "x",
+        &k255,
+        "!",
+        "~",
+        "\"8e03978e\"",
+        "a\\b",
+        "%_%",
+        "0::x",
+        "';DROP/**/TABLE/**/charges;--",
     ];
     for key in accepted {
         let a = post_key(&app, key, &[], "{}").await;
-        assert_eq!((a.status, a.replayed()), (StatusCode::CREATED, false), "{key}: {}", a.text());
+        assert_eq!(
+            (a.status, a.replayed()),
+            (StatusCode::CREATED, false),
+            "{key}: {}",
+            a.text()
+        );
         let b = post_key(&app, key, &[], "{}").await;
-        assert_eq!((b.status, b.replayed()), (StatusCode::CREATED, true), "{key}: {}", b.text());
+        assert_eq!(
+            (b.status, b.replayed()),
+            (StatusCode::CREATED, true),
+            "{key}: {}",
+            b.text()
+        );
         assert_eq!(a.body, b.body, "{key}");
     }
     // Header name case does not matter.
@@ -520,20 +531,46 @@ async fn the_same_key_with_another_request_is_422_and_the_original_still_replays
         req(Method::POST, uri, Some(b"k"), &[], r#"{"x": 1}"#),
         req(Method::POST, uri, Some(b"k"), &[], ""),
         req(Method::PUT, uri, Some(b"k"), &[], r#"{"x":1}"#),
-        req(Method::POST, "/charges?b=2&a=1", Some(b"k"), &[], r#"{"x":1}"#),
-        req(Method::POST, "/charges?a=1&b=2&", Some(b"k"), &[], r#"{"x":1}"#),
+        req(
+            Method::POST,
+            "/charges?b=2&a=1",
+            Some(b"k"),
+            &[],
+            r#"{"x":1}"#,
+        ),
+        req(
+            Method::POST,
+            "/charges?a=1&b=2&",
+            Some(b"k"),
+            &[],
+            r#"{"x":1}"#,
+        ),
         req(Method::POST, "/charges", Some(b"k"), &[], r#"{"x":1}"#),
-        req(Method::POST, "/other?a=1&b=2", Some(b"k"), &[], r#"{"x":1}"#),
+        req(
+            Method::POST,
+            "/other?a=1&b=2",
+            Some(b"k"),
+            &[],
+            r#"{"x":1}"#,
+        ),
     ];
     for other in others {
         let what = format!("{} {}", other.method(), other.uri());
         let r = send(&app, other).await;
-        assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY, "{what}: {}", r.text());
+        assert_eq!(
+            r.status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "{what}: {}",
+            r.text()
+        );
         assert!(!r.replayed());
         assert!(r.text().contains("POST /charges"), "{}", r.text());
     }
     let again = send(&app, req(Method::POST, uri, Some(b"k"), &[], r#"{"x":1}"#)).await;
-    assert_eq!((again.status, again.replayed()), (StatusCode::CREATED, true));
+    assert_eq!(
+        (again.status, again.replayed()),
+        (StatusCode::CREATED, true)
+    );
     assert_eq!(again.body, first.body);
     assert_eq!(again.headers.get("location"), first.headers.get("location"));
     assert_eq!(all_charges(&db.pool).await, 1);
@@ -565,7 +602,12 @@ async fn ten_concurrent_same_key_requests_have_one_effect_and_one_answer() {
     assert_eq!(first.status, StatusCode::CREATED, "{}", first.text());
     for o in others {
         let o = o.await.unwrap();
-        assert_eq!((o.status, o.replayed()), (StatusCode::CREATED, true), "{}", o.text());
+        assert_eq!(
+            (o.status, o.replayed()),
+            (StatusCode::CREATED, true),
+            "{}",
+            o.text()
+        );
         assert_eq!(o.body, first.body);
     }
     assert_eq!(charges_of(&db.pool, "ten").await, 1);
@@ -603,7 +645,10 @@ async fn ten_concurrent_mixed_requests_with_one_key_have_one_consistent_outcome(
             let app = app.clone();
             let body = if i % 2 == 0 { "{\"a\":1}" } else { "{\"b\":2}" };
             tasks.push(tokio::spawn(async move {
-                (body, post_key(&app, "mixed", &[("x-fail-first", "1")], body).await)
+                (
+                    body,
+                    post_key(&app, "mixed", &[("x-fail-first", "1")], body).await,
+                )
             }));
         }
         let mut answers = Vec::new();
@@ -657,12 +702,9 @@ async fn a_request_dropped_at_random_points_leaves_a_usable_key_and_one_effect()
         if task.await.is_err() {
             dropped_before_answer += 1;
         }
-        let retry = tokio::time::timeout(
-            Duration::from_secs(60),
-            post_key(&app, &key, &[], "{}"),
-        )
-        .await
-        .unwrap_or_else(|_| panic!("{key}: the retry hangs (60 s)"));
+        let retry = tokio::time::timeout(Duration::from_secs(60), post_key(&app, &key, &[], "{}"))
+            .await
+            .unwrap_or_else(|_| panic!("{key}: the retry hangs (60 s)"));
         assert_eq!(retry.status, StatusCode::CREATED, "{key}: {}", retry.text());
         assert_eq!(charges_of(&db.pool, &key).await, 1, "{key}");
     }
@@ -722,9 +764,15 @@ async fn a_panicking_handler_leaves_nothing() {
     });
     assert!(task.await.unwrap_err().is_panic());
     no_pooled_connection_in_a_transaction(&pool, 1).await;
-    assert_eq!((all_charges(&db.pool).await, all_keys(&db.pool).await), (0, 0));
+    assert_eq!(
+        (all_charges(&db.pool).await, all_keys(&db.pool).await),
+        (0, 0)
+    );
     let retry = post_key(&app, "p", &[], "{}").await;
-    assert_eq!((retry.status, retry.replayed()), (StatusCode::CREATED, false));
+    assert_eq!(
+        (retry.status, retry.replayed()),
+        (StatusCode::CREATED, false)
+    );
     assert_eq!(charges_of(&db.pool, "p").await, 1);
 }
 
@@ -739,7 +787,9 @@ async fn every_status_is_stored_or_rolled_back_as_documented() {
         401, 403, 404, 406, 408, 409, 411, 412, 415, 423, 424, 425, 428, 429, 500, 501, 502, 503,
         504, 599,
     ];
-    let stored = [200, 201, 202, 204, 301, 303, 307, 400, 402, 405, 410, 413, 418, 422, 426, 451];
+    let stored = [
+        200, 201, 202, 204, 301, 303, 307, 400, 402, 405, 410, 413, 418, 422, 426, 451,
+    ];
     for s in stored.iter().chain(not_stored.iter()) {
         let key = format!("status-{s}");
         let status = s.to_string();
@@ -754,8 +804,15 @@ async fn every_status_is_stored_or_rolled_back_as_documented() {
             assert_eq!(retry.body, first.body, "{s}");
             assert_eq!(charges_of(&db.pool, &key).await, 1, "{s}");
         } else {
-            assert_eq!(after_first, 0, "{s}: effects of a non-final answer rolled back");
-            assert_eq!((retry.status, retry.replayed()), (StatusCode::CREATED, false), "{s}");
+            assert_eq!(
+                after_first, 0,
+                "{s}: effects of a non-final answer rolled back"
+            );
+            assert_eq!(
+                (retry.status, retry.replayed()),
+                (StatusCode::CREATED, false),
+                "{s}"
+            );
             assert_eq!(charges_of(&db.pool, &key).await, 1, "{s}");
         }
     }
@@ -865,9 +922,10 @@ async fn the_layer_composes_with_timeout_and_body_rewriting_layers_in_both_order
         let mut out = b"<<".to_vec();
         out.extend(bytes.iter().rev());
         parts.headers.remove(header::CONTENT_LENGTH);
-        parts
-            .headers
-            .insert(header::CONTENT_ENCODING, HeaderValue::from_static("reversed"));
+        parts.headers.insert(
+            header::CONTENT_ENCODING,
+            HeaderValue::from_static("reversed"),
+        );
         Response::from_parts(parts, Body::from(out))
     }
     let db = database().await;
@@ -887,7 +945,12 @@ async fn the_layer_composes_with_timeout_and_body_rewriting_layers_in_both_order
     assert_eq!(r.status, StatusCode::REQUEST_TIMEOUT);
     assert_eq!(charges_of(&db.pool, "t-in").await, 0);
     let r = post_key(&inner_timeout, "t-in", &[], "{}").await;
-    assert_eq!((r.status, r.replayed()), (StatusCode::CREATED, false), "{}", r.text());
+    assert_eq!(
+        (r.status, r.replayed()),
+        (StatusCode::CREATED, false),
+        "{}",
+        r.text()
+    );
     // Timeout outside: the layer's future is dropped.
     let outer_timeout = base()
         .route_layer(layer.clone())
@@ -895,7 +958,12 @@ async fn the_layer_composes_with_timeout_and_body_rewriting_layers_in_both_order
     let r = post_key(&outer_timeout, "t-out", &[("x-hang", "1")], "{}").await;
     assert_eq!(r.status, StatusCode::REQUEST_TIMEOUT);
     let r = post_key(&outer_timeout, "t-out", &[], "{}").await;
-    assert_eq!((r.status, r.replayed()), (StatusCode::CREATED, false), "{}", r.text());
+    assert_eq!(
+        (r.status, r.replayed()),
+        (StatusCode::CREATED, false),
+        "{}",
+        r.text()
+    );
     assert_eq!(charges_of(&db.pool, "t-out").await, 1);
     no_pooled_connection_in_a_transaction(&pool, 2).await;
 
@@ -942,9 +1010,7 @@ async fn at_strict_isolation_ten_same_key_requests_with_failing_first_runs_settl
         let app = router(IdempotencyLayer::new(pool.clone(), inbox()), &ctl);
         let first = tokio::spawn({
             let app = app.clone();
-            async move {
-                post_key(&app, "iso", &[("x-gate", "1"), ("x-fail-first", "1")], "{}").await
-            }
+            async move { post_key(&app, "iso", &[("x-gate", "1"), ("x-fail-first", "1")], "{}").await }
         });
         ctl.entered.notified().await;
         let mut others = Vec::new();
@@ -996,7 +1062,10 @@ async fn get_and_head_with_a_key() {
     assert!(h.body.is_empty());
     let h1 = send(&app, req(Method::HEAD, "/charges", Some(b"h"), &[], "")).await;
     let h2 = send(&app, req(Method::HEAD, "/charges", Some(b"h"), &[], "")).await;
-    assert_eq!((h1.status, h2.status, h2.replayed()), (StatusCode::CREATED, StatusCode::CREATED, true));
+    assert_eq!(
+        (h1.status, h2.status, h2.replayed()),
+        (StatusCode::CREATED, StatusCode::CREATED, true)
+    );
     assert!(h1.body.is_empty() && h2.body.is_empty());
     assert_eq!(all_charges(&db.pool).await, 2);
 }
@@ -1081,13 +1150,11 @@ async fn no_wait_in_flight_is_409_then_replays() {
 }
 
 /// Without a key (key optional), a handler that sends `ROLLBACK` on the layer's transaction
-/// and answers 201: nothing committed, yet the client is told 201. The docs: "handler
-/// swallowed a failed statement or ended the transaction: 500, nothing commits", and the
-/// keyless path checks the transaction before COMMIT precisely so that nothing is "answered
-/// as if it took effect" — but the check (`SELECT 1`) only catches an aborted transaction,
-/// not an ended one.
+/// and answers 201. Was: told 201 with nothing committed (the check before COMMIT, `SELECT
+/// 1`, only caught an aborted transaction). Now the ROLLBACK is refused, and the check
+/// compares the transaction id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_without_a_key_a_handler_that_rolled_back_is_answered_201_for_nothing() {
+async fn without_a_key_a_handlers_rollback_is_refused_and_never_answered_201_for_nothing() {
     let db = database().await;
     let ctl = ctl();
     let layer = IdempotencyLayer::builder(db.pool.clone(), inbox())
@@ -1097,7 +1164,13 @@ async fn finding_without_a_key_a_handler_that_rolled_back_is_answered_201_for_no
     let app = router(layer, &ctl);
     let r = send(
         &app,
-        req(Method::POST, "/charges", None, &[("x-sql", "ROLLBACK")], "{}"),
+        req(
+            Method::POST,
+            "/charges",
+            None,
+            &[("x-sql", "ROLLBACK")],
+            "{}",
+        ),
     )
     .await;
     let charges = all_charges(&db.pool).await;
@@ -1110,9 +1183,9 @@ async fn finding_without_a_key_a_handler_that_rolled_back_is_answered_201_for_no
 }
 
 /// Without a key, a handler that sends `COMMIT` and then answers 500: the 5xx's effects are
-/// documented to roll back; the charge stays committed.
+/// documented to roll back. Was: the charge stayed committed. Now the COMMIT is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_without_a_key_a_handler_that_commits_then_fails_keeps_its_effect() {
+async fn without_a_key_a_handlers_commit_is_refused_so_a_5xx_rolls_back() {
     let db = database().await;
     let ctl = ctl();
     let layer = IdempotencyLayer::builder(db.pool.clone(), inbox())
@@ -1140,12 +1213,10 @@ async fn finding_without_a_key_a_handler_that_commits_then_fails_keeps_its_effec
 }
 
 /// A database whose encoding is not UTF-8 (LATIN1, accepted by `migrate`): a final answer
-/// whose body is UTF-8 text outside Latin-1 ("€", an emoji) cannot be stored in the jsonb
-/// outcome, so the first run is 500 "retry with the same key" and so is every retry: the
-/// route can never answer, although the body is well within the limit. (A scope outside
-/// Latin-1, e.g. an account named "用户", breaks the claim itself the same way.)
+/// whose body is UTF-8 text outside Latin-1 ("€", an emoji). Was: 22P05 at the store, 500
+/// on every attempt. Now the layer learns the encoding and stores what is not ASCII as hex.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_on_a_latin1_database_a_utf8_response_body_can_never_be_stored() {
+async fn on_a_latin1_database_a_utf8_response_body_is_stored_as_hex_and_replayed() {
     support::init_tracing();
     use sqlx::{Connection, Executor, PgConnection};
     let server = support::server_url().await;
@@ -1159,7 +1230,10 @@ async fn finding_on_a_latin1_database_a_utf8_response_body_can_never_be_stored()
         .await
         .unwrap();
     admin.close().await.ok();
-    let guard = DropDatabase { server: server.clone(), name: name.clone() };
+    let guard = DropDatabase {
+        server: server.clone(),
+        name: name.clone(),
+    };
     let options = std::str::FromStr::from_str(&server)
         .map(|o: sqlx::postgres::PgConnectOptions| o.database(&name))
         .unwrap();
@@ -1169,7 +1243,9 @@ async fn finding_on_a_latin1_database_a_utf8_response_body_can_never_be_stored()
             .connect_with(options)
             .await
             .unwrap();
-        pgbox::migrate(&pool).await.expect("migrate accepts a LATIN1 database");
+        pgbox::migrate(&pool)
+            .await
+            .expect("migrate accepts a LATIN1 database");
         sqlx::raw_sql(SCHEMA).execute(&pool).await.unwrap();
         async fn euro(tx: IdempotencyTx) -> Response {
             let mut g = tx.lock().await.unwrap();
@@ -1190,23 +1266,65 @@ async fn finding_on_a_latin1_database_a_utf8_response_body_can_never_be_stored()
         };
         let first = send(&app, r()).await;
         let retry = send(&app, r()).await;
+        // A scope outside Latin-1 (an account named in Chinese), with a UTF-8 Location.
+        async fn located(tx: IdempotencyTx) -> Response {
+            let mut g = tx.lock().await.unwrap();
+            sqlx::query("INSERT INTO charges (key, body_len) VALUES ('s', 0)")
+                .execute(&mut **g)
+                .await
+                .unwrap();
+            (
+                StatusCode::CREATED,
+                [(header::LOCATION, "/caf\u{e9}/\u{20ac}")],
+                "ok",
+            )
+                .into_response()
+        }
+        let scoped = Router::new().route("/s", post(located)).route_layer(
+            IdempotencyLayer::builder(pool.clone(), Inbox::new("attack-scoped").unwrap())
+                .scope(|_| Some("\u{7528}\u{6237}".to_owned()))
+                .build()
+                .unwrap(),
+        );
+        let s = || {
+            Request::post("/s")
+                .header("idempotency-key", "s")
+                .body(Body::empty())
+                .unwrap()
+        };
+        let scoped_first = send(&scoped, s()).await;
+        let scoped_retry = send(&scoped, s()).await;
         let charges: i64 = sqlx::query_scalar("SELECT count(*) FROM charges")
             .fetch_one(&pool)
             .await
             .unwrap();
         pool.close().await;
-        (first, retry, charges)
+        (first, retry, charges, scoped_first, scoped_retry)
     }
     .await;
     drop(guard);
-    let (first, retry, charges) = outcome;
+    let (first, retry, charges, scoped_first, scoped_retry) = outcome;
+    assert!(
+        scoped_first.status == StatusCode::CREATED
+            && scoped_retry.replayed()
+            && scoped_retry.headers.get("location") == scoped_first.headers.get("location")
+            && scoped_first.headers.get("location").map(|v| v.as_bytes())
+                == Some("/caf\u{e9}/\u{20ac}".as_bytes()),
+        "scoped: first {} {} {:?}; retry {} {} {:?}",
+        scoped_first.status,
+        scoped_first.text(),
+        scoped_first.headers.get("location"),
+        scoped_retry.status,
+        scoped_retry.text(),
+        scoped_retry.headers.get("location"),
+    );
     assert!(
         first.status == StatusCode::CREATED
             && retry.status == StatusCode::CREATED
             && retry.replayed()
             && retry.body == first.body
-            && charges == 1,
-        "first: {} {}; retry: {} {}; charges: {charges}",
+            && charges == 2,
+        "first: {} {}; retry: {} {}; charges (1 + 1 scoped): {charges}",
         first.status,
         first.text(),
         retry.status,
@@ -1242,7 +1360,9 @@ async fn at_repeatable_read_a_bounded_wait_replays() {
         let mut others = Vec::new();
         for _ in 0..5 {
             let app = app.clone();
-            others.push(tokio::spawn(async move { post_key(&app, "bw", &[], "{}").await }));
+            others.push(tokio::spawn(async move {
+                post_key(&app, "bw", &[], "{}").await
+            }));
         }
         until_lock_waiters(&db.pool, 5).await;
         ctl.gate.add_permits(1);
@@ -1289,4 +1409,210 @@ impl Drop for DropDatabase {
         })
         .join();
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// The class: what the screened connection cannot see (a nested unit's own connection, a
+// nested unit never ended). The layer checks before it stores or commits.
+// ---------------------------------------------------------------------------------------
+
+/// Writes a charge, then, by `x-nested`: `commit` / `rollback` sends that on a nested unit's
+/// connection (`tx.begin()`: the raw connection, not screened) and drops the unit; `leak`
+/// writes a second charge in a nested unit and forgets it (sqlx's depth stays at 2, so a
+/// `commit()` would only release the savepoint). Answers `x-status` (default 201).
+async fn nested(tx: IdempotencyTx, headers: HeaderMap) -> Response {
+    use sqlx::Connection as _;
+    let key = tx.key().unwrap_or("<none>").to_owned();
+    let mut guard = match tx.lock().await {
+        Ok(g) => g,
+        Err(e) => return failed(e),
+    };
+    let charge = "INSERT INTO charges (key, body_len) VALUES ($1, 0)";
+    if let Err(e) = sqlx::query(charge).bind(&key).execute(&mut **guard).await {
+        return failed(e);
+    }
+    let mut unit = match guard.begin().await {
+        Ok(unit) => unit,
+        Err(e) => return failed(e),
+    };
+    match hdr(&headers, "x-nested") {
+        Some("commit") | Some("rollback") => {
+            let sql = hdr(&headers, "x-nested").unwrap().to_uppercase();
+            if let Err(e) = sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&mut *unit)
+                .await
+            {
+                return failed(e);
+            }
+            drop(unit);
+        }
+        Some("leak") => {
+            if let Err(e) = sqlx::query(charge).bind(&key).execute(&mut *unit).await {
+                return failed(e);
+            }
+            std::mem::forget(unit);
+        }
+        _ => {
+            if let Err(e) = unit.commit().await {
+                return failed(e);
+            }
+        }
+    }
+    let status = hdr(&headers, "x-status")
+        .and_then(|s| s.parse::<u16>().ok())
+        .and_then(|s| StatusCode::from_u16(s).ok())
+        .unwrap_or(StatusCode::CREATED);
+    (status, format!("charged {key}")).into_response()
+}
+
+fn nested_router(layer: IdempotencyLayer) -> Router {
+    Router::new()
+        .route("/nested", post(nested))
+        .route_layer(layer)
+}
+
+fn nested_req(key: Option<&str>, how: &str, status: &str) -> Request<Body> {
+    let mut b = Request::post("/nested");
+    if let Some(key) = key {
+        b = b.header("idempotency-key", key);
+    }
+    b.header("x-nested", how)
+        .header("x-status", status)
+        .body(Body::empty())
+        .unwrap()
+}
+
+fn title(answer: &Answer) -> String {
+    serde_json::from_slice::<Value>(&answer.body)
+        .ok()
+        .and_then(|v| v["title"].as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+/// A handler that commits on a nested unit's connection (not screened), then answers 201 or
+/// 500: the layer finds the transaction ended before storing anything and says so (not
+/// "retry with the same key": the effect before the COMMIT committed with the key's row);
+/// a retry is told the key was used without a stored response (not "unreadable"), and
+/// nothing runs twice. The pool is left clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_on_a_nested_units_connection_is_answered_honestly_first_and_on_retry() {
+    let db = database().await;
+    let pool = pool_of(&db, 1).await;
+    let app = nested_router(IdempotencyLayer::new(pool.clone(), inbox()));
+    for status in ["201", "500"] {
+        let key = format!("nested-commit-{status}");
+        let first = send(&app, nested_req(Some(&key), "commit", status)).await;
+        let retry = send(&app, nested_req(Some(&key), "plain", "201")).await;
+        let charges = charges_of(&db.pool, &key).await;
+        assert_eq!(
+            (first.status, title(&first).as_str()),
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Transaction ended by the handler"
+            ),
+            "{status}: {}",
+            first.text()
+        );
+        assert!(
+            !first.text().contains("retry with the same key"),
+            "{}",
+            first.text()
+        );
+        assert_eq!(
+            (retry.status, title(&retry).as_str()),
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Idempotency key used without a stored response"
+            ),
+            "{status}: {}",
+            retry.text()
+        );
+        assert_eq!(charges, 1, "{status}: the retry must not run again");
+        no_pooled_connection_in_a_transaction(&pool, 1).await;
+    }
+}
+
+/// Without a key: a handler that rolls back on a nested unit's connection and answers 201
+/// is not answered 201 for nothing; one that commits there and answers 500 is told that its
+/// transaction was ended (its effect committed), not a plain 500.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_key_an_end_on_a_nested_units_connection_is_never_answered_as_done() {
+    let db = database().await;
+    let pool = pool_of(&db, 1).await;
+    let layer = IdempotencyLayer::builder(pool.clone(), inbox())
+        .required(false)
+        .build()
+        .unwrap();
+    let app = nested_router(layer);
+    let r = send(&app, nested_req(None, "rollback", "201")).await;
+    assert_eq!(all_charges(&db.pool).await, 0);
+    assert_eq!(
+        (r.status, title(&r).as_str()),
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "Transaction ended by the handler"
+        ),
+        "{}",
+        r.text()
+    );
+    no_pooled_connection_in_a_transaction(&pool, 1).await;
+    let r = send(&app, nested_req(None, "commit", "500")).await;
+    assert_eq!(all_charges(&db.pool).await, 1);
+    assert_eq!(
+        (r.status, title(&r).as_str()),
+        (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "Transaction ended by the handler"
+        ),
+        "{}",
+        r.text()
+    );
+    no_pooled_connection_in_a_transaction(&pool, 1).await;
+    // And a nested unit used as intended commits with the request.
+    let r = send(&app, nested_req(None, "plain", "201")).await;
+    assert_eq!(r.status, StatusCode::CREATED, "{}", r.text());
+    assert_eq!(all_charges(&db.pool).await, 2);
+}
+
+/// A nested unit the handler never ends (`mem::forget`): sqlx's depth stays at 2, so a
+/// `commit()` would only release a savepoint. Keyed or not, final or not, the layer never
+/// answers a final response over nothing committed, and never lends the connection on
+/// inside the transaction; a retry with the same key runs (nothing was recorded).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaked_nested_unit_never_turns_the_layers_commit_into_a_release() {
+    let db = database().await;
+    let pool = pool_of(&db, 1).await;
+    let app = nested_router(IdempotencyLayer::new(pool.clone(), inbox()));
+    for status in ["201", "500"] {
+        let key = format!("leak-{status}");
+        let first = send(&app, nested_req(Some(&key), "leak", status)).await;
+        let charges = charges_of(&db.pool, &key).await;
+        no_pooled_connection_in_a_transaction(&pool, 1).await;
+        assert!(
+            !(first.status == StatusCode::CREATED && charges != 2),
+            "{status}: answered 201 with {charges} charges committed"
+        );
+        let retry = send(&app, nested_req(Some(&key), "plain", "201")).await;
+        assert_eq!(
+            retry.status,
+            StatusCode::CREATED,
+            "{status}: {}",
+            retry.text()
+        );
+        no_pooled_connection_in_a_transaction(&pool, 1).await;
+    }
+    let keyless = nested_router(
+        IdempotencyLayer::builder(pool.clone(), inbox())
+            .required(false)
+            .build()
+            .unwrap(),
+    );
+    let before = all_charges(&db.pool).await;
+    let r = send(&keyless, nested_req(None, "leak", "201")).await;
+    let added = all_charges(&db.pool).await - before;
+    no_pooled_connection_in_a_transaction(&pool, 1).await;
+    assert!(
+        !(r.status == StatusCode::CREATED && added != 2),
+        "keyless: answered 201 with {added} charges committed"
+    );
 }

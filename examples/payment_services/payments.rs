@@ -318,7 +318,7 @@ async fn pay_order(
     Ok(
         match app
             .orders
-            .transition(&mut **tx, order_id, OrderState::Paid)
+            .transition(&mut tx.connection(), order_id, OrderState::Paid)
             .await?
         {
             Transition::Applied { .. } => {
@@ -333,7 +333,7 @@ async fn pay_order(
                 };
                 let message = Message::json(&app.topic, &event)?
                     .ordering_key(format!("user-{}", event.user_id));
-                app.outbox.enqueue(&mut *tx, message).await?;
+                app.outbox.enqueue(&mut tx.connection(), message).await?;
                 tracing::info!(
                     order_id,
                     user_id = event.user_id,
