@@ -6,7 +6,7 @@
 
 mod support;
 
-use pgbox::{Error, HandlerConnection, Inbox, Outcome, Sequenced};
+use pgbox::{Error, HandlerConnection, Inbox, Message, Outbox, Outcome, Sequenced};
 use sqlx::{Connection, Executor, PgPool};
 use support::TestDb;
 
@@ -247,4 +247,35 @@ async fn a_row_helper_after_a_refused_nested_begin_never_commits_on_its_own() {
         .await
         .unwrap();
     assert_eq!(balance, 0, "the helper's UPDATE committed on its own");
+}
+
+/// A nested begin given up mid-flight, then an outbox enqueue through the handler's
+/// connection (pgbox's own statement on the handler's behalf): the message must not commit
+/// on its own.
+#[tokio::test]
+async fn an_outbox_enqueue_after_a_given_up_nested_begin_never_commits_on_its_own() {
+    let db = setup().await;
+    let inbox = Inbox::builder(CONSUMER).build().unwrap();
+    let outbox = Outbox::new();
+    let key = "enqueue-after";
+    let first = inbox
+        .process_and_commit(&db.pool, key, async |conn: &mut HandlerConnection<'_>| {
+            let _ = conn.execute("SELECT 1/0").await;
+            if let Ok(unit) = conn.begin().await {
+                unit.commit().await?;
+            }
+            let sent = outbox
+                .enqueue(conn, Message::bytes("t", b"x".as_slice()))
+                .await;
+            eprintln!("the enqueue after the refused begin: {sent:?}");
+            Ok::<_, anyhow::Error>(())
+        })
+        .await;
+    eprintln!("{first:?}");
+    assert!(!matches!(first, Ok(Outcome::Processed(()))), "{first:?}");
+    let messages: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(messages, 0, "the outbox message committed on its own");
 }

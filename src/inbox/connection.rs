@@ -169,12 +169,6 @@ impl<'c> HandlerConnection<'c> {
         ))
     }
 
-    /// The connection, for a statement pgbox itself sends on the handler's behalf (an
-    /// outbox enqueue): it stays watched, and the caller reports a failure.
-    pub(crate) fn watched(&mut self) -> &mut PgConnection {
-        self.conn
-    }
-
     /// A statement sent on the handler's behalf failed.
     pub(crate) fn mark_failed(&mut self) {
         self.failed = true;

@@ -34,6 +34,7 @@ use tracing::Instrument;
 pub use self::committing::BeginsItsOwn;
 use self::connection::{Check, Nesting};
 pub use self::connection::{ConnectionLike, HandlerConnection};
+pub(crate) use self::connection::OneStatement;
 pub use self::key::{Key, MAX_CONSUMER_BYTES, MAX_KEY_BYTES, MAX_MESSAGE_ID_BYTES};
 pub(crate) use self::lease::ttl_micros as lease_ttl_micros;
 pub use self::lease::{FencingToken, Lease, LeaseAttempt, LeasedRun, MAX_LEASE_TTL, MIN_LEASE_TTL};

@@ -348,9 +348,10 @@ impl Outbox {
 /// [`Transaction`] and for the [`HandlerConnection`](crate::HandlerConnection) that inbox
 /// handlers get (always inside `process`'s transaction); sealed.
 pub trait InTransaction: sealed::Sealed + Send {
-    /// The connection, for one statement.
+    /// The connection, for one statement (refused before it is sent when the handler's
+    /// transaction was rolled back under it: see [`HandlerConnection`](crate::HandlerConnection)).
     #[doc(hidden)]
-    fn connection(&mut self) -> &mut sqlx::PgConnection;
+    fn connection(&mut self) -> crate::inbox::OneStatement<'_>;
     /// That statement failed (the transaction is aborted).
     #[doc(hidden)]
     fn statement_failed(&mut self) {}
@@ -363,16 +364,19 @@ mod sealed {
 }
 
 impl InTransaction for Transaction<'_, Postgres> {
-    fn connection(&mut self) -> &mut sqlx::PgConnection {
-        self
+    fn connection(&mut self) -> crate::inbox::OneStatement<'_> {
+        crate::ConnectionLike::connection(self)
     }
 }
 
 impl InTransaction for crate::HandlerConnection<'_> {
     // Watched like a statement sent through the wrapper: a failed enqueue makes the inbox
-    // check that the transaction is still alive before it reports success.
-    fn connection(&mut self) -> &mut sqlx::PgConnection {
-        self.watched()
+    // check that the transaction is still alive before it reports success, and after a
+    // nested unit rolled the transaction back the enqueue is refused before it is sent
+    // (else it would commit on its own and the relay publish a message of work that never
+    // committed).
+    fn connection(&mut self) -> crate::inbox::OneStatement<'_> {
+        crate::ConnectionLike::connection(self)
     }
     fn statement_failed(&mut self) {
         self.mark_failed();
