@@ -99,7 +99,10 @@ impl<S: Subscriber> ConsumerBuilder<S> {
         self
     }
 
-    /// Deliveries before a message is dead-lettered (default 10).
+    /// Deliveries before a message is dead-lettered (default 10). Those that found the
+    /// inbox's database away are not the message's and do not count, as far as this runner
+    /// saw them (it keeps their tally in memory; after a restart the transport's count
+    /// applies).
     pub fn max_deliveries(mut self, n: i32) -> Self {
         self.max_deliveries = n;
         self
@@ -185,6 +188,7 @@ impl<S: Subscriber> ConsumerBuilder<S> {
             poll_interval: self.poll_interval,
             key: self.key,
             batch_size: self.batch_size,
+            away: std::sync::Mutex::new(AwayTally::default()),
         })
     }
 }
@@ -232,6 +236,42 @@ pub struct Consumer<S> {
     poll_interval: Duration,
     key: Option<KeyFn>,
     batch_size: usize,
+    /// Deliveries of each message that found the inbox's database away.
+    away: std::sync::Mutex<AwayTally>,
+}
+
+/// Per message id, the deliveries this runner handed back because the inbox's database was
+/// away: they are not the message's failures, so they are taken off its delivery count
+/// before `max_deliveries` is compared. In memory: a runner that restarts (or a delivery
+/// another process had while away) counts them as the transport does. Bounded: at
+/// [`AwayTally::MAX`] messages, those not seen for an hour are forgotten, and while it stays
+/// full no new message is tallied.
+#[derive(Debug, Default)]
+struct AwayTally(std::collections::HashMap<uuid::Uuid, (i32, Instant)>);
+
+impl AwayTally {
+    const MAX: usize = 100_000;
+
+    fn record(&mut self, id: uuid::Uuid) {
+        if self.0.len() >= Self::MAX && !self.0.contains_key(&id) {
+            self.0
+                .retain(|_, (_, seen)| seen.elapsed() < Duration::from_secs(3600));
+            if self.0.len() >= Self::MAX {
+                return;
+            }
+        }
+        let entry = self.0.entry(id).or_insert((0, Instant::now()));
+        entry.0 = entry.0.saturating_add(1);
+        entry.1 = Instant::now();
+    }
+
+    fn of(&self, id: &uuid::Uuid) -> i32 {
+        self.0.get(id).map_or(0, |(n, _)| *n)
+    }
+
+    fn forget(&mut self, id: &uuid::Uuid) {
+        self.0.remove(id);
+    }
 }
 
 impl<S> fmt::Debug for Consumer<S> {
@@ -567,6 +607,7 @@ impl<S: Subscriber> Consumer<S> {
                 // Committed but not acked: the redelivery will be a duplicate.
                 tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
             }
+            self.away.lock().expect("away tally").forget(&envelope.id);
             settled
         }
         .instrument(span)
@@ -704,6 +745,10 @@ impl<S: Subscriber> Consumer<S> {
     /// deliveries it has had.
     async fn retry_while_away(&self, delivery: &S::Delivery, error: &Error) -> Settled {
         let attempt = self.source.attempt(delivery);
+        self.away
+            .lock()
+            .expect("away tally")
+            .record(self.source.envelope(delivery).id);
         let delay = self.backoff.delay_after(attempt.max(1) as u32);
         tracing::debug!(error = %error, delivery = attempt, "pgbox inbox database unavailable; redelivering later");
         match self.source.nack(delivery, delay, &error.to_string()).await {
@@ -727,8 +772,12 @@ impl<S: Subscriber> Consumer<S> {
         error: &str,
         min_delay: Duration,
     ) -> Settled {
-        let attempt = self.source.attempt(delivery);
+        // Only the message's own deliveries count: not those an outage of the inbox's
+        // database used up (see `AwayTally`).
+        let id = self.source.envelope(delivery).id;
+        let attempt = self.source.attempt(delivery) - self.away.lock().expect("away tally").of(&id);
         let outcome = if attempt >= self.max_deliveries {
+            self.away.lock().expect("away tally").forget(&id);
             self.source
                 .dead_letter(delivery, error)
                 .await
