@@ -618,6 +618,8 @@ pub struct IdempotencyTx {
 
 struct Slot {
     tx: Option<LayerTransaction>,
+    /// The inbox's pooler setting: how the handler's statements are sent.
+    pooler: Pooler,
     /// For a request without a key: begin on first use, from this pool.
     begin_from: Option<PgPool>,
 }
@@ -651,7 +653,7 @@ impl IdempotencyTx {
             // The pool stays until the layer closes the slot: a failed begin may be retried.
             let mut tx = crate::pooler::begin(pool, None).await?;
             let xact = transaction_id(&mut tx).await?;
-            slot.tx = Some(LayerTransaction::new(tx, Some(xact)));
+            slot.tx = Some(LayerTransaction::new(tx, Some(xact), slot.pooler));
         }
         MutexGuard::try_map(slot, |slot| slot.tx.as_mut())
             .map(|guard| TxGuard { guard })
@@ -667,10 +669,12 @@ impl IdempotencyTx {
         tx: Option<Transaction<'static, Postgres>>,
         pool: Option<PgPool>,
         key: Option<&str>,
+        pooler: Pooler,
     ) -> Self {
         IdempotencyTx {
             slot: Arc::new(Mutex::new(Slot {
-                tx: tx.map(|tx| LayerTransaction::new(tx, None)),
+                tx: tx.map(|tx| LayerTransaction::new(tx, None, pooler)),
+                pooler,
                 begin_from: pool,
             })),
             key: key.map(Arc::from),
@@ -745,12 +749,13 @@ pub struct LayerTransaction {
 }
 
 impl LayerTransaction {
-    fn new(tx: Transaction<'static, Postgres>, xact: Option<String>) -> Self {
+    fn new(tx: Transaction<'static, Postgres>, xact: Option<String>, pooler: Pooler) -> Self {
         LayerTransaction {
             conn: LayerConnection {
                 tx,
                 unwatched: false,
                 xact,
+                pooler,
             },
         }
     }
@@ -793,6 +798,8 @@ pub struct LayerConnection {
     /// For a request without a key: the transaction's id (`xid8` as text), taken when it
     /// began, for the check before COMMIT. (A keyed request's is its claim's.)
     xact: Option<String>,
+    /// The inbox's pooler setting: behind a transaction pooler every statement goes unnamed.
+    pooler: Pooler,
 }
 
 impl fmt::Debug for LayerConnection {
@@ -808,7 +815,7 @@ impl LayerConnection {
     /// one: `outbox.enqueue(&mut tx.connection(), message)`,
     /// `states.transition(&mut tx.connection(), id, to)`.
     pub fn connection(&mut self) -> HandlerConnection<'_> {
-        HandlerConnection::new(&mut self.tx, Pooler::None)
+        HandlerConnection::new(&mut self.tx, self.pooler)
     }
 }
 
@@ -840,10 +847,11 @@ impl<'c> Executor<'c> for &'c mut LayerConnection {
         'c: 'e,
         E: 'q + Execute<'q, Postgres>,
     {
+        let pooler = self.pooler;
         let conn: &'c mut PgConnection = &mut self.tx;
         // The screening connection lives in the stream's own future, which borrows it.
         TryAsyncStream::new(move |yielder| async move {
-            let mut screened = HandlerConnection::new(conn, Pooler::None);
+            let mut screened = HandlerConnection::new(conn, pooler);
             let mut results = (&mut screened).fetch_many(query);
             while let Some(result) = results.next().await {
                 yielder.r#yield(result?).await;
@@ -861,9 +869,10 @@ impl<'c> Executor<'c> for &'c mut LayerConnection {
         'c: 'e,
         E: 'q + Execute<'q, Postgres>,
     {
+        let pooler = self.pooler;
         let conn: &'c mut PgConnection = &mut self.tx;
         async move {
-            let mut screened = HandlerConnection::new(conn, Pooler::None);
+            let mut screened = HandlerConnection::new(conn, pooler);
             (&mut screened).fetch_optional(query).await
         }
         .boxed()
@@ -877,9 +886,10 @@ impl<'c> Executor<'c> for &'c mut LayerConnection {
     where
         'c: 'e,
     {
+        let pooler = self.pooler;
         let conn: &'c mut PgConnection = &mut self.tx;
         async move {
-            let mut screened = HandlerConnection::new(conn, Pooler::None);
+            let mut screened = HandlerConnection::new(conn, pooler);
             (&mut screened).prepare_with(sql, parameters).await
         }
         .boxed()
@@ -892,9 +902,10 @@ impl<'c> Executor<'c> for &'c mut LayerConnection {
     where
         'c: 'e,
     {
+        let pooler = self.pooler;
         let conn: &'c mut PgConnection = &mut self.tx;
         async move {
-            let mut screened = HandlerConnection::new(conn, Pooler::None);
+            let mut screened = HandlerConnection::new(conn, pooler);
             (&mut screened).describe(sql).await
         }
         .boxed()
@@ -1196,7 +1207,7 @@ impl Shared {
                 }
             }
         };
-        let handle = IdempotencyTx::new(Some(tx), None, Some(key));
+        let handle = IdempotencyTx::new(Some(tx), None, Some(key), self.inbox.pooler());
         let response = call(inner, with_tx(request, &handle)).await;
         let (mut parts, body) = response.into_parts();
         let is_final = self.is_final(parts.status, parts.extensions.remove::<Finality>());
@@ -1276,7 +1287,7 @@ impl Shared {
         S::Response: IntoResponse,
         S::Future: Send,
     {
-        let handle = IdempotencyTx::new(None, Some(self.pool.clone()), None);
+        let handle = IdempotencyTx::new(None, Some(self.pool.clone()), None, self.inbox.pooler());
         let response = call(inner, with_tx(request, &handle)).await;
         let (mut parts, body) = response.into_parts();
         let is_final = self.is_final(parts.status, parts.extensions.remove::<Finality>());

@@ -32,9 +32,9 @@ use sqlx_core::transaction::TransactionManager;
 use tracing::Instrument;
 
 pub use self::committing::BeginsItsOwn;
+pub(crate) use self::connection::OneStatement;
 use self::connection::{Check, Nesting};
 pub use self::connection::{ConnectionLike, HandlerConnection};
-pub(crate) use self::connection::OneStatement;
 pub use self::key::{Key, MAX_CONSUMER_BYTES, MAX_KEY_BYTES, MAX_MESSAGE_ID_BYTES};
 pub(crate) use self::lease::ttl_micros as lease_ttl_micros;
 pub use self::lease::{FencingToken, Lease, LeaseAttempt, LeasedRun, MAX_LEASE_TTL, MIN_LEASE_TTL};
@@ -477,6 +477,13 @@ impl Claimed {
 }
 
 impl Inbox {
+    /// The pooler this inbox was built for (the Idempotency-Key layer sends its handlers'
+    /// statements the same way).
+    #[cfg(feature = "axum")]
+    pub(crate) fn pooler(&self) -> Pooler {
+        self.inner.pooler
+    }
+
     /// An inbox for `consumer` in the default schema, blocking on in-flight duplicates and
     /// storing outcomes.
     pub fn new(consumer: impl Into<String>) -> Result<Self> {
