@@ -671,11 +671,17 @@ impl<S: Subscriber> Consumer<S> {
             let incoming = envelope.headers.get(TRACEPARENT).cloned();
             let run = with_incoming(
                 incoming,
-                self.inbox
-                    .run_leased(&self.pool, key, ttl, async |lease: &mut Lease| {
+                // pgbox's failures (the lease, its completion) apart from the handler's, as
+                // in `process`: a database that is away is not the message's failure.
+                self.inbox.run_leased::<_, Failure<E>, _>(
+                    &self.pool,
+                    key,
+                    ttl,
+                    async |lease: &mut Lease| {
                         let _timer = metrics.time_handler();
-                        handler(envelope, lease).await
-                    }),
+                        handler(envelope, lease).await.map_err(Failure::Handler)
+                    },
+                ),
             );
             let result = match AssertUnwindSafe(run).catch_unwind().await {
                 Ok(result) => result,
@@ -693,6 +699,10 @@ impl<S: Subscriber> Consumer<S> {
                     return self
                         .retry_not_before(&delivery, "leased elsewhere", retry_after)
                         .await;
+                }
+                Err(Failure::Database(e)) if database_away(&e) => {
+                    metrics.handler_errors.increment(1);
+                    return self.retry_while_away(&delivery, &e).await;
                 }
                 Err(e) => {
                     metrics.handler_errors.increment(1);
