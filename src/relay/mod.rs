@@ -1050,7 +1050,7 @@ async fn publish_atomic<P: Publisher>(
     let mut outage: Option<PublishError> = None;
     // Ranges of `batch` still to offer, the next one last. Bounded: each refused range of
     // several messages is replaced by two with fewer messages each.
-    let mut todo = vec![0..batch.len()];
+    let mut todo: Vec<std::ops::Range<usize>> = std::iter::once(0..batch.len()).collect();
     while let Some(range) = todo.pop() {
         let members: Vec<usize> = range
             .clone()
