@@ -489,10 +489,11 @@ async fn queue_through(proxy: &Px, queue_db: &TestDb) -> PgQueue {
 /// The queue's database receives a publish and goes silent (a host that died with the request
 /// in hand, a middlebox that black-holes an open connection). Every new connection is
 /// answered from the start: the transport answers again. The relay must count that as
-/// "did not answer" (unavailable) and go on; it waits forever on the silent connection
-/// instead, holding its round's transaction, row locks and the keyed-drain lock.
+/// "did not answer" (unavailable) and go on. It used to wait forever on the silent
+/// connection, holding its round's transaction, row locks and the keyed-drain lock; now the
+/// queue's publish timeout (30 s by default) reports it unavailable and closes the connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_queue_that_stops_answering_mid_publish_hangs_the_relay_for_good() {
+async fn queue_that_stops_answering_mid_publish_is_an_outage_the_relay_recovers_from() {
     support::init_tracing();
     let outbox_db = TestDb::migrated().await;
     let queue_db = TestDb::migrated().await;
@@ -555,14 +556,106 @@ async fn finding_queue_that_stops_answering_mid_publish_hangs_the_relay_for_good
     );
 }
 
+/// The queue's publish timeout on its own, short: the publish that went silent is reported
+/// unavailable within it, and its connection is closed rather than handed back to the pool
+/// (sqlx's release check would wait on it for good, holding the pool's only slot): the next
+/// publish, on the same one-connection pool, goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_publish_timeout_closes_the_silent_connection_and_frees_its_pool_slot() {
+    support::init_tracing();
+    let queue_db = TestDb::migrated().await;
+    let server = brokers::address(&support::server_url().await);
+    let proxy = Px::start(server).await;
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(20))
+        .connect_with(
+            queue_db
+                .options
+                .clone()
+                .host("127.0.0.1")
+                .port(proxy.addr.port()),
+        )
+        .await
+        .unwrap();
+    let queue = PgQueue::new(pool)
+        .publish_timeout(Duration::from_secs(1))
+        .unwrap();
+    let envelope = |payload: &str| {
+        let mut e =
+            pgbox::transport::conformance::envelope("atk.q.timeout", payload.as_bytes().to_vec());
+        e.ordering_key = Some("k".into());
+        e
+    };
+    proxy.arm(b"pgbox-atk-silent-zq", OnMarker::Freeze);
+    let silent = tokio::time::timeout(
+        Duration::from_secs(30),
+        queue.publish(&[envelope("pgbox-atk-silent-zq")]),
+    )
+    .await
+    .expect("the publish returns within its timeout");
+    assert_eq!(proxy.fired(), 1, "the publish went through the proxy");
+    let error = silent[0].as_ref().expect_err("no answer is not a success");
+    assert!(error.is_unavailable(), "no answer is an outage: {error}");
+    let next = tokio::time::timeout(
+        Duration::from_secs(30),
+        queue.publish(&[envelope("pgbox-atk-after-zq")]),
+    )
+    .await
+    .expect("the next publish returns");
+    assert!(
+        next[0].is_ok(),
+        "the pool's only slot was freed for the next publish: {:?}",
+        next[0]
+    );
+    assert!(
+        queue_payloads(&queue_db.pool)
+            .await
+            .contains(&"pgbox-atk-after-zq".to_owned())
+    );
+    assert!(matches!(
+        PgQueue::new(queue_db.pool.clone()).publish_timeout(Duration::ZERO),
+        Err(pgbox::Error::InvalidConfig(_))
+    ));
+}
+
+/// Before each round into the built-in queue, the relay asks the queue's pool which server
+/// it reaches. That question goes unanswered here (the connection freezes on it): the round
+/// gives up on it within the queue's publish timeout, publishes through the queue's pool as
+/// to any transport, and the relay drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relay_round_gives_up_on_a_queue_that_does_not_say_which_server_it_is() {
+    support::init_tracing();
+    let outbox_db = TestDb::migrated().await;
+    let queue_db = TestDb::migrated().await;
+    let server = brokers::address(&support::server_url().await);
+    let proxy = Px::start(server).await;
+    let queue = queue_through(&proxy, &queue_db)
+        .await
+        .publish_timeout(Duration::from_secs(1))
+        .unwrap();
+    let msgs = scenario();
+    enqueue_all(&outbox_db.pool, "atk.q.identify", &msgs).await;
+    proxy.arm(b"pg_postmaster_start_time", OnMarker::Freeze);
+    let relay = quick(&outbox_db.pool, queue);
+    let report = drain_bounded(&relay, 60).await;
+    assert_eq!(proxy.fired(), 1, "the question went through the proxy");
+    assert_eq!(report.dead_lettered, 0);
+    assert_clean(
+        &tally(&msgs, &queue_payloads(&queue_db.pool).await),
+        "queue",
+    );
+}
+
 /// The queue's database is up and answers, but does not take connections for a while
 /// (`ALTER DATABASE .. ALLOW_CONNECTIONS false`, maintenance: SQLSTATE 55000 at login). That
 /// is "could not be reached", as a RabbitMQ or NATS login refusal is for those transports
 /// (any failure to connect is unavailable there). The queue's publish error classification
-/// reads it as a refusal of every message: the halving search refuses each message alone, and
-/// everything is dead-lettered within `max_attempts(2)`.
+/// used to read it as a refusal of every message (the halving search refused each message
+/// alone, and everything was dead-lettered within `max_attempts(2)`); any failure to get a
+/// connection is now unavailable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_queue_database_not_accepting_connections_dead_letters_everything() {
+async fn queue_database_not_accepting_connections_is_an_outage_that_dead_letters_nothing() {
     support::init_tracing();
     let outbox_db = TestDb::migrated().await;
     let queue_db = TestDb::migrated().await;
@@ -603,7 +696,8 @@ async fn finding_queue_database_not_accepting_connections_dead_letters_everythin
     .unwrap();
     let report = drain_bounded(&relay, 60).await;
     assert_eq!(
-        dead, 0,
+        dead,
+        0,
         "the queue's database refusing logins dead-lettered {dead} of {} messages ({:?}); \
          once it took connections again the drain published {} and held {}",
         msgs.len(),
@@ -832,10 +926,11 @@ async fn rabbitmq_slow_broker_delivers_everything_in_order() {
 /// or deleted and about to be re-declared) for longer than the retry budget, while the
 /// broker and every other topic are fine. The README (RabbitMQ, "Queues are declared by the
 /// consumer side") says the relay "retries them with backoff, and nothing is dropped"; NATS
-/// treats the same situation (no stream takes the subject) as an outage. Here the message
-/// is dead-lettered after `max_attempts` unroutable returns.
+/// treats the same situation (no stream takes the subject) as an outage. A returned
+/// (unroutable) message used to be refused, and dead-lettered after `max_attempts` returns;
+/// it is now unavailable.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_rabbitmq_topic_without_its_queue_yet_is_dead_lettered() {
+async fn rabbitmq_topic_without_its_queue_yet_is_an_outage_that_dead_letters_nothing() {
     support::init_tracing();
     let db = TestDb::migrated().await;
     let url = brokers::rabbitmq_url().await;
@@ -1161,10 +1256,10 @@ async fn several_relays_through_a_flapping_transport() {
 // Builders accepting settings that void a guarantee.
 
 /// librdkafka reads `topic.<name>` as the default topic configuration's `<name>` (it strips
-/// the prefix when the global name is unknown). `KafkaBuilder::build` guards `partitioner`,
-/// `queuing.strategy` and `auto.offset.reset` by their bare names only.
+/// the prefix when the global name is unknown). `KafkaBuilder::build` used to guard
+/// `partitioner`, `queuing.strategy` and `auto.offset.reset` by their bare names only.
 #[test]
-fn finding_kafka_builder_accepts_guarded_settings_under_their_topic_prefix() {
+fn kafka_builder_refuses_guarded_settings_under_their_topic_prefix() {
     use pgbox::transport::kafka::Kafka;
     let mut accepted = Vec::new();
     for (key, value) in [
@@ -1180,7 +1275,11 @@ fn finding_kafka_builder_accepts_guarded_settings_under_their_topic_prefix() {
                 .is_err(),
             "{bare}={value} is refused by its bare name"
         );
-        if Kafka::builder("127.0.0.1:9").set(key, value).build().is_ok() {
+        if Kafka::builder("127.0.0.1:9")
+            .set(key, value)
+            .build()
+            .is_ok()
+        {
             accepted.push(format!(
                 "{key}={value} (librdkafka's effective {bare}: {:?})",
                 effective_topic_setting(key, value, bare)
@@ -1191,6 +1290,51 @@ fn finding_kafka_builder_accepts_guarded_settings_under_their_topic_prefix() {
         accepted.is_empty(),
         "KafkaBuilder::build accepted guarantee-voiding settings: {accepted:?}"
     );
+}
+
+/// The class of the one above: a setting pgbox owns or guards, under another name librdkafka
+/// reads it by (an alias, a `topic.` prefix, the legacy topic-level `enable.auto.commit`), or
+/// a setting pgbox sets itself under a name that would race with pgbox's (librdkafka's
+/// aliases are separate keys of `ClientConfig`'s map, applied in no set order). Each is
+/// refused, naming the setting; what pgbox leaves to the user is still accepted.
+#[test]
+fn kafka_builder_refuses_owned_and_guarded_settings_under_their_aliases() {
+    use pgbox::transport::kafka::Kafka;
+    let (mut accepted, mut unnamed) = (Vec::new(), Vec::new());
+    for (key, value) in [
+        ("topic.acks", "1"),
+        ("topic.request.required.acks", "0"),
+        ("topic.enable.auto.commit", "true"),
+        ("topic.auto.commit.enable", "true"),
+        ("delivery.timeout.ms", "0"),
+        ("topic.message.timeout.ms", "0"),
+        ("topic.delivery.timeout.ms", "0"),
+        ("queue.buffering.max.ms", "1000"),
+        ("linger.ms", "1000"),
+        ("metadata.broker.list", "127.0.0.1:9"),
+    ] {
+        match Kafka::builder("127.0.0.1:9").set(key, value).build() {
+            Ok(_) => accepted.push(format!("{key}={value}")),
+            Err(e @ pgbox::Error::InvalidConfig(_)) if e.to_string().contains(key) => {}
+            Err(e) => unnamed.push(format!("{key}={value}: {e}")),
+        }
+    }
+    assert!(
+        accepted.is_empty() && unnamed.is_empty(),
+        "KafkaBuilder::build accepted settings pgbox owns or guards, under another name: \
+         {accepted:?}; refused them without naming the setting: {unnamed:?}"
+    );
+    for (key, value) in [
+        ("topic.auto.offset.reset", "earliest"),
+        ("topic.partitioner", "murmur2_random"),
+        ("max.in.flight", "5"),
+        ("retries", "5"),
+        ("topic.compression.codec", "lz4"),
+        ("topic.metadata.refresh.interval.ms", "1000"),
+    ] {
+        let built = Kafka::builder("127.0.0.1:9").set(key, value).build();
+        assert!(built.is_ok(), "{key}={value}: {:?}", built.err());
+    }
 }
 
 /// What librdkafka's default topic configuration holds for `bare` after `key` = `value` was

@@ -543,3 +543,89 @@ async fn kafka_outage_longer_than_the_retry_budget_dead_letters_nothing() {
     let delivered = receive_all(&direct, topic, messages().len()).await;
     assert_all_in_key_order(&delivered);
 }
+
+/// A user-written publisher that stops answering (it waits on a peer that went silent) until
+/// `answer` is set; then it publishes and records what it got.
+#[derive(Clone, Default)]
+struct Silent {
+    answer: Arc<std::sync::atomic::AtomicBool>,
+    calls: Arc<AtomicUsize>,
+    delivered: Arc<std::sync::Mutex<Vec<(Option<String>, String)>>>,
+}
+
+impl Publisher for Silent {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        if !self.answer.load(Ordering::Relaxed) {
+            std::future::pending::<()>().await;
+        }
+        let mut delivered = self.delivered.lock().unwrap();
+        for e in batch {
+            delivered.push((
+                e.ordering_key.clone(),
+                String::from_utf8(e.payload.clone()).unwrap(),
+            ));
+        }
+        vec![Ok(()); batch.len()]
+    }
+
+    fn atomic_batches(&self) -> bool {
+        false
+    }
+}
+
+/// A publisher that never answers holds up a round for the relay's publish timeout, not for
+/// good: its messages come back unavailable (no attempt counted, nothing dead-lettered, the
+/// round's locks released), and once it answers again the relay publishes everything in
+/// key order. Without the bound the round waited forever, holding the keyed-drain lock.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_that_never_answers_is_an_outage_bounded_by_the_publish_timeout() {
+    support::init_tracing();
+    let db = TestDb::migrated().await;
+    enqueue(&db.pool, "silent.publisher").await;
+    let publisher = Silent::default();
+    let relay = Relay::builder(db.pool.clone(), publisher.clone())
+        .max_attempts(2)
+        .backoff(
+            RetryPolicy::new()
+                .base_delay(Duration::from_millis(5))
+                .max_delay(Duration::from_millis(20)),
+        )
+        .poll_interval(Duration::from_millis(20))
+        .publish_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    // More rounds than the retry budget allows for, each given up on.
+    for _ in 0..4 {
+        let round = tokio::time::timeout(Duration::from_secs(30), relay.relay_once())
+            .await
+            .expect("a round returns though its publisher never answers")
+            .expect("round");
+        assert_eq!(round.dead_lettered, 0);
+        assert_eq!(round.retried, 0, "no answer counts no attempt");
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    assert!(publisher.calls.load(Ordering::Relaxed) >= 2);
+    let attempts: i64 =
+        sqlx::query_scalar("SELECT coalesce(sum(attempts), 0)::bigint FROM pgbox.outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(attempts, 0);
+    assert_eq!(dead_letters(&db.pool).await, 0);
+    publisher.answer.store(true, Ordering::Relaxed);
+    let report = tokio::time::timeout(Duration::from_secs(60), relay.drain())
+        .await
+        .expect("drain")
+        .expect("drain");
+    assert_eq!(report.dead_lettered, 0);
+    let delivered = publisher.delivered.lock().unwrap().clone();
+    assert_eq!(delivered.len(), messages().len());
+    assert_all_in_key_order(&delivered);
+    assert!(
+        Relay::builder(db.pool.clone(), Silent::default())
+            .publish_timeout(Duration::ZERO)
+            .build()
+            .is_err()
+    );
+}

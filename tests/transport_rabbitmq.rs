@@ -96,7 +96,8 @@ impl Harness for RabbitHarness {
     }
 
     async fn refused(&self, topic: &str) -> Option<Envelope> {
-        // No queue is bound for this topic: a mandatory publish comes back.
+        // No queue is bound for this topic: a mandatory publish comes back, reported `Err`
+        // (unavailable: the relay retries it, uncounted, until a queue is bound).
         Some(conformance::envelope(
             &format!("{topic}-unbound"),
             "nowhere",

@@ -68,7 +68,13 @@ pub struct RelayBuilder<P> {
     keep_published: bool,
     pooler: Pooler,
     session_pool: Option<PgPool>,
+    publish_timeout: Duration,
 }
+
+/// How long one call of [`Publisher::publish`] may take before the relay gives up on it, by
+/// default: four times the built-in transports' own bounds (30 s each), so it only catches
+/// a publisher that never answers.
+const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(120);
 
 impl<P: Publisher> RelayBuilder<P> {
     /// What stands between the relay's pool and PostgreSQL (default [`Pooler::None`]).
@@ -135,6 +141,22 @@ impl<P: Publisher> RelayBuilder<P> {
         self
     }
 
+    /// How long one call of the publisher may take (default 2 min). A call that has not answered by then is dropped, and its messages are
+    /// reported unavailable: an outage, never counted as an attempt, their topic backed off.
+    /// Without a bound, a publisher that never answers (a user-written one waiting on a
+    /// peer that went silent) would hold the round's transaction, its row locks and the
+    /// keyed-drain lock for good, and no other relay could publish a keyed message.
+    ///
+    /// The built-in transports bound their own calls (30 s by default: RabbitMQ's confirm
+    /// timeout, the queue's [`publish_timeout`](crate::transport::PgQueue::publish_timeout),
+    /// Kafka's `message.timeout.ms`); keep this above theirs. A dropped call may have
+    /// published some of its messages: they are published again (at-least-once; the
+    /// consumer's inbox absorbs the duplicates). Zero is refused at [`build`](Self::build).
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
+
     /// Validates the settings.
     pub fn build(self) -> Result<Relay<P>> {
         let schema = Identifier::pgbox_schema(&self.schema)?;
@@ -151,6 +173,11 @@ impl<P: Publisher> RelayBuilder<P> {
         if self.poll_interval.is_zero() {
             return Err(Error::InvalidConfig(
                 "relay poll interval must be positive".into(),
+            ));
+        }
+        if self.publish_timeout.is_zero() {
+            return Err(Error::InvalidConfig(
+                "relay publish timeout must be positive".into(),
             ));
         }
         let sql = Statements::new(&schema, self.keep_published, self.batch_size);
@@ -190,6 +217,7 @@ impl<P: Publisher> RelayBuilder<P> {
             max_attempts: self.max_attempts,
             backoff: self.backoff,
             poll_interval: self.poll_interval,
+            publish_timeout: self.publish_timeout,
             wake_up,
             sql: Arc::new(sql),
             into_queue,
@@ -415,6 +443,7 @@ pub struct Relay<P> {
     max_attempts: i32,
     backoff: RetryPolicy,
     poll_interval: Duration,
+    publish_timeout: Duration,
     wake_up: WakeUp,
     sql: Arc<Statements>,
     /// When the publisher is the built-in queue: the keyed-drain lock's statement that also
@@ -453,6 +482,7 @@ impl<P: Publisher> Relay<P> {
             keep_published: false,
             pooler: Pooler::None,
             session_pool: None,
+            publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
         }
     }
 
@@ -658,7 +688,7 @@ impl<P: Publisher> Relay<P> {
             // answering, it is published to (and fails) as any transport would.
             let queue_side = match (&self.into_queue, self.publisher.as_pg_queue()) {
                 (Some(_), Some(queue)) => {
-                    match identify(queue.pool(), queue.pooler_setting()).await {
+                    match queue.server_identity().await {
                         Ok(there) => Some(there),
                         Err(e) => {
                             tracing::debug!(error = %e, "pgbox relay cannot reach the queue's pool");
@@ -906,7 +936,7 @@ impl<P: Publisher> Relay<P> {
         &self,
         batch: &[Envelope],
     ) -> Vec<Option<Result<(), PublishError>>> {
-        publish_in_key_order(&*self.publisher, batch).await
+        publish_in_key_order_within(&*self.publisher, batch, self.publish_timeout).await
     }
 }
 
@@ -945,21 +975,6 @@ impl Outages {
     }
 }
 
-/// Which server run and database `pool` reaches. Behind a transaction pooler the statement
-/// runs in a transaction of its own: sqlx prepares an unnamed statement in one round trip and
-/// runs it in the next, which a pooler may send to another server.
-async fn identify(pool: &PgPool, pooler: Pooler) -> Result<(OffsetDateTime, String)> {
-    let mut unit = pooler.unit(pool).await?;
-    let row = sqlx::query(
-        "SELECT pg_catalog.pg_postmaster_start_time(), pg_catalog.current_database()::text",
-    )
-    .persistent(pooler.persistent())
-    .fetch_one(&mut *unit)
-    .await?;
-    unit.finish().await?;
-    Ok((row.try_get(0)?, row.try_get(1)?))
-}
-
 /// Publishes `batch` (in seq order, keyed runs starting at their key's head) so that no
 /// message reaches the transport before an earlier message of its key was confirmed.
 /// `None`: not attempted, because an earlier message of its key failed.
@@ -967,13 +982,26 @@ async fn identify(pool: &PgPool, pooler: Pooler) -> Result<(OffsetDateTime, Stri
 /// A publisher whose batches are atomic and ordered gets the whole batch in one call.
 /// Others get waves: the first message of every key (and every unkeyed message), then
 /// the second of every key whose first was confirmed, and so on.
+///
+/// Each call of the publisher is bounded by [`DEFAULT_PUBLISH_TIMEOUT`] (see
+/// [`publish_in_key_order_within`]).
 pub(crate) async fn publish_in_key_order<P: Publisher>(
     publisher: &P,
     batch: &[Envelope],
 ) -> Vec<Option<Result<(), PublishError>>> {
+    publish_in_key_order_within(publisher, batch, DEFAULT_PUBLISH_TIMEOUT).await
+}
+
+/// [`publish_in_key_order`] with each call of the publisher bounded by `limit`: a call that
+/// does not answer within it reports its messages unavailable.
+pub(crate) async fn publish_in_key_order_within<P: Publisher>(
+    publisher: &P,
+    batch: &[Envelope],
+    limit: Duration,
+) -> Vec<Option<Result<(), PublishError>>> {
     let mut results: Vec<Option<Result<(), PublishError>>> = vec![None; batch.len()];
     if publisher.atomic_batches() {
-        results = publish_atomic(publisher, batch).await;
+        results = publish_atomic(publisher, batch, limit).await;
     } else {
         // Position of each message within its key's run in this batch.
         let mut seen: HashMap<(&str, &str), usize> = HashMap::new();
@@ -1002,7 +1030,7 @@ pub(crate) async fn publish_in_key_order<P: Publisher>(
                 break;
             }
             let envelopes: Vec<Envelope> = members.iter().map(|&i| batch[i].clone()).collect();
-            let wave_results = checked_publish(publisher, &envelopes).await;
+            let wave_results = checked_publish(publisher, &envelopes, limit).await;
             for (&i, result) in members.iter().zip(wave_results) {
                 if result.is_err()
                     && let Some(k) = &batch[i].ordering_key
@@ -1044,6 +1072,7 @@ pub(crate) async fn publish_in_key_order<P: Publisher>(
 async fn publish_atomic<P: Publisher>(
     publisher: &P,
     batch: &[Envelope],
+    limit: Duration,
 ) -> Vec<Option<Result<(), PublishError>>> {
     let mut results: Vec<Option<Result<(), PublishError>>> = vec![None; batch.len()];
     let mut failed: HashSet<(&str, &str)> = HashSet::new();
@@ -1071,10 +1100,10 @@ async fn publish_atomic<P: Publisher>(
             continue;
         }
         let got = if members.len() == batch.len() {
-            checked_publish(publisher, batch).await
+            checked_publish(publisher, batch, limit).await
         } else {
             let part: Vec<Envelope> = members.iter().map(|&i| batch[i].clone()).collect();
-            checked_publish(publisher, &part).await
+            checked_publish(publisher, &part, limit).await
         };
         let refused = got
             .iter()
@@ -1104,12 +1133,18 @@ async fn publish_atomic<P: Publisher>(
     results
 }
 
-/// One publisher call; a result list of the wrong length fails every message.
+/// One publisher call, bounded by `limit` (past it, every message is unavailable: the
+/// publisher did not answer); a result list of the wrong length fails every message.
 async fn checked_publish<P: Publisher>(
     publisher: &P,
     batch: &[Envelope],
+    limit: Duration,
 ) -> Vec<Result<(), PublishError>> {
-    let results = publisher.publish(batch).await;
+    let Ok(results) = tokio::time::timeout(limit, publisher.publish(batch)).await else {
+        let msg =
+            format!("the publisher did not answer within the relay's publish timeout ({limit:?})");
+        return vec![Err(PublishError::unavailable(msg)); batch.len()];
+    };
     if results.len() == batch.len() {
         return results;
     }

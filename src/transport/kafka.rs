@@ -229,14 +229,21 @@ impl KafkaBuilder {
     /// Any librdkafka setting for the producer and consumers (security, timeouts...):
     /// applied after pgbox's own. [`build`](Self::build) refuses, with an error naming the
     /// setting, those pgbox sets itself (`enable.idempotence`, `acks`,
-    /// `enable.auto.commit`, `enable.auto.offset.store`, `group.id`: use
-    /// [`group`](Self::group); `group.instance.id`: use [`instance_id`](Self::instance_id)),
-    /// values that void a guarantee (`auto.offset.reset` other than `earliest`,
-    /// `partitioner=random`, `queuing.strategy=lifo`, `delivery.report.only.error=true`,
-    /// `transactional.id`, more than 5 `max.in.flight.requests.per.connection`), and
-    /// whatever librdkafka itself refuses when it creates the producer or a consumer
-    /// (unknown settings, bad values, combinations), which would otherwise fail every
-    /// publish.
+    /// `enable.auto.commit`, `enable.auto.offset.store`, `message.timeout.ms`, `group.id`:
+    /// use [`group`](Self::group); `group.instance.id`: use
+    /// [`instance_id`](Self::instance_id); `linger.ms`: use [`linger`](Self::linger);
+    /// `bootstrap.servers`: give them to [`Kafka::builder`]), values that void a guarantee
+    /// (`auto.offset.reset` other than `earliest`, `partitioner=random`,
+    /// `queuing.strategy=lifo`, `delivery.report.only.error=true`, `transactional.id`, more
+    /// than 5 `max.in.flight.requests.per.connection`), and whatever librdkafka itself
+    /// refuses when it creates the producer or a consumer (unknown settings, bad values,
+    /// combinations), which would otherwise fail every publish.
+    ///
+    /// Every name is checked as librdkafka reads it: under its aliases (`request.required.acks`
+    /// for `acks`, `delivery.timeout.ms` for `message.timeout.ms`, `queue.buffering.max.ms`
+    /// for `linger.ms`, `max.in.flight` ...) and with a `topic.` prefix (librdkafka strips it
+    /// and sets the default topic configuration's property: `topic.partitioner=random` is
+    /// `partitioner=random`).
     pub fn set(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.settings.insert(key.into(), value.into());
         self
@@ -264,9 +271,8 @@ impl KafkaBuilder {
         }
         // librdkafka refuses a consumer whose session outlasts its poll interval.
         let poll_interval = self
-            .settings
-            .get("max.poll.interval.ms")
-            .and_then(|ms| ms.parse().ok())
+            .setting("max.poll.interval.ms")
+            .and_then(|ms| ms.trim().parse().ok())
             .map_or(Duration::from_secs(300), Duration::from_millis);
         if self.session_timeout > poll_interval {
             return bad(&format!(
@@ -284,21 +290,19 @@ impl KafkaBuilder {
         if self.message_max_bytes < 1024 || self.max_buffered == 0 {
             return bad("message_max_bytes must be at least 1 KiB and max_buffered positive");
         }
-        for key in [
-            "enable.idempotence",
-            "acks",
-            "request.required.acks",
-            "enable.auto.commit",
-            "enable.auto.offset.store",
-        ] {
-            if self.settings.contains_key(key) {
+        for (key, canonical) in self.canonical_settings() {
+            if PGBOX_OWNS.contains(&canonical) {
                 return Err(Error::InvalidConfig(format!(
-                    "kafka: `{key}` is pgbox's to set (its delivery guarantees rest on it)"
+                    "kafka: `{key}`{} is pgbox's to set (its delivery guarantees rest on it)",
+                    also_known_as(key, canonical)
                 )));
             }
-        }
-        if self.settings.contains_key("group.instance.id") {
-            return bad("set `group.instance.id` with `instance_id` (it is for consumers only)");
+            if let Some((_, how)) = SET_BY_BUILDER.iter().find(|(k, _)| *k == canonical) {
+                return Err(Error::InvalidConfig(format!(
+                    "kafka: `{key}`{}: {how}",
+                    also_known_as(key, canonical)
+                )));
+            }
         }
         self.check_settings()?;
         Ok(Kafka {
@@ -360,10 +364,92 @@ const GUARDED_SETTINGS: &[(&str, &[&str], &str)] = &[
     ),
 ];
 
+/// Settings pgbox sets itself and the user may not (by their canonical names, see
+/// [`canonical_setting`]).
+const PGBOX_OWNS: &[&str] = &[
+    "enable.idempotence",
+    "request.required.acks",
+    "enable.auto.commit",
+    "enable.auto.offset.store",
+    // Each publish waits for its delivery reports at most this long (30 s): an outage past
+    // it is reported, and a message that outlived it in librdkafka's queue is not sent
+    // after the relay published it again.
+    "message.timeout.ms",
+];
+
+/// Settings pgbox sets from the builder (by their canonical names), and how to set them.
+const SET_BY_BUILDER: &[(&str, &str)] = &[
+    (
+        "group.instance.id",
+        "set it with `instance_id` (it is for consumers only)",
+    ),
+    ("queue.buffering.max.ms", "set it with `linger`"),
+    (
+        "metadata.broker.list",
+        "give the bootstrap servers to `Kafka::builder`",
+    ),
+];
+
+/// librdkafka's aliases (`CONFIGURATION.md`: "Alias for ..."), alias first, by the name
+/// left once a `topic.` prefix is stripped.
+const ALIASES: &[(&str, &str)] = &[
+    ("acks", "request.required.acks"),
+    ("max.in.flight", "max.in.flight.requests.per.connection"),
+    ("linger.ms", "queue.buffering.max.ms"),
+    ("delivery.timeout.ms", "message.timeout.ms"),
+    ("retries", "message.send.max.retries"),
+    ("compression.type", "compression.codec"),
+    ("bootstrap.servers", "metadata.broker.list"),
+    ("max.partition.fetch.bytes", "fetch.message.max.bytes"),
+];
+
+/// The property librdkafka sets for `key`: it strips one `topic.` prefix from a name that
+/// is not a global property (it then sets the default topic configuration's; no global
+/// property pgbox guards starts with `topic.`), and resolves aliases. The topic-level
+/// `enable.auto.commit` (reached only through the prefix) is an alias of the legacy
+/// `auto.commit.enable`, unlike the global `enable.auto.commit`.
+fn canonical_setting(key: &str) -> &str {
+    let (prefixed, name) = match key.strip_prefix("topic.") {
+        Some(rest) => (true, rest),
+        None => (false, key),
+    };
+    if prefixed && name == "enable.auto.commit" {
+        return "auto.commit.enable";
+    }
+    ALIASES
+        .iter()
+        .find(|(alias, _)| *alias == name)
+        .map_or(name, |(_, canonical)| canonical)
+}
+
+/// ` (librdkafka's `canonical`)` when `key` is another name of it, for error messages.
+fn also_known_as(key: &str, canonical: &str) -> String {
+    if key == canonical {
+        String::new()
+    } else {
+        format!(" (librdkafka's `{canonical}`)")
+    }
+}
+
 /// The most requests in flight per connection an idempotent producer allows.
 const MAX_IN_FLIGHT_IDEMPOTENT: u32 = 5;
 
 impl KafkaBuilder {
+    /// The user's settings with the property librdkafka sets for each.
+    fn canonical_settings(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.settings
+            .keys()
+            .map(|k| (k.as_str(), canonical_setting(k)))
+    }
+
+    /// The user's value of the property `canonical`, under whichever of its names it was
+    /// set.
+    fn setting(&self, canonical: &str) -> Option<&str> {
+        self.canonical_settings()
+            .find(|(_, c)| *c == canonical)
+            .map(|(k, _)| self.settings[k].as_str())
+    }
+
     /// What every client starts from: the bootstrap servers, then the user's settings.
     fn client_config(&self) -> ClientConfig {
         let mut c = ClientConfig::new();
@@ -423,29 +509,30 @@ impl KafkaBuilder {
     /// rejects): created here with no broker to reach, and dropped, so that a configuration
     /// mistake fails `build` instead of every publish.
     fn check_settings(&self) -> Result<()> {
-        for (key, allowed, why) in GUARDED_SETTINGS {
-            if let Some(value) = self.settings.get(*key)
+        for (key, canonical) in self.canonical_settings() {
+            let value = &self.settings[key];
+            let aka = also_known_as(key, canonical);
+            if let Some((_, allowed, why)) =
+                GUARDED_SETTINGS.iter().find(|(k, _, _)| *k == canonical)
                 && !allowed.contains(&value.trim().to_ascii_lowercase().as_str())
             {
                 return Err(Error::InvalidConfig(if allowed.is_empty() {
-                    format!("kafka: `{key}` cannot be set ({why})")
+                    format!("kafka: `{key}`{aka} cannot be set ({why})")
                 } else {
                     format!(
-                        "kafka: `{key}` = {value:?} voids a guarantee ({why}); allowed: {}",
+                        "kafka: `{key}`{aka} = {value:?} voids a guarantee ({why}); allowed: {}",
                         allowed.join(", ")
                     )
                 }));
             }
-        }
-        for key in ["max.in.flight.requests.per.connection", "max.in.flight"] {
-            if let Some(value) = self.settings.get(key)
+            if canonical == "max.in.flight.requests.per.connection"
                 && value
                     .trim()
                     .parse::<u32>()
                     .is_ok_and(|n| n > MAX_IN_FLIGHT_IDEMPOTENT)
             {
                 return Err(Error::InvalidConfig(format!(
-                    "kafka: `{key}` = {value:?}: the idempotent producer (per-partition order \
+                    "kafka: `{key}`{aka} = {value:?}: the idempotent producer (per-partition order \
                      across retries) allows at most {MAX_IN_FLIGHT_IDEMPOTENT}"
                 )));
             }

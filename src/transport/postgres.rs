@@ -1,12 +1,13 @@
 //! The built-in transport: a durable per-topic queue in PostgreSQL.
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::{Arc, Mutex as StdMutex, MutexGuard};
+use std::sync::{Arc, Mutex as StdMutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgRow;
 use sqlx::types::Json;
-use sqlx::{AssertSqlSafe, PgPool, Row};
+use sqlx::{AssertSqlSafe, PgPool, Postgres, Row};
 use time::OffsetDateTime;
 use tokio::sync::oneshot;
 use uuid::Uuid;
@@ -44,8 +45,16 @@ pub struct PgQueue {
     session_pool: Option<PgPool>,
     acks: Arc<AckGroup>,
     isolation: Arc<SessionIsolation>,
+    /// Whether the pool's sessions default to `READ COMMITTED`, learned by the first publish
+    /// (see [`Pooler::read_committed_unit`], which the other statements go through).
+    publish_read_committed: Arc<OnceLock<bool>>,
     wait_for_flush: bool,
+    publish_timeout: Duration,
 }
+
+/// How long a publish (or the relay's look at which server the queue is on) may take, by
+/// default: as long as RabbitMQ's confirm timeout.
+const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Most acks deleted by one statement.
 const MAX_ACKS_PER_STATEMENT: usize = 1000;
@@ -210,8 +219,32 @@ impl PgQueue {
             session_pool: None,
             acks: Arc::default(),
             isolation: Arc::default(),
+            publish_read_committed: Arc::default(),
             wait_for_flush: false,
+            publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
         }
+    }
+
+    /// How long a [`publish`](Publisher::publish) may take, from waiting for a connection to
+    /// the commit (default 30 s). A publish that has not finished by then is reported unavailable (an outage: the relay counts no attempt and
+    /// tries again after its backoff), and its connection is closed, never handed back to the
+    /// pool: a database that stopped answering mid-request (a host that died with the request
+    /// in hand, a middlebox that black-holes an open connection) would otherwise hold the
+    /// relay's round, its row locks and its keyed-drain lock for good. The relay's look at
+    /// which server the queue's pool reaches, made before each round, has the same bound.
+    ///
+    /// A publish cut off by the timeout may still have committed (the answer to the
+    /// `COMMIT` was what went missing): its messages are published again, as after any lost
+    /// connection, and the consumer's inbox absorbs the duplicates. Zero is refused
+    /// ([`Error::InvalidConfig`]).
+    pub fn publish_timeout(mut self, timeout: Duration) -> Result<Self> {
+        if timeout.is_zero() {
+            return Err(Error::InvalidConfig(
+                "queue publish timeout must be positive".into(),
+            ));
+        }
+        self.publish_timeout = timeout;
+        Ok(self)
     }
 
     /// What stands between the queue's pool and PostgreSQL (default [`Pooler::None`]). With
@@ -262,11 +295,6 @@ impl PgQueue {
     /// The schema the queue's tables are in.
     pub(crate) fn schema_identifier(&self) -> &Identifier {
         &self.inner.schema
-    }
-
-    /// What stands between the queue's pool and PostgreSQL.
-    pub(crate) fn pooler_setting(&self) -> Pooler {
-        self.pooler
     }
 
     /// The `LISTEN` channel notified when messages arrive.
@@ -467,27 +495,17 @@ fn decode_delivery(row: &PgRow) -> Result<Delivery> {
 }
 
 impl Publisher for PgQueue {
+    /// Inserts the batch into the queue, all or nothing, within the
+    /// [publish timeout](PgQueue::publish_timeout).
+    ///
+    /// Unavailable (an outage, never counted as an attempt): no connection (refused, a login
+    /// the server turns away: `57P03` starting up, `55000` not accepting connections, `3D000`
+    /// no such database, class `28` authentication; the pool's own timeout), a failed
+    /// `BEGIN`, a lost connection, no answer within the timeout, and the statement errors
+    /// [`publish_error`] lists. Refused: what the server answers to the insert itself (a
+    /// missing table or grant, a value it refuses).
     async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
-        let result: Result<()> = async {
-            let chunks = chunk_by_bytes(batch, MAX_STATEMENT_BYTES);
-            if let [only] = chunks.as_slice() {
-                let mut unit = self.unit().await?;
-                self.insert(&mut unit, only).await?;
-                return unit.finish().await;
-            }
-            // Too big for one statement: several, in one transaction, so the batch stays
-            // all or nothing.
-            let mut tx =
-                crate::pooler::begin(&self.pool, Some("BEGIN ISOLATION LEVEL READ COMMITTED"))
-                    .await?;
-            for chunk in &chunks {
-                self.insert(&mut tx, chunk).await?;
-            }
-            tx.commit().await?;
-            Ok(())
-        }
-        .await;
-        let result = result.map_err(|e: Error| publish_error(&e));
+        let result = self.publish_within_timeout(batch).await;
         vec![result; batch.len()]
     }
 
@@ -497,6 +515,195 @@ impl Publisher for PgQueue {
 
     fn as_pg_queue(&self) -> Option<&PgQueue> {
         Some(self)
+    }
+}
+
+/// A connection of the queue's pool that is closed, not handed back to the pool, unless
+/// [`keep`](Self::keep) says it is in a known state: a publish cut off (by its timeout, or
+/// by its caller dropping it) may have left it mid-request, mid-transaction, or waiting on a
+/// peer that will never answer (sqlx's own check on release would wait on it for good,
+/// holding a slot of the pool).
+struct Borrowed {
+    conn: Option<PoolConnection<Postgres>>,
+}
+
+impl Borrowed {
+    fn new(conn: PoolConnection<Postgres>) -> Self {
+        Borrowed { conn: Some(conn) }
+    }
+
+    fn conn(&mut self) -> &mut sqlx::PgConnection {
+        self.conn
+            .as_mut()
+            .expect("a borrowed connection until dropped")
+    }
+
+    /// The connection is in a known state (idle, outside any transaction): back to the
+    /// pool.
+    fn keep(mut self) {
+        drop(self.conn.take());
+    }
+}
+
+impl Drop for Borrowed {
+    fn drop(&mut self) {
+        if let Some(mut conn) = self.conn.take() {
+            // A graceful close bounded by sqlx (5 s), then the socket is dropped.
+            conn.close_on_drop();
+        }
+    }
+}
+
+/// Takes a connection of `pool` by `deadline`; every failure (none within the deadline, a
+/// refused connection or login, the pool's own timeout) is the database not being
+/// reachable, whatever its SQLSTATE.
+async fn borrow_by(
+    pool: &PgPool,
+    deadline: tokio::time::Instant,
+    limit: Duration,
+) -> std::result::Result<Borrowed, String> {
+    match tokio::time::timeout_at(deadline, pool.acquire()).await {
+        Ok(Ok(conn)) => Ok(Borrowed::new(conn)),
+        Ok(Err(e)) => Err(format!(
+            "cannot get a connection to the queue's database: {}",
+            Error::from(e)
+        )),
+        Err(_) => Err(format!(
+            "no connection to the queue's database within {limit:?}"
+        )),
+    }
+}
+
+/// Why a publish failed before the database answered its insert: the connection's state
+/// (an outage), or the insert (classified by [`publish_error`]).
+enum PublishFault {
+    Session(Error),
+    Insert(Error),
+}
+
+impl PgQueue {
+    async fn publish_within_timeout(&self, batch: &[Envelope]) -> Result<(), PublishError> {
+        let limit = self.publish_timeout;
+        let deadline = tokio::time::Instant::now() + limit;
+        let mut conn = borrow_by(&self.pool, deadline, limit)
+            .await
+            .map_err(PublishError::unavailable)?;
+        match tokio::time::timeout_at(deadline, self.insert_batch(conn.conn(), batch)).await {
+            Ok(Ok(())) => {
+                conn.keep();
+                Ok(())
+            }
+            // Failed: the connection may be inside an aborted transaction; it is closed.
+            Ok(Err(PublishFault::Session(e))) => Err(PublishError::unavailable(format!(
+                "the queue's database: {e}"
+            ))),
+            Ok(Err(PublishFault::Insert(e))) => Err(publish_error(&e)),
+            Err(_) => Err(PublishError::unavailable(format!(
+                "the queue's database did not answer within the publish timeout ({limit:?}); \
+                 its connection is closed"
+            ))),
+        }
+    }
+
+    /// The batch's insert on `conn`: one autocommit statement when it fits one and the
+    /// session runs at `READ COMMITTED`, else a `READ COMMITTED` transaction (several
+    /// statements stay all or nothing; behind a transaction pooler every statement is in
+    /// one).
+    async fn insert_batch(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        batch: &[Envelope],
+    ) -> std::result::Result<(), PublishFault> {
+        let chunks = chunk_by_bytes(batch, MAX_STATEMENT_BYTES);
+        let plain = match (self.pooler, chunks.len()) {
+            (Pooler::None, 1) => self
+                .session_reads_committed(conn)
+                .await
+                .map_err(PublishFault::Session)?,
+            _ => false,
+        };
+        if plain {
+            return self
+                .insert(conn, chunks[0])
+                .await
+                .map_err(PublishFault::Insert);
+        }
+        sqlx::raw_sql("BEGIN ISOLATION LEVEL READ COMMITTED")
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| PublishFault::Session(e.into()))?;
+        for chunk in &chunks {
+            self.insert(conn, chunk)
+                .await
+                .map_err(PublishFault::Insert)?;
+        }
+        // The commit's answer is the batch's: a deferred check refuses it here.
+        sqlx::raw_sql("COMMIT")
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| PublishFault::Insert(e.into()))?;
+        Ok(())
+    }
+
+    /// Whether the pool's sessions default to `READ COMMITTED` (asked once, on `conn`).
+    async fn session_reads_committed(&self, conn: &mut sqlx::PgConnection) -> Result<bool> {
+        if let Some(known) = self.publish_read_committed.get() {
+            return Ok(*known);
+        }
+        let level: String = sqlx::query_scalar(
+            "SELECT pg_catalog.current_setting('default_transaction_isolation')",
+        )
+        .fetch_one(&mut *conn)
+        .await?;
+        let read_committed = level == "read committed";
+        let _ = self.publish_read_committed.set(read_committed);
+        Ok(read_committed)
+    }
+
+    /// Which server run and database the queue's pool reaches, within the publish timeout
+    /// (its connection closed if it does not answer in time). Behind a transaction pooler the
+    /// statement runs in a transaction of its own: sqlx prepares an unnamed statement in one
+    /// round trip and runs it in the next, which a pooler may send to another server.
+    pub(crate) async fn server_identity(&self) -> Result<(OffsetDateTime, String)> {
+        let limit = self.publish_timeout;
+        let deadline = tokio::time::Instant::now() + limit;
+        let timed_out = |what: String| {
+            Error::from(sqlx::Error::Io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                what,
+            )))
+        };
+        let mut conn = borrow_by(&self.pool, deadline, limit)
+            .await
+            .map_err(timed_out)?;
+        let in_transaction = !self.pooler.keeps_sessions();
+        let persistent = self.pooler.persistent();
+        let asked = async {
+            let conn = conn.conn();
+            if in_transaction {
+                sqlx::raw_sql("BEGIN").execute(&mut *conn).await?;
+            }
+            let row = sqlx::query(
+                "SELECT pg_catalog.pg_postmaster_start_time(), pg_catalog.current_database()::text",
+            )
+            .persistent(persistent)
+            .fetch_one(&mut *conn)
+            .await?;
+            if in_transaction {
+                sqlx::raw_sql("COMMIT").execute(&mut *conn).await?;
+            }
+            Ok::<_, Error>((row.try_get(0)?, row.try_get(1)?))
+        };
+        match tokio::time::timeout_at(deadline, asked).await {
+            Ok(Ok(there)) => {
+                conn.keep();
+                Ok(there)
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(timed_out(format!(
+                "the queue's database did not answer within {limit:?}"
+            ))),
+        }
     }
 }
 

@@ -18,7 +18,10 @@
 //! The queues are declared by the subscriber (on its first `receive`, or by
 //! [`RabbitMq::declare_topic`]), not by the publisher: messages published to a topic that
 //! has no queue yet are **unroutable**, and since every publish is `mandatory`, the relay
-//! gets an error and retries them later; nothing is dropped silently. Turn `declare` off to
+//! gets them back. A returned message is **unavailable**, not refused (the topology's state,
+//! not the message's fault, as NATS treats a subject no stream takes): the relay counts no
+//! attempt, never dead-letters it, and retries its topic with backoff until a queue is
+//! bound; nothing is dropped. Turn `declare` off to
 //! manage the topology yourself (same names and arguments).
 //!
 //! # Publishing
@@ -878,7 +881,11 @@ fn decode(topic: &str, properties: &BasicProperties, data: &[u8]) -> Result<Enve
 fn confirmed(confirmation: Confirmation) -> Result<(), PublishError> {
     match confirmation {
         Confirmation::Ack(None) => Ok(()),
-        Confirmation::Ack(Some(returned)) => Err(PublishError::refused(format!(
+        // Returned (312 NO_ROUTE: no queue is bound to the topic yet, or it was deleted and
+        // is about to be declared again): the topology's state, not the message's fault,
+        // like NATS with no stream for a subject. An outage: never counted as an attempt,
+        // never dead-lettered; the relay backs the topic off until a queue takes it.
+        Confirmation::Ack(Some(returned)) => Err(PublishError::unavailable(format!(
             "unroutable: returned by the broker ({} {}); is the topic's queue declared?",
             returned.reply_code, returned.reply_text
         ))),
@@ -919,6 +926,9 @@ impl Publisher for RabbitMq {
     /// channel over again is refused (an attempt of that message), the others get their own
     /// answer. A message acked before the close may so be published twice (the relay's
     /// delivery is at least once anyway). Only one such message: it is the one.
+    ///
+    /// A message the broker returns (unroutable: no queue bound to its topic yet) is
+    /// unavailable, not refused: see the module's Topology section.
     async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
         let (mut results, closed_over) = self.publish_pipelined(batch).await;
         let shared: Vec<usize> = (0..batch.len()).filter(|&i| closed_over[i]).collect();
