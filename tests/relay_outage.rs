@@ -544,13 +544,16 @@ async fn kafka_outage_longer_than_the_retry_budget_dead_letters_nothing() {
     assert_all_in_key_order(&delivered);
 }
 
+/// What a publisher delivered: (ordering key, payload), in arrival order.
+type Delivered = Arc<std::sync::Mutex<Vec<(Option<String>, String)>>>;
+
 /// A user-written publisher that stops answering (it waits on a peer that went silent) until
 /// `answer` is set; then it publishes and records what it got.
 #[derive(Clone, Default)]
 struct Silent {
     answer: Arc<std::sync::atomic::AtomicBool>,
     calls: Arc<AtomicUsize>,
-    delivered: Arc<std::sync::Mutex<Vec<(Option<String>, String)>>>,
+    delivered: Delivered,
 }
 
 impl Publisher for Silent {

@@ -501,9 +501,10 @@ impl Publisher for PgQueue {
     /// Unavailable (an outage, never counted as an attempt): no connection (refused, a login
     /// the server turns away: `57P03` starting up, `55000` not accepting connections, `3D000`
     /// no such database, class `28` authentication; the pool's own timeout), a failed
-    /// `BEGIN`, a lost connection, no answer within the timeout, and the statement errors
-    /// [`publish_error`] lists. Refused: what the server answers to the insert itself (a
-    /// missing table or grant, a value it refuses).
+    /// `BEGIN`, a lost connection, no answer within the timeout, and an insert failing for
+    /// the server's state (a standby, a cancelled or conflicting statement, class `53` out
+    /// of resources). Refused: what the server answers to the insert itself (a missing
+    /// table or grant, a value it refuses).
     async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
         let result = self.publish_within_timeout(batch).await;
         vec![result; batch.len()]
