@@ -423,3 +423,233 @@ async fn finding_handler_statement_cut_by_outage_counts_against_the_message() {
          {stats:?}, reason {dead_reason:?}"
     );
 }
+
+/// An always-failing message whose own failures interleave with an outage: two own
+/// failures, then the database away for many deliveries, then back. It is dead-lettered
+/// after exactly max_deliveries calls of its handler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn own_failures_interleaved_with_an_outage_dead_letter_after_exactly_max() {
+    let rig = Rig::new(false).await;
+    let topic = "attack.interleave";
+    rig.publish(topic, &["bad"]).await;
+    let max = 4;
+    let consumer = rig.consumer(topic, max, 1);
+    let calls: Calls = Arc::default();
+    let shutdown = CancellationToken::new();
+    let second = Arc::new(Notify::new());
+    let go = Arc::new(Notify::new());
+    let run = tokio::spawn({
+        let (calls, shutdown, second, go) =
+            (calls.clone(), shutdown.clone(), second.clone(), go.clone());
+        async move {
+            consumer
+                .run(
+                    async move |m: &Envelope, _: &mut HandlerConnection<'_>| {
+                        if call(&calls, m.id) == 2 {
+                            second.notify_one();
+                            go.notified().await;
+                        }
+                        Err::<(), _>(ordinary())
+                    },
+                    shutdown,
+                )
+                .await
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(30), second.notified())
+        .await
+        .expect("second call");
+    // The second failure happens (its rollback may already find the database away).
+    rig.away();
+    go.notify_one();
+    rig.wait("many deliveries while away", async |r: &Rig| {
+        r.scalar("SELECT coalesce(max(deliveries), 0)::int8 FROM pgbox.queue")
+            .await
+            >= 12
+    })
+    .await;
+    rig.back();
+    rig.wait("dead-lettered", async |r: &Rig| r.left().await == 0)
+        .await;
+    shutdown.cancel();
+    let stats = tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("runner stops")
+        .unwrap()
+        .unwrap();
+    let n = calls.lock().unwrap().values().sum::<usize>();
+    assert_eq!(rig.dead().await, 1, "{stats:?}");
+    assert_eq!(n, max as usize, "handler calls before the dead letter: {stats:?}");
+}
+
+/// The relay is at least once: the same message (same id) can sit in the queue twice. The
+/// tally is kept per message id, so the away deliveries of both copies are taken off each
+/// copy's count: an always-failing message then runs its handler as many more times as the
+/// outage lasted, not max_deliveries times per copy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_two_copies_of_a_message_share_one_away_tally() {
+    let rig = Rig::new(true).await;
+    let topic = "attack.copies";
+    let queue = PgQueue::new(rig.queue_db.pool.clone());
+    let env = conformance::envelope(topic, "bad");
+    for r in queue.publish(&[env.clone(), env.clone()]).await {
+        r.unwrap();
+    }
+    let copies = rig.left().await;
+    let max = 3;
+    let consumer = rig.consumer(topic, max, 1);
+    let calls: Calls = Arc::default();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (calls, shutdown) = (calls.clone(), shutdown.clone());
+        async move {
+            consumer
+                .run(
+                    async move |m: &Envelope, _: &mut HandlerConnection<'_>| {
+                        call(&calls, m.id);
+                        Err::<(), _>(ordinary())
+                    },
+                    shutdown,
+                )
+                .await
+        }
+    });
+    rig.wait("deliveries while away", async |r: &Rig| {
+        r.scalar("SELECT coalesce(min(deliveries), 0)::int8 FROM pgbox.queue")
+            .await
+            >= 10
+    })
+    .await;
+    rig.back();
+    rig.wait("dead-lettered", async |r: &Rig| r.left().await == 0)
+        .await;
+    shutdown.cancel();
+    let stats = tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("runner stops")
+        .unwrap()
+        .unwrap();
+    let n = calls.lock().unwrap().values().sum::<usize>();
+    let per_copy: Vec<i32> =
+        sqlx::query_scalar("SELECT deliveries FROM pgbox.queue_dead_letters ORDER BY seq")
+            .fetch_all(&rig.queue_db.pool)
+            .await
+            .unwrap();
+    assert_eq!(rig.dead().await, copies, "{stats:?}");
+    assert_eq!(
+        n,
+        max as usize * copies as usize,
+        "{copies} copies, max_deliveries {max}: handler calls {n}; deliveries at the dead \
+         letter {per_copy:?}; {stats:?}"
+    );
+}
+
+/// The queue in the inbox's own database, both through the proxy: the database goes away
+/// while the handler runs, so the commit, the nack and the receives all fail; the message
+/// comes back after the visibility timeout. One ordinary failure after that is not the
+/// last (max_deliveries 2), and the effect is written once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_in_the_inbox_database_outage_mid_handler_then_one_failure() {
+    let rig = Rig::new(false).await;
+    sqlx::query("CREATE TABLE effects (message_id uuid NOT NULL)")
+        .execute(&rig.inbox_db.pool)
+        .await
+        .unwrap();
+    let topic = "attack.samedb";
+    // Published into the inbox's database directly.
+    let direct = PgQueue::new(rig.inbox_db.pool.clone());
+    for r in direct
+        .publish(&[conformance::envelope(topic, "x")])
+        .await
+    {
+        r.unwrap();
+    }
+    let consumer = Consumer::builder(
+        rig.inbox_pool.clone(),
+        PgQueue::new(rig.inbox_pool.clone()),
+        topic,
+        Inbox::new("attack").unwrap(),
+    )
+    .max_deliveries(2)
+    .concurrency(2)
+    .visibility_timeout(Duration::from_millis(300))
+    .poll_interval(Duration::from_millis(10))
+    .backoff(
+        RetryPolicy::new()
+            .base_delay(Duration::from_millis(1))
+            .max_delay(Duration::from_millis(5)),
+    )
+    .build()
+    .unwrap();
+    let calls: Calls = Arc::default();
+    let entered = Arc::new(Notify::new());
+    let go = Arc::new(Notify::new());
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (calls, shutdown, entered, go) =
+            (calls.clone(), shutdown.clone(), entered.clone(), go.clone());
+        async move {
+            consumer
+                .run(
+                    async move |m: &Envelope, conn: &mut HandlerConnection<'_>| {
+                        let n = call(&calls, m.id);
+                        if n == 2 {
+                            return Err(ordinary());
+                        }
+                        sqlx::query("INSERT INTO effects (message_id) VALUES ($1)")
+                            .bind(m.id)
+                            .execute(&mut *conn)
+                            .await
+                            .map_err(pgbox::Error::from)?;
+                        if n == 1 {
+                            // The effect is written; the commit will find the database away.
+                            entered.notify_one();
+                            go.notified().await;
+                        }
+                        Ok::<(), pgbox::Error>(())
+                    },
+                    shutdown,
+                )
+                .await
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(30), entered.notified())
+        .await
+        .expect("handler entered");
+    rig.away();
+    // The commit goes out on a connection that is gone; stay away a while.
+    go.notify_one();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    rig.back();
+    let inbox = &rig.inbox_db.pool;
+    let mut done = false;
+    for _ in 0..6_000 {
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.queue")
+            .fetch_one(inbox)
+            .await
+            .unwrap();
+        if left == 0 {
+            done = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    shutdown.cancel();
+    let stats = tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("runner stops")
+        .unwrap()
+        .unwrap();
+    assert!(done, "neither acked nor dead-lettered: {stats:?}");
+    let dead: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.queue_dead_letters")
+        .fetch_one(inbox)
+        .await
+        .unwrap();
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(inbox)
+        .await
+        .unwrap();
+    let n = calls.lock().unwrap().values().sum::<usize>();
+    assert_eq!(dead, 0, "handler calls {n}: {stats:?}");
+    assert_eq!(effects, 1, "handler calls {n}: {stats:?}");
+}
