@@ -764,7 +764,7 @@ async fn lease_calls_dropped_during_begin_and_commit_leave_the_pool_clean() {
             .await
         );
         lease.complete(&r.pool, &1).await.unwrap();
-        let key2 = format!("{}", lease.key());
+        let key2 = lease.key().to_string();
         assert!(matches!(
             inbox.lease(&r.pool, key2.as_str(), ttl).await.unwrap(),
             pgbox::LeaseAttempt::Duplicate(_)
@@ -1037,7 +1037,7 @@ async fn entry_points_dropped_at_random_under_load_leave_every_pooled_connection
                 let mut rng = StdRng::seed_from_u64(seed ^ caller ^ u64::from(size));
                 let mut dropped = 0;
                 for _ in 0..calls {
-                    if random_call(&mut rng, &pool, &inbox, &leases, &queue, &*relay).await {
+                    if random_call(&mut rng, &pool, &inbox, &leases, &queue, &relay).await {
                         dropped += 1;
                     }
                 }
