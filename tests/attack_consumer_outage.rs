@@ -173,7 +173,9 @@ enum Mode {
 async fn long_outage_then_mixed_handlers(mode: Mode) {
     let rig = Rig::new(true).await;
     let topic = "attack.mixed";
-    let payloads = ["good", "once", "bad", "good", "once", "panic", "good", "bad"];
+    let payloads = [
+        "good", "once", "bad", "good", "once", "panic", "good", "bad",
+    ];
     let ids = rig.publish(topic, &payloads).await;
     let max = 3;
     let consumer = rig.consumer(topic, max, if mode == Mode::Batch { 4 } else { 1 });
@@ -215,7 +217,11 @@ async fn long_outage_then_mixed_handlers(mode: Mode) {
             > i64::from(max) + 3
     })
     .await;
-    assert_eq!(rig.dead().await, 0, "dead-lettered while the inbox was away");
+    assert_eq!(
+        rig.dead().await,
+        0,
+        "dead-lettered while the inbox was away"
+    );
     assert!(calls.lock().unwrap().is_empty(), "a handler ran while away");
     rig.back();
     rig.wait("queue drained", async |r: &Rig| r.left().await == 0)
@@ -327,8 +333,10 @@ async fn finding_lease_left_by_an_outage_counts_against_the_message() {
     })
     .await;
     rig.back();
-    rig.wait("acked or dead-lettered", async |r: &Rig| r.left().await == 0)
-        .await;
+    rig.wait("acked or dead-lettered", async |r: &Rig| {
+        r.left().await == 0
+    })
+    .await;
     shutdown.cancel();
     let stats = tokio::time::timeout(Duration::from_secs(30), run)
         .await
@@ -370,20 +378,20 @@ async fn finding_handler_statement_cut_by_outage_counts_against_the_message() {
         async move {
             consumer
                 .run(
-                    async move |m: &Envelope, conn: &mut HandlerConnection<'_>| {
-                        match call(&calls, m.id) {
-                            1 => {
-                                entered.notify_one();
-                                go.notified().await;
-                                sqlx::query("SELECT 1")
-                                    .execute(&mut *conn)
-                                    .await
-                                    .map_err(pgbox::Error::from)?;
-                                Ok(())
-                            }
-                            2 => Err(ordinary()),
-                            _ => Ok(()),
+                    async move |m: &Envelope, conn: &mut HandlerConnection<'_>| match call(
+                        &calls, m.id,
+                    ) {
+                        1 => {
+                            entered.notify_one();
+                            go.notified().await;
+                            sqlx::query("SELECT 1")
+                                .execute(&mut *conn)
+                                .await
+                                .map_err(pgbox::Error::from)?;
+                            Ok(())
                         }
+                        2 => Err(ordinary()),
+                        _ => Ok(()),
                     },
                     shutdown,
                 )
@@ -402,8 +410,10 @@ async fn finding_handler_statement_cut_by_outage_counts_against_the_message() {
     })
     .await;
     rig.back();
-    rig.wait("acked or dead-lettered", async |r: &Rig| r.left().await == 0)
-        .await;
+    rig.wait("acked or dead-lettered", async |r: &Rig| {
+        r.left().await == 0
+    })
+    .await;
     shutdown.cancel();
     let stats = tokio::time::timeout(Duration::from_secs(30), run)
         .await
@@ -479,7 +489,10 @@ async fn own_failures_interleaved_with_an_outage_dead_letter_after_exactly_max()
         .unwrap();
     let n = calls.lock().unwrap().values().sum::<usize>();
     assert_eq!(rig.dead().await, 1, "{stats:?}");
-    assert_eq!(n, max as usize, "handler calls before the dead letter: {stats:?}");
+    assert_eq!(
+        n, max as usize,
+        "handler calls before the dead letter: {stats:?}"
+    );
 }
 
 /// The relay is at least once: the same message (same id) can sit in the queue twice. The
@@ -558,10 +571,7 @@ async fn queue_in_the_inbox_database_outage_mid_handler_then_one_failure() {
     let topic = "attack.samedb";
     // Published into the inbox's database directly.
     let direct = PgQueue::new(rig.inbox_db.pool.clone());
-    for r in direct
-        .publish(&[conformance::envelope(topic, "x")])
-        .await
-    {
+    for r in direct.publish(&[conformance::envelope(topic, "x")]).await {
         r.unwrap();
     }
     let consumer = Consumer::builder(
@@ -652,4 +662,63 @@ async fn queue_in_the_inbox_database_outage_mid_handler_then_one_failure() {
     let n = calls.lock().unwrap().values().sum::<usize>();
     assert_eq!(dead, 0, "handler calls {n}: {stats:?}");
     assert_eq!(effects, 1, "handler calls {n}: {stats:?}");
+}
+
+/// Not attempted, counted as an attempt: the relay is at least once, so a second copy of a
+/// message can arrive while the first copy's lease-mode handler is still running (a long
+/// effect, its lease extended as documented). Every delivery of the second copy finds the
+/// key "leased elsewhere"; the handler never runs for it, yet each such delivery counts,
+/// and the copy is dead-lettered for a message whose effect succeeded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_leased_elsewhere_deliveries_count_against_a_copy() {
+    let rig = Rig::new(false).await;
+    let topic = "attack.leased";
+    let queue = PgQueue::new(rig.queue_db.pool.clone());
+    let env = conformance::envelope(topic, "x");
+    for r in queue.publish(&[env.clone(), env.clone()]).await {
+        r.unwrap();
+    }
+    let consumer = rig.consumer(topic, 3, 1);
+    let calls: Calls = Arc::default();
+    let shutdown = CancellationToken::new();
+    let pool = rig.inbox_pool.clone();
+    let run = tokio::spawn({
+        let (calls, shutdown) = (calls.clone(), shutdown.clone());
+        async move {
+            consumer
+                .run_leased(
+                    async move |m: &Envelope, lease: &mut Lease| {
+                        call(&calls, m.id);
+                        // A long effect, its lease kept alive.
+                        for _ in 0..15 {
+                            tokio::time::sleep(Duration::from_millis(200)).await;
+                            lease.extend(&pool, Duration::from_millis(500)).await?;
+                        }
+                        Ok::<(), pgbox::Error>(())
+                    },
+                    Duration::from_millis(500),
+                    shutdown,
+                )
+                .await
+        }
+    });
+    rig.wait("both copies settled", async |r: &Rig| r.left().await == 0)
+        .await;
+    shutdown.cancel();
+    let stats = tokio::time::timeout(Duration::from_secs(30), run)
+        .await
+        .expect("runner stops")
+        .unwrap()
+        .unwrap();
+    let n = calls.lock().unwrap().values().sum::<usize>();
+    let reason: Option<String> =
+        sqlx::query_scalar("SELECT last_error FROM pgbox.queue_dead_letters LIMIT 1")
+            .fetch_optional(&rig.queue_db.pool)
+            .await
+            .unwrap_or(None);
+    assert_eq!(
+        rig.dead().await,
+        0,
+        "handler calls {n} (none failed); {stats:?}; dead letter's reason {reason:?}"
+    );
 }
