@@ -288,14 +288,14 @@ async fn long_outage_then_mixed_handlers_lease_mode() {
 /// not run), yet it is counted: with max_deliveries 2, one ordinary failure afterwards
 /// dead-letters the message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_lease_left_by_an_outage_counts_against_the_message() {
+async fn lease_left_by_an_outage_is_not_counted_against_the_message() {
     lease_left_by_an_outage(2, true).await;
 }
 
 /// The same with max_deliveries 1 and a handler that never fails: the one delivery after
 /// the outage finds its own dead lease and dead-letters a message whose effect succeeded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_lease_left_by_an_outage_dead_letters_a_healthy_message() {
+async fn lease_left_by_an_outage_does_not_dead_letter_a_healthy_message() {
     lease_left_by_an_outage(1, false).await;
 }
 
@@ -512,7 +512,7 @@ async fn own_failures_interleaved_with_an_outage_dead_letter_after_exactly_max()
 /// copy's count: an always-failing message then runs its handler as many more times as the
 /// outage lasted, not max_deliveries times per copy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_two_copies_of_a_message_share_one_away_tally() {
+async fn two_copies_of_a_failing_message_each_run_max_deliveries_times() {
     let rig = Rig::new(true).await;
     let topic = "attack.copies";
     let queue = PgQueue::new(rig.queue_db.pool.clone());
@@ -682,7 +682,7 @@ async fn queue_in_the_inbox_database_outage_mid_handler_then_one_failure() {
 /// key "leased elsewhere"; the handler never runs for it, yet each such delivery counts,
 /// and the copy is dead-lettered for a message whose effect succeeded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_leased_elsewhere_deliveries_count_against_a_copy() {
+async fn leased_elsewhere_deliveries_do_not_count_against_a_copy() {
     let rig = Rig::new(false).await;
     let topic = "attack.leased";
     let queue = PgQueue::new(rig.queue_db.pool.clone());

@@ -3,6 +3,7 @@
 
 use std::fmt;
 use std::panic::AssertUnwindSafe;
+use std::time::Duration;
 
 use futures_util::FutureExt;
 use sqlx::{Postgres, Transaction};
@@ -116,7 +117,10 @@ impl<S: Subscriber> Consumer<S> {
         }
         for delivery in &in_progress {
             metrics.in_progress.increment(1);
-            settled.push(self.retry(delivery, "in progress elsewhere").await);
+            settled.push(
+                self.retry_not_attempted(delivery, "in progress elsewhere", Duration::ZERO)
+                    .await,
+            );
         }
         let Some((failed, stop)) = stopped else {
             return self.commit_batch(tx, done, settled).instrument(span).await;
@@ -230,6 +234,12 @@ impl<S: Subscriber> Consumer<S> {
                 for result in futures_util::future::join_all(acks).await {
                     if let Err(e) = result {
                         tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
+                    }
+                }
+                {
+                    let mut away = self.away.lock().expect("away tally");
+                    for (delivery, _) in &done {
+                        away.forget(&self.source.envelope(delivery).id);
                     }
                 }
                 settled.extend(done.into_iter().map(|(_, kind)| kind));

@@ -240,33 +240,90 @@ pub struct Consumer<S> {
     away: std::sync::Mutex<AwayTally>,
 }
 
-/// Per message id, the deliveries this runner handed back because the inbox's database was
-/// away: they are not the message's failures, so they are taken off its delivery count
-/// before `max_deliveries` is compared. In memory: a runner that restarts (or a delivery
-/// another process had while away) counts them as the transport does. Bounded: at
-/// [`AwayTally::MAX`] messages, those not seen for an hour are forgotten, and while it stays
-/// full no new message is tallied.
+/// Per message id, the deliveries this runner handed back without the message having
+/// failed: the inbox's database was away, or the key was in progress or leased elsewhere (the
+/// handler did not run). They are not the message's failures, so they are taken off its
+/// delivery number before `max_deliveries` is compared. Kept per copy: the relay is at least
+/// once, so two copies of a message can share its id, each with its own delivery numbers; a
+/// delivery continues the track whose last delivery was the one before it (or the nearest
+/// below), so each copy is dead-lettered after `max_deliveries` failures of its own (two
+/// copies whose tracks are alike may swap them: the failures in all stay the same). In
+/// memory: a runner that restarts (or a delivery another process had while away) counts them
+/// as the transport does. Forgotten once the message is settled in the inbox (processed,
+/// rejected, a duplicate); a dead letter ends its copy's track. Bounded: [`AwayTally::COPIES`]
+/// tracks per message (more are counted as the transport does), and at [`AwayTally::MAX`]
+/// messages those not seen for an hour are forgotten, and while it stays full no new message
+/// is tallied.
 #[derive(Debug, Default)]
-struct AwayTally(std::collections::HashMap<uuid::Uuid, (i32, Instant)>);
+struct AwayTally(std::collections::HashMap<uuid::Uuid, (Vec<Track>, Instant)>);
+
+/// One copy's deliveries: the last one's number, and how many were not its failures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Track {
+    last: i32,
+    away: i32,
+}
 
 impl AwayTally {
     const MAX: usize = 100_000;
+    const COPIES: usize = 16;
 
-    fn record(&mut self, id: uuid::Uuid) {
+    /// Delivery `delivery` of `id` settled: not the message's failure (`away`) or its own.
+    /// Returns the delivery's number among the message's own, this one included when it is
+    /// its own.
+    fn settle(&mut self, id: uuid::Uuid, delivery: i32, away: bool) -> i32 {
         if self.0.len() >= Self::MAX && !self.0.contains_key(&id) {
             self.0
                 .retain(|_, (_, seen)| seen.elapsed() < Duration::from_secs(3600));
             if self.0.len() >= Self::MAX {
-                return;
+                return delivery;
             }
         }
-        let entry = self.0.entry(id).or_insert((0, Instant::now()));
-        entry.0 = entry.0.saturating_add(1);
-        entry.1 = Instant::now();
+        let (tracks, seen) = self.0.entry(id).or_insert((Vec::new(), Instant::now()));
+        *seen = Instant::now();
+        let at = tracks
+            .iter()
+            .position(|t| t.last == delivery - 1)
+            .or_else(|| {
+                tracks
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, t)| t.last < delivery)
+                    .max_by_key(|(_, t)| t.last)
+                    .map(|(i, _)| i)
+            });
+        let track = match at {
+            Some(i) => &mut tracks[i],
+            None if tracks.len() < Self::COPIES => {
+                tracks.push(Track { last: 0, away: 0 });
+                tracks.last_mut().expect("just pushed")
+            }
+            None => return delivery,
+        };
+        track.last = delivery;
+        if away {
+            track.away = track.away.saturating_add(1);
+        }
+        delivery - track.away
     }
 
-    fn of(&self, id: &uuid::Uuid) -> i32 {
-        self.0.get(id).map_or(0, |(n, _)| *n)
+    /// The copy whose delivery `delivery` was dead-lettered is gone.
+    fn end(&mut self, id: &uuid::Uuid, delivery: i32) {
+        if let Some((tracks, _)) = self.0.get_mut(id) {
+            // Of the tracks at that delivery, the one with the most failures of its own.
+            if let Some(i) = tracks
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| t.last == delivery)
+                .min_by_key(|(_, t)| t.away)
+                .map(|(i, _)| i)
+            {
+                tracks.swap_remove(i);
+            }
+            if tracks.is_empty() {
+                self.0.remove(id);
+            }
+        }
     }
 
     fn forget(&mut self, id: &uuid::Uuid) {
@@ -569,6 +626,7 @@ impl<S: Subscriber> Consumer<S> {
                 if let Err(e) = self.source.ack(&delivery).await {
                     tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
                 }
+                self.away.lock().expect("away tally").forget(&envelope.id);
                 return Settled::Duplicate;
             }
             // A panicking handler is a failed delivery like any other: the transaction was
@@ -590,7 +648,9 @@ impl<S: Subscriber> Consumer<S> {
                 Ok(Outcome::Rejected(_)) => Settled::Rejected,
                 Ok(Outcome::InProgress) => {
                     metrics.in_progress.increment(1);
-                    return self.retry(&delivery, "in progress elsewhere").await;
+                    return self
+                        .retry_not_attempted(&delivery, "in progress elsewhere", Duration::ZERO)
+                        .await;
                 }
                 Err(Failure::Database(e)) if database_away(&e) => {
                     // Not the message's fault: never dead-lettered for it (a failover would
@@ -697,7 +757,7 @@ impl<S: Subscriber> Consumer<S> {
                 Ok(LeasedRun::InProgress { retry_after, .. }) => {
                     metrics.in_progress.increment(1);
                     return self
-                        .retry_not_before(&delivery, "leased elsewhere", retry_after)
+                        .retry_not_attempted(&delivery, "leased elsewhere", retry_after)
                         .await;
                 }
                 Err(Failure::Database(e)) if database_away(&e) => {
@@ -712,6 +772,7 @@ impl<S: Subscriber> Consumer<S> {
             if let Err(e) = self.source.ack(&delivery).await {
                 tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
             }
+            self.away.lock().expect("away tally").forget(&envelope.id);
             settled
         }
         .instrument(span)
@@ -755,13 +816,43 @@ impl<S: Subscriber> Consumer<S> {
     /// deliveries it has had.
     async fn retry_while_away(&self, delivery: &S::Delivery, error: &Error) -> Settled {
         let attempt = self.source.attempt(delivery);
-        self.away
-            .lock()
-            .expect("away tally")
-            .record(self.source.envelope(delivery).id);
+        self.away.lock().expect("away tally").settle(
+            self.source.envelope(delivery).id,
+            attempt,
+            true,
+        );
         let delay = self.backoff.delay_after(attempt.max(1) as u32);
         tracing::debug!(error = %error, delivery = attempt, "pgbox inbox database unavailable; redelivering later");
         match self.source.nack(delivery, delay, &error.to_string()).await {
+            Ok(_) => Settled::Retried,
+            Err(e) => {
+                tracing::warn!(error = %e, "pgbox nack failed");
+                Settled::Retried
+            }
+        }
+    }
+
+    /// The handler did not run: the key is in progress or leased elsewhere (another copy of
+    /// the message, or a lease an outage left). Not the message's failure: nacked with at
+    /// least `min_delay`, never dead-lettered for it, and not counted (see `AwayTally`).
+    async fn retry_not_attempted(
+        &self,
+        delivery: &S::Delivery,
+        error: &str,
+        min_delay: Duration,
+    ) -> Settled {
+        let id = self.source.envelope(delivery).id;
+        let attempt = self.source.attempt(delivery);
+        let own = self
+            .away
+            .lock()
+            .expect("away tally")
+            .settle(id, attempt, true);
+        let delay = self
+            .backoff
+            .delay_after(own.max(1) as u32)
+            .max(min_delay.min(MAX_VISIBILITY_TIMEOUT));
+        match self.source.nack(delivery, delay, error).await {
             Ok(_) => Settled::Retried,
             Err(e) => {
                 tracing::warn!(error = %e, "pgbox nack failed");
@@ -785,9 +876,15 @@ impl<S: Subscriber> Consumer<S> {
         // Only the message's own deliveries count: not those an outage of the inbox's
         // database used up (see `AwayTally`).
         let id = self.source.envelope(delivery).id;
-        let attempt = self.source.attempt(delivery) - self.away.lock().expect("away tally").of(&id);
+        let delivered = self.source.attempt(delivery);
+        let attempt = self
+            .away
+            .lock()
+            .expect("away tally")
+            .settle(id, delivered, false);
         let outcome = if attempt >= self.max_deliveries {
-            self.away.lock().expect("away tally").forget(&id);
+            // Only this copy's track ends: another copy of the message may still come.
+            self.away.lock().expect("away tally").end(&id, delivered);
             self.source
                 .dead_letter(delivery, error)
                 .await
@@ -1050,4 +1147,37 @@ fn handle_span(envelope: &Envelope, attempt: i32, mode: &'static str) -> tracing
     #[cfg(feature = "opentelemetry")]
     crate::otel::join_producer_trace(&span, &envelope.headers);
     span
+}
+
+#[cfg(test)]
+mod away_tally_tests {
+    use super::{AwayTally, Track};
+
+    #[test]
+    fn counts_each_copy_own_deliveries_and_forgets() {
+        let id = uuid::Uuid::now_v7();
+        let mut tally = AwayTally::default();
+        // Two copies away at deliveries 1 to 3, interleaved.
+        for n in 1..=3 {
+            assert_eq!(tally.settle(id, n, true), 0);
+            assert_eq!(tally.settle(id, n, true), 0);
+        }
+        // Copy one fails at 4 while copy two is still away; then both fail.
+        assert_eq!(tally.settle(id, 4, false), 1);
+        assert_eq!(tally.settle(id, 4, true), 0);
+        assert_eq!(tally.settle(id, 5, false), 2);
+        assert_eq!(tally.settle(id, 5, false), 1);
+        tally.end(&id, 5);
+        assert_eq!(tally.0[&id].0, vec![Track { last: 5, away: 4 }]);
+        // A delivery this runner did not see (a crash): the nearest track below.
+        assert_eq!(tally.settle(id, 7, false), 3);
+        tally.forget(&id);
+        assert_eq!(tally.settle(id, 9, false), 9);
+        tally.forget(&id);
+        for _ in 0..AwayTally::COPIES {
+            tally.settle(id, 1, true);
+        }
+        assert_eq!(tally.settle(id, 1, true), 1, "more copies than tracked");
+        assert_eq!(tally.0[&id].0.len(), AwayTally::COPIES);
+    }
 }
