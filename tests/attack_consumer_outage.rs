@@ -285,15 +285,16 @@ async fn long_outage_then_mixed_handlers_lease_mode() {
 /// counted. The lease it took cannot be released either and outlives the outage, so the
 /// first delivery after the database is back finds the key "leased elsewhere" — by this
 /// very runner's dead lease. That delivery is not the message's failure (the handler did
-/// not run), yet it is counted: with max_deliveries 2, one ordinary failure afterwards
-/// dead-letters the message.
+/// not run) and is not counted: with max_deliveries 2, one ordinary failure afterwards
+/// does not dead-letter the message (it used to).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_left_by_an_outage_is_not_counted_against_the_message() {
     lease_left_by_an_outage(2, true).await;
 }
 
-/// The same with max_deliveries 1 and a handler that never fails: the one delivery after
-/// the outage finds its own dead lease and dead-letters a message whose effect succeeded.
+/// The same with max_deliveries 1 and a handler that never fails: the delivery after the
+/// outage that finds its own dead lease does not dead-letter a message whose effect
+/// succeeded (it used to).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lease_left_by_an_outage_does_not_dead_letter_a_healthy_message() {
     lease_left_by_an_outage(1, false).await;
@@ -508,9 +509,9 @@ async fn own_failures_interleaved_with_an_outage_dead_letter_after_exactly_max()
 }
 
 /// The relay is at least once: the same message (same id) can sit in the queue twice. The
-/// tally is kept per message id, so the away deliveries of both copies are taken off each
-/// copy's count: an always-failing message then runs its handler as many more times as the
-/// outage lasted, not max_deliveries times per copy.
+/// tally used to be one count per message id, so the away deliveries of both copies were
+/// taken off each copy's count (27 handler calls for max_deliveries 3). Each copy runs its
+/// handler max_deliveries times, whatever the outage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_copies_of_a_failing_message_each_run_max_deliveries_times() {
     let rig = Rig::new(true).await;
@@ -679,8 +680,8 @@ async fn queue_in_the_inbox_database_outage_mid_handler_then_one_failure() {
 /// Not attempted, counted as an attempt: the relay is at least once, so a second copy of a
 /// message can arrive while the first copy's lease-mode handler is still running (a long
 /// effect, its lease extended as documented). Every delivery of the second copy finds the
-/// key "leased elsewhere"; the handler never runs for it, yet each such delivery counts,
-/// and the copy is dead-lettered for a message whose effect succeeded.
+/// key "leased elsewhere"; the handler never runs for it, and such deliveries do not count:
+/// the copy is not dead-lettered for a message whose effect succeeded (it used to be).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leased_elsewhere_deliveries_do_not_count_against_a_copy() {
     let rig = Rig::new(false).await;

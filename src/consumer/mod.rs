@@ -100,8 +100,8 @@ impl<S: Subscriber> ConsumerBuilder<S> {
     }
 
     /// Deliveries before a message is dead-lettered (default 10). Those that found the
-    /// inbox's database away are not the message's and do not count, as far as this runner
-    /// saw them (it keeps their tally in memory; after a restart the transport's count
+    /// inbox's database away, or its key in progress or leased elsewhere (the handler did not
+    /// run), are not the message's and do not count, as far as this runner saw them (it keeps their tally in memory; after a restart the transport's count
     /// applies).
     pub fn max_deliveries(mut self, n: i32) -> Self {
         self.max_deliveries = n;
