@@ -376,7 +376,7 @@ async fn lease_left_by_an_outage(max: i32, fail_once: bool) {
 /// counted as the message's failure. With max_deliveries 2, one ordinary failure after the
 /// database is back dead-letters it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_handler_statement_cut_by_outage_counts_against_the_message() {
+async fn a_handler_statement_cut_by_an_outage_is_not_counted_against_the_message() {
     let rig = Rig::new(false).await;
     let topic = "attack.cut";
     rig.publish(topic, &["x"]).await;

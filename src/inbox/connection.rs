@@ -88,8 +88,8 @@ pub struct HandlerConnection<'c> {
     conn: &'c mut PgConnection,
     /// sqlx's transaction depth when the handler got the connection: the claim's level.
     depth: usize,
-    /// A statement sent through the wrapper failed.
-    failed: bool,
+    /// A statement sent through the wrapper failed (and whether it lost the connection).
+    failed: Failed,
     /// The raw connection was handed out; what happened on it is unknown.
     unwatched: bool,
     /// A `ROLLBACK TO` went through the wrapper: it may have named a savepoint older than
@@ -127,12 +127,32 @@ pub(crate) enum Nesting {
     Above(usize),
 }
 
+/// Whether a statement sent through the handler's connection failed, and how.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Failed {
+    No,
+    Yes,
+    ConnectionLost,
+}
+
+impl Failed {
+    /// Records a statement's error (the worst one seen stays).
+    fn note(&mut self, error: &sqlx::Error) {
+        let this = if crate::DbErrorKind::classify(error) == crate::DbErrorKind::ConnectionLost {
+            Failed::ConnectionLost
+        } else {
+            Failed::Yes
+        };
+        *self = (*self).max(this);
+    }
+}
+
 impl<'c> HandlerConnection<'c> {
     pub(crate) fn new(conn: &'c mut PgConnection, pooler: Pooler) -> Self {
         HandlerConnection {
             depth: PgTransactionManager::get_transaction_depth(conn),
             conn,
-            failed: false,
+            failed: Failed::No,
             unwatched: false,
             rolled_back_to: false,
             unnamed: !pooler.persistent(),
@@ -156,7 +176,7 @@ impl<'c> HandlerConnection<'c> {
         if self.nesting() != Nesting::Below {
             return None;
         }
-        self.failed = true;
+        self.failed = self.failed.max(Failed::Yes);
         tracing::error!(
             "pgbox refused a handler's statement: the inbox's transaction was rolled back under it \
              (a nested unit's begin failed or was given up)"
@@ -171,7 +191,14 @@ impl<'c> HandlerConnection<'c> {
 
     /// A statement sent on the handler's behalf failed.
     pub(crate) fn mark_failed(&mut self) {
-        self.failed = true;
+        self.failed = self.failed.max(Failed::Yes);
+    }
+
+    /// A statement sent through the wrapper lost the connection (the server or the network
+    /// went away under the handler): whatever the handler then returned, the database was
+    /// away, not the message at fault.
+    pub(crate) fn connection_lost(&self) -> bool {
+        self.failed == Failed::ConnectionLost
     }
 
     /// What the inbox must check before reporting success: whether the transaction may have
@@ -180,7 +207,7 @@ impl<'c> HandlerConnection<'c> {
     pub(crate) fn needs_check(&self) -> Check {
         if self.rolled_back_to {
             Check::AliveAndClaimed
-        } else if self.failed || self.unwatched {
+        } else if self.failed != Failed::No || self.unwatched {
             Check::Alive
         } else {
             Check::None
@@ -232,13 +259,13 @@ impl<'c> Executor<'c> for &'c mut HandlerConnection<'_> {
             Ok(query) => (&mut *self.conn)
                 .fetch_many(query)
                 .inspect(move |r| {
-                    if r.is_err() {
-                        *failed = true;
+                    if let Err(e) = r {
+                        failed.note(e);
                     }
                 })
                 .boxed(),
             Err(refused) => {
-                *failed = true;
+                *failed = (*failed).max(Failed::Yes);
                 futures_util::stream::once(async move { Err(refused) }).boxed()
             }
         }
@@ -260,13 +287,13 @@ impl<'c> Executor<'c> for &'c mut HandlerConnection<'_> {
             Ok(query) => (&mut *self.conn)
                 .fetch_optional(query)
                 .inspect(move |r| {
-                    if r.is_err() {
-                        *failed = true;
+                    if let Err(e) = r {
+                        failed.note(e);
                     }
                 })
                 .boxed(),
             Err(refused) => {
-                *failed = true;
+                *failed = (*failed).max(Failed::Yes);
                 futures_util::future::ready(Err(refused)).boxed()
             }
         }
@@ -287,8 +314,8 @@ impl<'c> Executor<'c> for &'c mut HandlerConnection<'_> {
         (&mut *self.conn)
             .prepare_with(sql, parameters)
             .inspect(move |r| {
-                if r.is_err() {
-                    *failed = true;
+                if let Err(e) = r {
+                    failed.note(e);
                 }
             })
             .boxed()
@@ -308,8 +335,8 @@ impl<'c> Executor<'c> for &'c mut HandlerConnection<'_> {
         (&mut *self.conn)
             .describe(sql)
             .inspect(move |r| {
-                if r.is_err() {
-                    *failed = true;
+                if let Err(e) = r {
+                    failed.note(e);
                 }
             })
             .boxed()
@@ -382,7 +409,7 @@ impl ConnectionLike for HandlerConnection<'_> {
         }
     }
     fn statement_failed(&mut self) {
-        self.failed = true;
+        self.failed = self.failed.max(Failed::Yes);
     }
     fn persistent(&self) -> bool {
         !self.unnamed

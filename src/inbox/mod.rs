@@ -1065,6 +1065,7 @@ where
     let result = AssertUnwindSafe(handler(&mut watched)).catch_unwind().await;
     let needs_check = watched.needs_check();
     let nesting = watched.nesting();
+    let connection_lost = watched.connection_lost();
     if nesting != Nesting::Level {
         restore_level(conn, nesting).await;
     }
@@ -1074,6 +1075,19 @@ where
             Err(Error::TransactionEndedInHandler.into())
         }
         Ok(Ok(value)) => Ok((value, needs_check)),
+        // A statement of the handler's lost the connection: the database went away under it,
+        // whatever error the handler made of that. Reported as such (retryable, and never
+        // the message's failure: the runner does not count it toward `max_deliveries`).
+        Ok(Err(_)) if connection_lost => {
+            tracing::warn!("pgbox handler's connection was lost; the transaction is gone");
+            Err(Error::Database {
+                kind: crate::DbErrorKind::ConnectionLost,
+                source: sqlx::Error::Io(std::io::Error::other(
+                    "the connection was lost under the handler",
+                )),
+            }
+            .into())
+        }
         Ok(Err(error)) => {
             tracing::warn!("pgbox handler failed; transaction aborted, roll it back");
             abort_transaction(conn).await;
