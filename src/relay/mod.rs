@@ -17,6 +17,7 @@
 //!   stopping the key at its first failure; other keys flow in parallel.
 
 mod dead_letters;
+mod slot;
 pub(crate) mod wal;
 
 use std::collections::{HashMap, HashSet};

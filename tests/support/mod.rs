@@ -5,6 +5,7 @@ pub mod brokers;
 pub mod cluster;
 pub mod local_pg;
 pub mod nats_cluster;
+pub mod pg_binaries;
 pub mod pooler;
 
 use std::str::FromStr;
