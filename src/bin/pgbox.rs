@@ -125,6 +125,14 @@ enum Command {
     },
 }
 
+/// `wal create-slot --failover`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+enum FailoverArg {
+    Auto,
+    On,
+    Off,
+}
+
 #[derive(Subcommand, Debug)]
 enum WalAction {
     /// Create the slot and its publication if missing (needs wal_level = logical and the
@@ -133,6 +141,12 @@ enum WalAction {
         /// The slot's name (the WalRelay's).
         #[arg(long, default_value = "pgbox_outbox")]
         slot: String,
+        /// A failover slot (PostgreSQL 17+: standbys with sync_replication_slots = on keep a
+        /// copy, and the relay reads on after a promotion). auto: where the server can make
+        /// one (a 17+ primary); on: required (refused on 15/16, on a standby, or when the slot
+        /// exists without failover); off: a plain slot. An existing slot is not changed.
+        #[arg(long, value_enum, default_value_t = FailoverArg::Auto)]
+        failover: FailoverArg,
     },
     /// Drop the slot and its publication: what it held unpublished is gone.
     DropSlot {
@@ -851,13 +865,34 @@ async fn run(cli: Cli) -> Result<(), Failure> {
         Command::Wal { action } => {
             let pool = connect(cli.database_url.as_deref()).await?;
             match action {
-                WalAction::CreateSlot { slot } => {
-                    let slot = pgbox::WalSlot::new(&slot)?;
+                WalAction::CreateSlot { slot, failover } => {
+                    let mut slot = pgbox::WalSlot::new(&slot)?;
+                    match failover {
+                        FailoverArg::Auto => {}
+                        FailoverArg::On => slot = slot.failover(true),
+                        FailoverArg::Off => slot = slot.failover(false),
+                    }
                     slot.create(&pool).await?;
+                    // None: a server without failover slots (before 17).
+                    let failover = slot.status(&pool).await?.and_then(|st| st.failover);
                     print(
                         json_mode,
-                        json!({ "slot": slot.name(), "created": true }),
-                        || format!("slot {} and its publication exist\n", slot.name()),
+                        json!({ "slot": slot.name(), "created": true, "failover": failover }),
+                        || {
+                            format!(
+                                "slot {} and its publication exist; failover: {}\n",
+                                slot.name(),
+                                match failover {
+                                    Some(true) =>
+                                        "on (synchronized to standbys that run \
+                                                   sync_replication_slots)",
+                                    Some(false) => "off (a failover to a standby loses it)",
+                                    None =>
+                                        "not before PostgreSQL 17 (a failover to a \
+                                             standby loses it)",
+                                }
+                            )
+                        },
                     );
                 }
                 WalAction::DropSlot { slot } => {
