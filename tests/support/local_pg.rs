@@ -9,6 +9,9 @@
 //! `runuser -u postgres -- <bindir>/pg_ctl -D /tmp/pgbox-local-pg/data stop` (or without
 //! `runuser` when not root).
 //!
+//! The tests' version matrix (`PGBOX_TEST_PG_MAJOR`, `tests/support/mod.rs`) starts its own
+//! throwaway cluster of another major with [`throwaway_url`].
+//!
 //! Shared by the test binaries (`tests/support/mod.rs`) and the examples (`#[path]`).
 
 use std::fs::{self, File};
@@ -37,6 +40,17 @@ pub async fn database_url() -> Result<String, String> {
         .ok()
         .and_then(|p| p.parse().ok())
         .unwrap_or(55432);
+    throwaway_url(dir, port, None).await
+}
+
+/// The URL of the throwaway cluster in `dir` on `port`, started (under a lock, with the
+/// binaries in `bindir`, else the distribution's) unless it already answers, and left
+/// running for the next caller.
+pub async fn throwaway_url(
+    dir: PathBuf,
+    port: u16,
+    bindir: Option<PathBuf>,
+) -> Result<String, String> {
     let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
     if reachable(&url).await {
         return Ok(url);
@@ -53,7 +67,7 @@ pub async fn database_url() -> Result<String, String> {
     eprintln!(
         "pgbox: no PostgreSQL reachable; starting a throwaway cluster in {dir:?} on port {port}"
     );
-    let started = tokio::task::spawn_blocking(move || start_cluster(&dir, port))
+    let started = tokio::task::spawn_blocking(move || start_cluster(&dir, port, bindir))
         .await
         .map_err(|e| e.to_string())?;
     started?;
@@ -126,9 +140,9 @@ pub fn pg_command(root: bool, program: &Path) -> Command {
     }
 }
 
-fn start_cluster(dir: &Path, port: u16) -> Result<(), String> {
+fn start_cluster(dir: &Path, port: u16, bindir: Option<PathBuf>) -> Result<(), String> {
     let root = is_root();
-    let bindir = match find_bindir() {
+    let bindir = match bindir.or_else(find_bindir) {
         Some(b) => b,
         None if root => {
             eprintln!("pgbox: installing the postgresql package with apt-get");

