@@ -304,6 +304,21 @@ pub enum Error {
         reason: String,
     },
 
+    /// The WAL relay's streaming reader could not open or keep its replication connection
+    /// for a reason that is not the slot's state (those are [`Error::WalSlot`]): the role
+    /// lacks `REPLICATION`, `pg_hba.conf` refuses replication connections, the login failed,
+    /// the pool asks for a setting the replication client cannot honour (TLS), or the
+    /// session was lost. See [`WalStreamProblem`].
+    #[error("WAL outbox slot {slot:?}, streaming reader: {reason}")]
+    WalStream {
+        /// The slot's name.
+        slot: String,
+        /// Which problem it is.
+        problem: WalStreamProblem,
+        /// What is wrong, and what to do.
+        reason: String,
+    },
+
     /// Applying migrations failed.
     #[error("migration failed: {0}")]
     Migration(#[source] Box<refinery_core::Error>),
@@ -317,6 +332,27 @@ pub enum Error {
         /// What went wrong, with the client's error.
         message: String,
     },
+}
+
+/// Why the WAL relay's streaming reader has no replication session ([`Error::WalStream`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WalStreamProblem {
+    /// The role may not open a replication connection (SQLSTATE 42501): it needs the
+    /// `REPLICATION` attribute. Managed services without it: the SQL-function reader.
+    NoReplicationPrivilege,
+    /// The server refused the replication session: no `pg_hba.conf` line admits it (28000),
+    /// no walsender is free (`max_wal_senders`), the publication is missing, or another
+    /// refusal the message names.
+    Refused,
+    /// The login failed (wrong password, an authentication method the client lacks).
+    Authentication,
+    /// The pool's settings ask for something the replication client cannot do (TLS):
+    /// refused rather than ignored.
+    UnsupportedOption,
+    /// The session ended: the connection broke, the server shut down or ended the stream.
+    /// The relay reconnects with backoff and resumes from the slot's confirmed position.
+    Lost,
 }
 
 /// A server error as a person can act on it: the message, the SQLSTATE, and the server's

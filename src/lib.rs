@@ -41,7 +41,7 @@ pub use crate::consumer::{
     Consumer, ConsumerBuilder, ConsumerStats, MAX_BATCH_SIZE, MAX_VISIBILITY_TIMEOUT,
     MIN_VISIBILITY_TIMEOUT,
 };
-pub use crate::error::{DbErrorKind, Error, Result};
+pub use crate::error::{DbErrorKind, Error, Result, WalStreamProblem};
 #[cfg(feature = "axum")]
 pub use crate::idempotency::{Finality, IdempotencyLayer, IdempotencyTx};
 pub use crate::ident::{Identifier, MAX_IDENTIFIER_BYTES, MAX_PGBOX_SCHEMA_BYTES};
@@ -60,8 +60,8 @@ pub use crate::outbox::{
 };
 pub use crate::pooler::Pooler;
 pub use crate::relay::{
-    DeadLetter, DeadLetters, DrainReport, Relay, RelayBuilder, RoundReport, WakeUp, WalRelay,
-    WalRelayBuilder, WalRoundReport, WalSlot, WalSlotStatus,
+    DeadLetter, DeadLetters, DrainReport, Relay, RelayBuilder, RoundReport, WakeUp, WalReader,
+    WalRelay, WalRelayBuilder, WalRoundReport, WalSlot, WalSlotStatus,
 };
 pub use crate::retry::{RetryPolicy, Retryable};
 pub use crate::state::{StateMachine, StateTable, Transition};

@@ -31,7 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 pub use self::dead_letters::{DeadLetter, DeadLetters};
-pub use self::wal::{WalRelay, WalRelayBuilder, WalRoundReport, WalSlot, WalSlotStatus};
+pub use self::wal::{WalReader, WalRelay, WalRelayBuilder, WalRoundReport, WalSlot, WalSlotStatus};
 
 use crate::error::{Error, Result};
 use crate::ident::DEFAULT_SCHEMA;

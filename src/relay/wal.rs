@@ -77,6 +77,9 @@ use crate::telemetry;
 use crate::transport::Publisher;
 
 use super::slot::check_wal_level;
+
+#[path = "wal_stream.rs"]
+mod stream;
 pub use super::slot::{WalSlot, WalSlotStatus};
 
 /// Advisory-lock class of the WAL relay's reader election: `pg_try_advisory_lock(class,
@@ -115,9 +118,46 @@ pub struct WalRelayBuilder<P> {
     backoff: RetryPolicy,
     poll_interval: Duration,
     wake_up: WakeUp,
+    reader: WalReader,
+    max_in_flight_bytes: usize,
+}
+
+/// How a [`WalRelay`] reads its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum WalReader {
+    /// A logical replication connection (`START_REPLICATION … LOGICAL`, `pgoutput`): each
+    /// change is decoded once, as it is flushed, and pushed to the relay. Needs a role with
+    /// the `REPLICATION` attribute, a `pg_hba.conf` line that admits a replication
+    /// connection to the database, a free walsender (`max_wal_senders`), and a direct
+    /// connection (a pooler does not pass the replication protocol). No TLS.
+    #[default]
+    Stream,
+    /// The SQL slot functions (`pg_logical_slot_peek_binary_changes`,
+    /// `pg_replication_slot_advance`) on an ordinary connection: for a server that refuses
+    /// replication connections (a managed service without them, a role without
+    /// `REPLICATION` but with `pg_use_replication_slots`-style grants, TLS-only access).
+    /// Every read decodes the slot again from its restart position, which moves only at
+    /// running-transactions records: after a large backlog, each read is slow.
+    SqlFunctions,
 }
 
 impl<P: Publisher> WalRelayBuilder<P> {
+    /// How to read the slot (default [`WalReader::Stream`]).
+    pub fn reader(mut self, reader: WalReader) -> Self {
+        self.reader = reader;
+        self
+    }
+
+    /// The streaming reader's memory budget: it stops taking decoded transactions from the
+    /// replication connection once those it holds unsettled carry this many bytes of message
+    /// content (default 32 MiB; a single transaction larger than this is taken whole). The
+    /// replication client's queue holds at most 64 more decoded emits.
+    pub fn max_in_flight_bytes(mut self, bytes: usize) -> Self {
+        self.max_in_flight_bytes = bytes;
+        self
+    }
+
     /// Notify-and-poll (default: the reader sleeps under an advisory lock and producers'
     /// emits notify it; needs a direct connection for LISTEN) or poll only.
     pub fn wake_up(mut self, wake_up: WakeUp) -> Self {
@@ -183,6 +223,11 @@ impl<P: Publisher> WalRelayBuilder<P> {
                 "WAL relay poll interval must be positive".into(),
             ));
         }
+        if self.max_in_flight_bytes == 0 {
+            return Err(Error::InvalidConfig(
+                "WAL relay max_in_flight_bytes must be positive".into(),
+            ));
+        }
         let dead_letter = format!(
             "INSERT INTO {s}.outbox_dead_letters \
                (seq, message_id, topic, ordering_key, payload, content_type, headers, created_at, attempts, last_error) \
@@ -200,6 +245,8 @@ impl<P: Publisher> WalRelayBuilder<P> {
             backoff: self.backoff,
             poll_interval: self.poll_interval,
             wake_up: self.wake_up,
+            kind: self.reader,
+            max_in_flight_bytes: self.max_in_flight_bytes,
             dead_letter: dead_letter.into(),
             reader: Mutex::new(Reader::default()),
         })
@@ -224,6 +271,23 @@ struct Reader {
     retained_checked: Option<std::time::Instant>,
     /// The furthest position this reader moved the slot to.
     advanced_to: u64,
+    /// The streaming reader's replication session.
+    stream: Option<stream::Stream>,
+    /// Consecutive rounds that failed with an error (for the reconnect backoff).
+    failed_rounds: u32,
+    /// When the streaming reader last found its lock session alive.
+    lock_checked: Option<std::time::Instant>,
+}
+
+/// How far a round must read before it counts as caught up.
+#[derive(Debug, Clone, Copy)]
+enum Target {
+    /// `run`: read what arrives within a poll interval.
+    Continuous,
+    /// `relay_once`: up to the flush position at the round's start.
+    Now,
+    /// `drain`: up to the flush position at the drain's start.
+    At(u64),
 }
 
 /// Publishes the WAL outbox of one schema from a logical replication slot. Build with
@@ -240,6 +304,8 @@ pub struct WalRelay<P> {
     backoff: RetryPolicy,
     poll_interval: Duration,
     wake_up: WakeUp,
+    kind: WalReader,
+    max_in_flight_bytes: usize,
     dead_letter: Arc<str>,
     reader: Mutex<Reader>,
 }
@@ -262,6 +328,15 @@ struct SlotTransaction {
     messages: Vec<Envelope>,
     /// Unreadable content under this schema's prefix.
     unreadable: Vec<Unreadable>,
+    /// The content bytes of every emit it carried (ours or not).
+    content_bytes: usize,
+}
+
+impl SlotTransaction {
+    /// The bytes of message content it holds (the streaming reader's budget).
+    fn content_bytes(&self) -> usize {
+        self.content_bytes
+    }
 }
 
 /// An emit under this schema's prefix that pgbox cannot read: dead-lettered as it is.
@@ -310,24 +385,40 @@ impl<P: Publisher> WalRelay<P> {
                 .max_delay(Duration::from_secs(300)),
             poll_interval: Duration::from_millis(100),
             wake_up: WakeUp::Notify,
+            reader: WalReader::default(),
+            max_in_flight_bytes: 32 << 20,
         }
     }
 
     /// Runs until `shutdown` is cancelled: reads and publishes while it is the reader, tries
-    /// to become it otherwise. Errors are logged and retried after the poll interval (a
-    /// missing or invalidated slot, or `wal_level` not `logical`, at every try: they need an
+    /// to become it otherwise. Errors are logged and retried after a backoff (the poll
+    /// interval, doubling with each failed round up to 10 s: a lost replication session
+    /// reconnects and resumes from the position this relay confirmed; a missing or
+    /// invalidated slot, or `wal_level` not `logical`, fails every try: they need an
     /// operator); the relay never gives up on its own.
+    ///
+    /// The streaming reader keeps its replication session open while it runs: commits
+    /// arrive as they are flushed, with no polling and no notification needed.
     pub async fn run(&self, shutdown: tokio_util::sync::CancellationToken) -> Result<()> {
+        let result = self.run_rounds(shutdown).await;
+        self.end_bounded_call().await;
+        result
+    }
+
+    async fn run_rounds(&self, shutdown: tokio_util::sync::CancellationToken) -> Result<()> {
         let mut listener: Option<PgListener> = None;
+        let streaming = self.kind == WalReader::Stream;
         loop {
             if shutdown.is_cancelled() {
                 return Ok(());
             }
-            let (wait, idle_reader) = match self.round_once().await {
+            let (wait, idle_reader) = match self.round_once(Target::Continuous).await {
                 Ok((report, _)) if report.retried > 0 || report.unavailable > 0 => {
                     let rounds = self.reader.lock().await.failing_rounds;
                     (self.backoff.delay_after(rounds), false)
                 }
+                // The streaming reader waits for the server's next event in its read.
+                Ok((report, _)) if streaming && report.reader => (Duration::ZERO, false),
                 // Read more at once when this round had messages, or when it did not reach
                 // the flush position (a read full of other work's WAL).
                 Ok((report, caught_up)) if report.read > 0 || (report.reader && !caught_up) => {
@@ -335,8 +426,14 @@ impl<P: Publisher> WalRelay<P> {
                 }
                 Ok((report, _)) => (self.poll_interval, report.reader),
                 Err(e) => {
-                    tracing::warn!(slot = self.slot.name(), error = %e, "pgbox WAL relay round failed; will retry");
-                    (self.poll_interval, false)
+                    let failed = self.reader.lock().await.failed_rounds.clamp(1, 16);
+                    let wait = self
+                        .poll_interval
+                        .saturating_mul(1 << (failed - 1).min(10))
+                        .min(Duration::from_secs(10))
+                        .max(self.poll_interval);
+                    tracing::warn!(slot = self.slot.name(), error = %e, retry_in = ?wait, "pgbox WAL relay round failed; will retry");
+                    (wait, false)
                 }
             };
             if wait.is_zero() {
@@ -393,7 +490,7 @@ impl<P: Publisher> WalRelay<P> {
             // Producers stayed in flight for a whole poll interval: just read again.
             return Ok(());
         }
-        let recheck = self.round_once().await;
+        let recheck = self.round_once(Target::Now).await;
         if matches!(&recheck, Ok((r, true)) if r.read == 0 && r.reader) {
             tokio::select! {
                 _ = shutdown.cancelled() => {}
@@ -419,9 +516,19 @@ impl<P: Publisher> WalRelay<P> {
     /// transport is unavailable, `drain` keeps waiting (bound it with a timeout if it must
     /// return).
     pub async fn drain(&self) -> Result<WalRoundReport> {
+        let result = self.drain_rounds().await;
+        self.end_bounded_call().await;
+        result
+    }
+
+    async fn drain_rounds(&self) -> Result<WalRoundReport> {
+        let target = match self.kind {
+            WalReader::Stream => Target::At(self.flush_position().await?),
+            WalReader::SqlFunctions => Target::Now,
+        };
         let mut total = WalRoundReport::default();
         loop {
-            let (round, caught_up) = self.round_once().await?;
+            let (round, caught_up) = self.round_once(target).await?;
             if !round.reader {
                 return Err(Error::WalSlot {
                     slot: self.slot.name().to_owned(),
@@ -447,28 +554,137 @@ impl<P: Publisher> WalRelay<P> {
 
     /// One round: become the reader if no relay is, read a batch of whole transactions,
     /// publish them, move the slot past the confirmed ones.
+    ///
+    /// The streaming reader opens its replication session for the call and ends it before
+    /// returning, once the server has the confirmed position (the slot is free between calls,
+    /// as with the SQL-function reader); [`run`](Self::run) keeps it open.
     pub async fn relay_once(&self) -> Result<WalRoundReport> {
-        self.round_once().await.map(|(report, _)| report)
+        let result = self.round_once(Target::Now).await.map(|(report, _)| report);
+        self.end_bounded_call().await;
+        result
+    }
+
+    /// The server's WAL flush position now.
+    async fn flush_position(&self) -> Result<u64> {
+        let text: String = sqlx::query_scalar("SELECT pg_catalog.pg_current_wal_flush_lsn()::text")
+            .persistent(false)
+            .fetch_one(&self.pool)
+            .await?;
+        parse_lsn(&text).map_err(|e| self.protocol_error(e))
+    }
+
+    /// After `relay_once` or `drain`: ends the streaming reader's session, after the server
+    /// got the confirmed position, and waits (briefly) until the slot is free.
+    async fn end_bounded_call(&self) {
+        let mut reader = self.reader.lock().await;
+        self.close_stream(&mut reader).await;
+    }
+
+    async fn close_stream(&self, reader: &mut Reader) {
+        let Some(stream) = reader.stream.take() else {
+            return;
+        };
+        stream.close(Duration::from_secs(2)).await;
+        let Some(conn) = reader.conn.as_mut() else {
+            return;
+        };
+        for _ in 0..200 {
+            let active: Option<bool> = sqlx::query_scalar(
+                "SELECT active FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+            )
+            .persistent(false)
+            .bind(self.slot.name())
+            .fetch_optional(&mut *conn)
+            .await
+            .unwrap_or(None);
+            if active != Some(true) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// [`relay_once`](Self::relay_once), and whether the round's read reached the flush
     /// position taken before it with everything in it settled (nothing of this schema left
     /// up to there).
-    async fn round_once(&self) -> Result<(WalRoundReport, bool)> {
+    async fn round_once(&self, target: Target) -> Result<(WalRoundReport, bool)> {
         let span = tracing::debug_span!("pgbox.wal_relay.round", slot = self.slot.name());
         let mut reader = self.reader.lock().await;
-        let result = self.round(&mut reader).instrument(span).await;
+        let result = self.round(&mut reader, target).instrument(span).await;
         if result.is_err() {
             // A broken connection (or one whose state is unknown) is not reused: its session,
-            // and with it the reader's lock, ends.
+            // and with it the reader's lock, ends; so does the replication session (the next
+            // one resumes from the position this reader confirmed).
+            reader.stream = None;
             if let Some(conn) = reader.conn.take() {
                 let _ = conn.close().await;
             }
+            reader.failed_rounds = reader.failed_rounds.saturating_add(1);
+        } else {
+            reader.failed_rounds = 0;
         }
         result
     }
 
-    async fn round(&self, reader: &mut Reader) -> Result<(WalRoundReport, bool)> {
+    /// The streaming reader's read: whole transactions received and not yet settled, the
+    /// position the slot may move to once they all are (a keepalive's: every commit before
+    /// it was received), and whether that reached the round's target.
+    async fn read_stream(
+        &self,
+        reader: &mut Reader,
+        target: Target,
+    ) -> Result<(Vec<SlotTransaction>, Option<u64>, bool)> {
+        let slot = self.slot.name();
+        // A round cancelled while it held transactions: they are not in memory any more, so
+        // start again from what this reader settled (the server skips what lies before).
+        if reader.stream.as_ref().is_some_and(|s| s.taken()) {
+            reader.stream = None;
+        }
+        // The election: the replication session is opened, and kept, only while this relay's
+        // lock session lives (the slot itself refuses a second session meanwhile, so a lock
+        // lost under a running session is found here, within a second).
+        if reader.stream.is_none()
+            || reader
+                .lock_checked
+                .is_none_or(|at| at.elapsed() >= Duration::from_secs(1))
+        {
+            let conn = reader.conn.as_mut().expect("the reader's connection");
+            conn.ping().await?;
+            reader.lock_checked = Some(std::time::Instant::now());
+        }
+        if reader.stream.is_none() {
+            let stream = stream::Stream::open(
+                &self.pool.connect_options(),
+                slot,
+                self.prefix.clone(),
+                reader.advanced_to,
+            )
+            .await?;
+            reader.stream = Some(stream);
+        }
+        let target = match target {
+            Target::Continuous => None,
+            Target::At(lsn) => Some(lsn),
+            Target::Now => Some(self.flush_position().await?),
+        };
+        let wait = match target {
+            None => self.poll_interval,
+            // A bounded call waits for the server to decode up to its target.
+            Some(_) => self.poll_interval.max(Duration::from_secs(2)),
+        };
+        let stream = reader.stream.as_mut().expect("just opened");
+        stream
+            .read(slot, self.batch_size, self.max_in_flight_bytes, wait, |s| {
+                target.is_some_and(|t| s.seen() >= t)
+            })
+            .await?;
+        let transactions = stream.take_pending();
+        let seen = stream.seen();
+        let reached = target.is_some_and(|t| seen >= t);
+        Ok((transactions, (seen > 0).then_some(seen), reached))
+    }
+
+    async fn round(&self, reader: &mut Reader, target: Target) -> Result<(WalRoundReport, bool)> {
         let mut report = WalRoundReport::default();
         if reader.conn.is_none() {
             let mut conn = self.pool.connect_options().connect().await?;
@@ -495,6 +711,8 @@ impl<P: Publisher> WalRelay<P> {
                 "pgbox WAL relay is the slot's reader"
             );
             reader.conn = Some(conn);
+            // A session of an earlier reign (the lock was lost meanwhile) is not reused.
+            reader.stream = None;
         }
         report.reader = true;
         let slot_label = [("slot", self.slot.name().to_owned())];
@@ -512,19 +730,28 @@ impl<P: Publisher> WalRelay<P> {
                     .set(status.retained_bytes as f64);
             }
         }
-        let conn = reader.conn.as_mut().expect("just set");
-        let (transactions, covered) = self.read(conn).await?;
+        let (transactions, covered, reached) = match self.kind {
+            WalReader::SqlFunctions => {
+                let conn = reader.conn.as_mut().expect("just set");
+                let (transactions, covered) = self.read(conn).await?;
+                (transactions, covered, covered.is_some())
+            }
+            WalReader::Stream => self.read_stream(reader, target).await?,
+        };
         let Some(last_read) = transactions.last().map(|t| t.end_lsn) else {
-            // Nothing of ours commits before `covered` (the flush position before the read):
-            // move the slot there, never further, so that it neither holds other work's WAL
-            // nor decodes it again at every read.
+            // Nothing of ours commits before `covered` (the flush position before the read,
+            // or the streaming server's keepalive position): move the slot there, never
+            // further, so that it neither holds other work's WAL nor decodes it again at
+            // every read.
             if let Some(lsn) = covered
                 && reader.advanced_to < lsn
             {
-                self.advance(conn, lsn).await?;
-                reader.advanced_to = lsn;
+                self.advance(reader, lsn).await?;
             }
-            return Ok((report, covered.is_some()));
+            if let Some(stream) = reader.stream.as_mut() {
+                stream.restore(Vec::new(), 0);
+            }
+            return Ok((report, reached));
         };
         let batch: Vec<&Envelope> = transactions.iter().flat_map(|t| &t.messages).collect();
         report.read = batch.len()
@@ -611,7 +838,6 @@ impl<P: Publisher> WalRelay<P> {
         // The slot moves past the leading transactions whose messages are all published or
         // dead-lettered; the first with a message still waiting, and everything after it,
         // is read again.
-        let conn = reader.conn.as_mut().expect("the reader's connection");
         let mut advance_to = None;
         let mut confirmed: Vec<&Envelope> = Vec::new();
         let mut passed = 0;
@@ -632,6 +858,7 @@ impl<P: Publisher> WalRelay<P> {
                 }
             }
             for u in &t.unreadable {
+                let conn = reader.conn.as_mut().expect("the reader's connection");
                 self.dead_letter_unreadable(conn, u).await?;
                 report.dead_lettered += 1;
             }
@@ -639,16 +866,17 @@ impl<P: Publisher> WalRelay<P> {
             passed = offset;
             settled += 1;
         }
-        // Everything read is settled and the read reached `covered` (the flush position
-        // before it): the slot may move there, as after a read that found nothing.
-        let caught_up = settled == transactions.len() && covered.is_some();
-        if caught_up {
+        // Everything read is settled: the slot may move to `covered` (the flush position
+        // before the read, or the streaming server's keepalive position), as after a read
+        // that found nothing.
+        let all_settled = settled == transactions.len();
+        if all_settled {
             advance_to = advance_to.max(covered);
         }
+        let caught_up = all_settled && reached;
         report.published = confirmed.len();
         if let Some(lsn) = advance_to {
-            self.advance(conn, lsn).await?;
-            reader.advanced_to = reader.advanced_to.max(lsn);
+            self.advance(reader, lsn).await?;
             for m in &batch[..passed] {
                 reader.dead.remove(&m.seq);
             }
@@ -702,6 +930,17 @@ impl<P: Publisher> WalRelay<P> {
             up_to = %format_lsn(advance_to.unwrap_or(last_read)),
             "pgbox WAL relay round"
         );
+        if let Some(stream) = reader.stream.as_mut() {
+            // What was not settled is offered again from memory, after the backoff.
+            let settled_bytes = transactions[..settled]
+                .iter()
+                .map(SlotTransaction::content_bytes)
+                .sum();
+            stream.restore(
+                transactions.into_iter().skip(settled).collect(),
+                settled_bytes,
+            );
+        }
         Ok((report, caught_up))
     }
     /// Ties the slot to this relay's schema, or refuses it when it is another schema's: a
@@ -777,8 +1016,15 @@ impl<P: Publisher> WalRelay<P> {
         }
     }
 
-    /// Moves the slot past `lsn` (never backwards: an earlier position is a no-op).
-    async fn advance(&self, conn: &mut PgConnection, lsn: u64) -> Result<()> {
+    /// Moves the slot past `lsn` (never backwards: an earlier position is a no-op). The
+    /// streaming reader tells the server in its next status update (within 100 ms).
+    async fn advance(&self, reader: &mut Reader, lsn: u64) -> Result<()> {
+        reader.advanced_to = reader.advanced_to.max(lsn);
+        if let Some(stream) = reader.stream.as_mut() {
+            stream.confirm(lsn);
+            return Ok(());
+        }
+        let conn = reader.conn.as_mut().expect("the reader's connection");
         sqlx::query("SELECT 1 FROM pg_catalog.pg_replication_slot_advance($1, $2::text::pg_lsn)")
             .persistent(false)
             .bind(self.slot.name())
@@ -830,84 +1076,27 @@ impl<P: Publisher> WalRelay<P> {
             .count();
         let covered = (changes < limit as usize).then_some(upto);
         let mut transactions = Vec::new();
-        let mut current: Option<(OffsetDateTime, SlotTransaction)> = None;
+        let mut assembler = TxAssembler::new(self.prefix.clone());
         for row in rows {
             let Some(data) = row.try_get::<Option<Vec<u8>>, _>(1)? else {
                 continue;
             };
-            match pgoutput::parse(&data).map_err(|e| self.protocol_error(e))? {
+            let done = match pgoutput::parse(&data).map_err(|e| self.protocol_error(e))? {
                 pgoutput::Change::Begin { commit_ts } => {
-                    current = Some((
-                        commit_ts,
-                        SlotTransaction {
-                            end_lsn: 0,
-                            messages: Vec::new(),
-                            unreadable: Vec::new(),
-                        },
-                    ));
+                    assembler.begin_at(commit_ts);
+                    None
                 }
                 pgoutput::Change::Message {
                     lsn,
                     prefix,
                     content,
-                } => {
-                    let Some((commit_ts, t)) = current.as_mut() else {
-                        // A non-transactional message (`pg_logical_emit_message(false, …)`),
-                        // decoded where it was written, between the transactions that commit
-                        // before and after it: the slot moves past it as past a transaction
-                        // (a read full of them still moves the slot). pgbox emits only in
-                        // transactions: one under this schema's prefix is unreadable.
-                        let mut t = SlotTransaction {
-                            end_lsn: lsn,
-                            messages: Vec::new(),
-                            unreadable: Vec::new(),
-                        };
-                        if prefix == self.prefix {
-                            let seq = wal_seq(lsn, content.len(), 0)
-                                .map_err(|e| self.protocol_error(e))?;
-                            t.unreadable.push(Unreadable {
-                                seq,
-                                id: unreadable_id(seq),
-                                content: content.to_vec(),
-                                reason: "a non-transactional message (pgbox emits only in \
-                                         transactions)"
-                                    .into(),
-                            });
-                        }
-                        transactions.push(t);
-                        continue;
-                    };
-                    if prefix != self.prefix {
-                        continue;
-                    }
-                    match wal::decode(content) {
-                        Ok(decoded) => {
-                            for (i, d) in decoded.into_iter().enumerate() {
-                                let seq = wal_seq(lsn, content.len(), i)
-                                    .map_err(|e| self.protocol_error(e))?;
-                                t.messages.push(envelope(d, seq, *commit_ts));
-                            }
-                        }
-                        Err(reason) => {
-                            let seq = wal_seq(lsn, content.len(), 0)
-                                .map_err(|e| self.protocol_error(e))?;
-                            t.unreadable.push(Unreadable {
-                                seq,
-                                id: unreadable_id(seq),
-                                content: content.to_vec(),
-                                reason,
-                            });
-                        }
-                    }
-                }
-                pgoutput::Change::Commit { end_lsn } => {
-                    if let Some((_, mut t)) = current.take() {
-                        t.end_lsn = end_lsn;
-                        transactions.push(t);
-                    }
-                }
-                pgoutput::Change::Other => {}
-            }
+                } => assembler
+                    .message(lsn, prefix, content)
+                    .map_err(|e| self.protocol_error(e))?,
+                pgoutput::Change::Commit { end_lsn } => assembler.commit(end_lsn),
+                pgoutput::Change::Other => None,
+            };
+            transactions.extend(done);
         }
         Ok((transactions, covered))
     }
@@ -1052,6 +1241,112 @@ impl<P: Publisher> WalRelay<P> {
     }
 }
 
+/// Builds [`SlotTransaction`]s from decoded changes in the order pgoutput sends them (both
+/// readers): begin, the transaction's logical messages, commit; a logical message outside a
+/// transaction is a transaction of its own.
+struct TxAssembler {
+    /// This schema's prefix: messages under it are ours.
+    prefix: String,
+    current: Option<(OffsetDateTime, SlotTransaction)>,
+}
+
+impl TxAssembler {
+    fn new(prefix: String) -> Self {
+        TxAssembler {
+            prefix,
+            current: None,
+        }
+    }
+
+    /// Whether a transaction's begin was read and its commit not yet.
+    fn in_transaction(&self) -> bool {
+        self.current.is_some()
+    }
+
+    fn begin_at(&mut self, commit_ts: OffsetDateTime) {
+        self.current = Some((
+            commit_ts,
+            SlotTransaction {
+                end_lsn: 0,
+                messages: Vec::new(),
+                unreadable: Vec::new(),
+                content_bytes: 0,
+            },
+        ));
+    }
+
+    /// A begin whose commit time is in microseconds since 2000-01-01.
+    fn begin(&mut self, commit_micros: i64) -> std::result::Result<(), String> {
+        let micros = commit_micros.saturating_add(pgoutput::PG_EPOCH_MICROS);
+        let commit_ts = OffsetDateTime::from_unix_timestamp_nanos(i128::from(micros) * 1000)
+            .map_err(|e| e.to_string())?;
+        self.begin_at(commit_ts);
+        Ok(())
+    }
+
+    /// A logical message at `lsn` (the end of its record). Returns the transaction of its own
+    /// that a non-transactional message is.
+    fn message(
+        &mut self,
+        lsn: u64,
+        prefix: &str,
+        content: &[u8],
+    ) -> std::result::Result<Option<SlotTransaction>, String> {
+        let Some((commit_ts, t)) = self.current.as_mut() else {
+            // A non-transactional message (`pg_logical_emit_message(false, …)`), decoded
+            // where it was written, between the transactions that commit before and after
+            // it: the slot moves past it as past a transaction (a read full of them still
+            // moves the slot). pgbox emits only in transactions: one under this schema's
+            // prefix is unreadable.
+            let mut t = SlotTransaction {
+                end_lsn: lsn,
+                messages: Vec::new(),
+                unreadable: Vec::new(),
+                content_bytes: content.len(),
+            };
+            if prefix == self.prefix {
+                let seq = wal_seq(lsn, content.len(), 0)?;
+                t.unreadable.push(Unreadable {
+                    seq,
+                    id: unreadable_id(seq),
+                    content: content.to_vec(),
+                    reason: "a non-transactional message (pgbox emits only in transactions)".into(),
+                });
+            }
+            return Ok(Some(t));
+        };
+        t.content_bytes += content.len();
+        if prefix != self.prefix {
+            return Ok(None);
+        }
+        match wal::decode(content) {
+            Ok(decoded) => {
+                for (i, d) in decoded.into_iter().enumerate() {
+                    let seq = wal_seq(lsn, content.len(), i)?;
+                    t.messages.push(envelope(d, seq, *commit_ts));
+                }
+            }
+            Err(reason) => {
+                let seq = wal_seq(lsn, content.len(), 0)?;
+                t.unreadable.push(Unreadable {
+                    seq,
+                    id: unreadable_id(seq),
+                    content: content.to_vec(),
+                    reason,
+                });
+            }
+        }
+        Ok(None)
+    }
+
+    /// The commit of the current transaction, ending at `end_lsn`.
+    fn commit(&mut self, end_lsn: u64) -> Option<SlotTransaction> {
+        let (_, mut t) = self.current.take()?;
+        t.end_lsn = end_lsn;
+        Some(t)
+    }
+}
+
 /// How the comment of a slot's publication names the schema whose relay reads it.
 const SLOT_CLAIM_PREFIX: &str = "pgbox WAL outbox of schema ";
 
@@ -1161,7 +1456,7 @@ mod pgoutput {
     }
 
     /// Microseconds from the Unix epoch to PostgreSQL's (2000-01-01).
-    const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
+    pub(super) const PG_EPOCH_MICROS: i64 = 946_684_800_000_000;
 
     pub(super) fn parse(data: &[u8]) -> Result<Change<'_>, String> {
         let (&kind, rest) = data.split_first().ok_or("an empty change")?;
