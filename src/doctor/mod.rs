@@ -81,7 +81,18 @@
 //!   WAL outbox's): the WAL it retains (warning from [`Doctor::wal_slot_retained_warn`],
 //!   default 1 GiB), the age of its oldest unpublished commit when no session reads it (a
 //!   peek of one change; warning from the xmin age threshold), and an invalidated slot
-//!   (`wal_status = lost`: critical, its messages are gone).
+//!   (`wal_status = lost`: critical, its messages are gone; the reason typed from 17's
+//!   `invalidation_reason`). And whether the slot survives a failover, per version: on 15
+//!   and 16 with standbys, it does not (`wal_slot_lost_at_failover`); on a 17+ primary
+//!   with standbys, a slot without failover is lost (`wal_slot_not_failover`), a failover
+//!   slot needs `synchronized_standby_slots` naming each standby's physical slot
+//!   (`failover_slot_unguarded`, `synchronized_standby_slot_unusable`,
+//!   `standby_without_slot`); on a 17+ standby, the settings slot synchronization needs
+//!   (`slot_sync_not_configured`) and whether the slot is synchronized there
+//!   (`wal_slot_not_synced`, `wal_slot_failover_ready`); on 18, an
+//!   `idle_replication_slot_timeout` below [`Doctor::wal_relay_outage_tolerance`]
+//!   (`idle_slot_timeout`). Logical walsenders (a streaming relay) are not counted as
+//!   standbys, here and in the replication check.
 //!
 //! **Heartbeats**: pgbox's relays and consumers record no heartbeat in the database today, so
 //! the doctor cannot tell whether they are running and reports nothing about them;
@@ -309,8 +320,42 @@ pub enum Code {
     /// (the WAL relay) is down or behind (`wal_slot_behind`; warning).
     WalSlotBehind,
     /// A logical slot was invalidated: the messages in the WAL it lost are gone
-    /// (`wal_slot_invalidated`; critical).
+    /// (`wal_slot_invalidated`; critical). Its `details.invalidation_reason` says why
+    /// (`wal_removed`, `rows_removed`, `wal_level_insufficient`, `idle_timeout`).
     WalSlotInvalidated,
+    /// PostgreSQL 17+, a primary with standbys: a logical slot without failover, lost at a
+    /// failover (`wal_slot_not_failover`; warning).
+    WalSlotNotFailover,
+    /// PostgreSQL 15 or 16 with standbys (or on a standby): logical slots live on the
+    /// primary only, a failover loses the slot (`wal_slot_lost_at_failover`; warning).
+    WalSlotLostAtFailover,
+    /// A 17+ primary with failover slots whose `synchronized_standby_slots` does not name the
+    /// physical slot of every streaming standby: the relay may publish what a standby has
+    /// not received (`failover_slot_unguarded`; warning).
+    FailoverSlotUnguarded,
+    /// A slot named in `synchronized_standby_slots` is missing, invalidated or inactive:
+    /// decoding of failover slots waits for it, the WAL relay stalls
+    /// (`synchronized_standby_slot_unusable`; critical).
+    SynchronizedStandbySlotUnusable,
+    /// A standby streams from a 17+ primary with failover slots without a physical slot: it
+    /// cannot synchronize them (`standby_without_slot`; warning).
+    StandbyWithoutSlot,
+    /// A 17+ standby lacks a setting slot synchronization needs (`sync_replication_slots`,
+    /// `hot_standby_feedback`, `primary_slot_name`, a `dbname` in `primary_conninfo`,
+    /// `wal_level = logical`): each one missing is named (`slot_sync_not_configured`;
+    /// warning).
+    SlotSyncNotConfigured,
+    /// On a 17+ standby: the WAL outbox's slot is absent, temporary (not yet persistent),
+    /// not a synchronized copy, or invalidated: a promotion now would have no usable slot
+    /// (`wal_slot_not_synced`; warning).
+    WalSlotNotSynced,
+    /// On a 17+ standby: the WAL outbox's slot is synchronized here and survives a promotion
+    /// (`wal_slot_failover_ready`; ok).
+    WalSlotFailoverReady,
+    /// PostgreSQL 18+: `idle_replication_slot_timeout` is set below
+    /// [`Doctor::wal_relay_outage_tolerance`]: a relay down that long loses its slot
+    /// (`idle_slot_timeout`; warning).
+    IdleSlotTimeout,
 }
 
 impl Code {
@@ -353,6 +398,15 @@ impl Code {
             Code::WalSlotsOk => "wal_slots_ok",
             Code::WalSlotBehind => "wal_slot_behind",
             Code::WalSlotInvalidated => "wal_slot_invalidated",
+            Code::WalSlotNotFailover => "wal_slot_not_failover",
+            Code::WalSlotLostAtFailover => "wal_slot_lost_at_failover",
+            Code::FailoverSlotUnguarded => "failover_slot_unguarded",
+            Code::SynchronizedStandbySlotUnusable => "synchronized_standby_slot_unusable",
+            Code::StandbyWithoutSlot => "standby_without_slot",
+            Code::SlotSyncNotConfigured => "slot_sync_not_configured",
+            Code::WalSlotNotSynced => "wal_slot_not_synced",
+            Code::WalSlotFailoverReady => "wal_slot_failover_ready",
+            Code::IdleSlotTimeout => "idle_slot_timeout",
             Code::GrantsComplete => "grants_complete",
             Code::MissingGrant => "missing_grant",
         }
@@ -387,7 +441,18 @@ impl Code {
             }
             Code::GrantsComplete | Code::MissingGrant => Check::Grants,
             Code::PoolerOk | Code::TransactionPooler => Check::Pooler,
-            Code::WalSlotsOk | Code::WalSlotBehind | Code::WalSlotInvalidated => Check::WalSlots,
+            Code::WalSlotsOk
+            | Code::WalSlotBehind
+            | Code::WalSlotInvalidated
+            | Code::WalSlotNotFailover
+            | Code::WalSlotLostAtFailover
+            | Code::FailoverSlotUnguarded
+            | Code::SynchronizedStandbySlotUnusable
+            | Code::StandbyWithoutSlot
+            | Code::SlotSyncNotConfigured
+            | Code::WalSlotNotSynced
+            | Code::WalSlotFailoverReady
+            | Code::IdleSlotTimeout => Check::WalSlots,
         }
     }
 }
@@ -559,6 +624,7 @@ pub struct Doctor {
     statement_timeout: Duration,
     application_role: Option<Identifier>,
     wal_slot_retained_warn: i64,
+    wal_relay_outage_tolerance: Duration,
     outbox_age_warn: Duration,
     outbox_age_critical: Duration,
 }
@@ -587,6 +653,7 @@ impl Doctor {
             statement_timeout: Duration::from_secs(10),
             application_role: None,
             wal_slot_retained_warn: 1024 * 1024 * 1024,
+            wal_relay_outage_tolerance: Duration::from_secs(24 * 60 * 60),
             outbox_age_warn: Duration::from_secs(5 * 60),
             outbox_age_critical: Duration::from_secs(60 * 60),
         }
@@ -667,6 +734,16 @@ impl Doctor {
     /// WAL a logical slot may retain before it is a warning (default 1 GiB).
     pub fn wal_slot_retained_warn(mut self, bytes: i64) -> Self {
         self.wal_slot_retained_warn = bytes;
+        self
+    }
+
+    /// The longest WAL relay outage you would tolerate without losing the slot (default 1
+    /// day). On PostgreSQL 18, `idle_replication_slot_timeout` invalidates a slot that no
+    /// session has read for that long (checked at checkpoints): the relay down longer loses
+    /// the slot and every message not yet published in it. A timeout set (non-zero) below
+    /// this is a warning ([`Code::IdleSlotTimeout`]).
+    pub fn wal_relay_outage_tolerance(mut self, outage: Duration) -> Self {
+        self.wal_relay_outage_tolerance = outage;
         self
     }
 

@@ -17,7 +17,7 @@ use crate::error::{Error, Result};
 use crate::ident::Identifier;
 
 /// The first PostgreSQL major (as `server_version_num / 10000`) with failover slots.
-pub(crate) const FAILOVER_SLOTS_SINCE: i32 = 17;
+const FAILOVER_SLOTS_SINCE: i32 = WalSlot::FAILOVER_SLOTS_SINCE;
 
 /// A logical replication slot and the publication of the same name that the WAL relay reads
 /// (`pgoutput` needs a publication; this one has no tables, only messages pass).
@@ -173,6 +173,9 @@ pub(crate) async fn server_major_and_recovery(conn: &mut PgConnection) -> Result
 }
 
 impl WalSlot {
+    /// The first PostgreSQL major (as `server_version_num / 10000`) with failover slots.
+    pub(crate) const FAILOVER_SLOTS_SINCE: i32 = 17;
+
     /// The slot `name` (validated: lowercase ASCII letters, digits and `_`).
     pub fn new(name: &str) -> Result<Self> {
         Ok(WalSlot {
@@ -288,6 +291,12 @@ impl WalSlot {
         Ok(())
     }
 
+    /// How to turn failover on for the existing slot `slot` of `database` (17+), for the
+    /// doctor's advice.
+    pub(crate) fn enable_failover_advice(slot: &str, database: &str) -> String {
+        enable_failover_advice(slot, database)
+    }
+
     /// Whether `create` makes a failover slot on this server.
     fn failover_on(&self, major: i32, in_recovery: bool) -> Result<bool> {
         match self.failover {
@@ -385,7 +394,7 @@ impl WalSlot {
 
 /// How to turn failover on for an existing slot `slot` of `database` on 17+: a replication
 /// connection, or a drop and a create.
-pub(crate) fn enable_failover_advice(slot: &str, database: &str) -> String {
+fn enable_failover_advice(slot: &str, database: &str) -> String {
     format!(
         "PostgreSQL 17 has no SQL function to turn failover on for an existing slot; a \
          replication connection does, while no relay reads the slot (stop the relays for a \
