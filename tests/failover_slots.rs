@@ -415,9 +415,76 @@ async fn doctor_on_17_names_what_a_failover_slot_lacks_on_the_primary_and_on_the
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn doctor_on_15_says_a_failover_loses_the_slot_on_both_sides() {
+async fn doctor_on_17_flags_a_standby_streaming_without_a_physical_slot() {
     support::init_tracing();
-    let primary = logical(15).await;
+    let primary = logical(17).await;
+    let pool = pool_at(primary.addr(), 8).await;
+    prepare(&pool).await;
+    WalSlot::new(SLOT).unwrap().create(&pool).await.unwrap();
+    let _standby = standby(&primary, false, &[]).await;
+    let report = doctor(&pool).await;
+    eprintln!("17, standby without a slot: {:?}", codes(&report));
+    let f = the(&report, Code::StandbyWithoutSlot);
+    assert_eq!(f.severity, Severity::Warning);
+    assert!(
+        f.message.contains("without a physical replication slot"),
+        "{f:?}"
+    );
+    assert!(f.advice.contains("primary_slot_name"), "{f:?}");
+    let f = the(&report, Code::FailoverSlotUnguarded);
+    assert!(f.advice.contains("<each standby's physical slot>"), "{f:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_streaming_wal_relay_is_not_counted_as_a_standby() {
+    support::init_tracing();
+    let server = logical(17).await;
+    let pool = pool_at(server.addr(), 8).await;
+    prepare(&pool).await;
+    WalSlot::new(SLOT).unwrap().create(&pool).await.unwrap();
+    let shutdown = CancellationToken::new();
+    let relay = relay(&pool);
+    let task = tokio::spawn({
+        let s = shutdown.clone();
+        async move { relay.run(s).await }
+    });
+    // The relay's walsender shows in pg_stat_replication once it reads.
+    let started = Instant::now();
+    let mut seq = 0;
+    while scalar(&pool, "SELECT count(*) FROM pg_stat_replication").await == 0 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "no walsender for the relay after 30 s"
+        );
+        place_order(&pool, 0, seq).await.unwrap();
+        seq += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let report = doctor(&pool).await;
+    eprintln!("17, a streaming relay, no standby: {:?}", codes(&report));
+    let f = the(&report, Code::ReplicationOk);
+    assert!(f.message.contains("no standby streams"), "{f:?}");
+    for code in [
+        Code::AsyncReplication,
+        Code::StandbyWithoutSlot,
+        Code::FailoverSlotUnguarded,
+    ] {
+        assert_eq!(report.with_code(code).count(), 0, "{report:#?}");
+    }
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn doctor_on_15_and_16_says_a_failover_loses_the_slot_on_both_sides() {
+    support::init_tracing();
+    for major in [15, 16] {
+        doctor_says_a_failover_loses_the_slot(major).await;
+    }
+}
+
+async fn doctor_says_a_failover_loses_the_slot(major: u32) {
+    let primary = logical(major).await;
     let pool = pool_at(primary.addr(), 8).await;
     prepare(&pool).await;
     // No standby yet: nothing to fail over to, nothing said.
@@ -433,17 +500,18 @@ async fn doctor_on_15_says_a_failover_loses_the_slot_on_both_sides() {
 
     let standby = standby(&primary, false, &[]).await;
     let report = doctor(&pool).await;
-    eprintln!("15 primary: {:?}", codes(&report));
+    eprintln!("{major} primary: {:?}", codes(&report));
     let f = the(&report, Code::WalSlotLostAtFailover);
     assert_eq!(f.severity, Severity::Warning);
     assert!(
-        f.message
-            .contains("PostgreSQL 15 keeps logical slots on the primary only"),
+        f.message.contains(&format!(
+            "PostgreSQL {major} keeps logical slots on the primary only"
+        )),
         "{f:?}"
     );
     let standby_pool = pool_at(standby.addr(), 4).await;
     let report = doctor(&standby_pool).await;
-    eprintln!("15 standby: {:?}", codes(&report));
+    eprintln!("{major} standby: {:?}", codes(&report));
     let f = the(&report, Code::WalSlotLostAtFailover);
     assert!(f.message.contains("this standby has no copy"), "{f:?}");
     assert_eq!(report.with_code(Code::SlotSyncNotConfigured).count(), 0);
