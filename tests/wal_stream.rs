@@ -393,7 +393,7 @@ fn reset_peak_rss() {
 
 /// 300 transactions of a 1 MiB payload each (300 MiB) drained with an 8 MiB budget: the
 /// relay's process never holds more than a fraction of it (the budget, the client's queue of
-/// at most 64 emits, a publish batch's copies).
+/// at most 64 emits, a publish batch's copies, the allocator's slack).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_stays_bounded_by_the_byte_budget_with_1_mib_payloads() {
     let (_cluster, pool, slot) = logical(&["max_wal_size = '4GB'"]).await;
@@ -417,7 +417,8 @@ async fn memory_stays_bounded_by_the_byte_budget_with_1_mib_payloads() {
     assert_eq!(report.published, n, "{report:?}");
     assert_eq!(broker.count(), n);
     assert!(
-        grown < 160 << 20,
+        // Measured here: 58 MiB with the 8 MiB budget, 106 MiB with a 1 GiB one.
+        grown < 90 << 20,
         "the relay's process grew by {} MiB draining {n} MiB",
         grown >> 20
     );
