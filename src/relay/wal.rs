@@ -2,29 +2,56 @@
 //! reading a logical replication slot, and moves the slot only past what the transport
 //! confirmed.
 //!
-//! **Reading.** The SQL slot functions (`pg_logical_slot_peek_binary_changes` with the built-in
-//! `pgoutput` plugin, `messages` on), on one dedicated connection: a peek decodes whole
+//! **Reading.** Two readers ([`WalReader`]), one bookkeeping. The default,
+//! [`WalReader::Stream`], is a logical replication connection to the slot
+//! (`START_REPLICATION SLOT … LOGICAL`, `pgoutput`, `messages 'true'`; the client is the
+//! `pgwire-replication` crate, see the `stream` module): the server decodes each change once,
+//! as it is flushed, and sends whole transactions in commit order. The relay tells the server
+//! how far the slot may move in its standby status updates (every 100 ms), and that position
+//! moves only past whole transactions whose messages are all published or dead-lettered, or,
+//! with nothing unsettled, to the `wal_end` of the server's last keepalive (every commit
+//! before it was received: the server sends a transaction whole at its commit, in WAL order,
+//! and streams only flushed WAL, so a commit written but not yet flushed, as asynchronous
+//! commits are for up to 3 × `wal_writer_delay`, lies after it). A message the transport
+//! refused is offered again from memory; any error ends the session, and the next one starts
+//! from the position this reader confirmed (the server skips what lies before it). The
+//! reader holds at most `max_in_flight_bytes` of decoded transactions (one larger transaction
+//! is taken whole) and the client's queue at most 64 more emits. The client's worker answers
+//! keepalives and sends status updates while a publish or an outage backoff takes longer than
+//! `wal_sender_timeout`. [`run`](WalRelay::run) keeps the session open;
+//! [`relay_once`](WalRelay::relay_once) and [`drain`](WalRelay::drain) open it and end it
+//! before they return, once the server has the confirmed position (the slot is free between
+//! calls). It needs a role with `REPLICATION`, a free walsender (`max_wal_senders`), a direct
+//! connection (poolers do not pass the replication protocol) and no TLS (not built); each
+//! refusal is an [`Error::WalStream`].
+//!
+//! [`WalReader::SqlFunctions`] reads with the SQL slot functions
+//! (`pg_logical_slot_peek_binary_changes`) on one dedicated connection: a peek decodes whole
 //! transactions, in commit order, up to the batch size and up to the WAL *flush* position
 //! taken before it; after the transport confirmed them, `pg_replication_slot_advance` moves
 //! the slot past their commits. The slot never moves past what a read returned: a read that
-//! found nothing moves it at most to the flush position taken before that read (a commit
-//! written but not yet flushed, as asynchronous commits are for up to 3 ×
-//! `wal_writer_delay`, is read by a later round). A crash anywhere in between
-//! re-reads from the last advance: at-least-once, with the message ids of the enqueue, which
-//! consumers' inboxes absorb. The streaming replication protocol would save the repeated decode
-//! of a batch's start, but sqlx does not speak it; the SQL functions need nothing beyond sqlx.
+//! found nothing moves it at most to the flush position taken before that read. Every peek
+//! decodes from the slot's restart position, which moves only at running-transactions
+//! records: after a large backlog each read is slow. It serves where replication connections
+//! are not available (a managed service without them, TLS-only access, a role without
+//! `REPLICATION`).
+//!
+//! Either way, a crash anywhere re-reads from the last confirmed position: at-least-once,
+//! with the message ids of the enqueue, which consumers' inboxes absorb.
 //!
 //! **One reader.** Relays of one slot elect a reader with a session advisory lock on their
 //! dedicated connection; the others wait and try again every poll interval. A reader that dies
 //! (SIGKILL, a lost connection) releases the lock with its session; the next one continues
-//! from the slot's position. The slot itself also refuses a second concurrent reader.
+//! from the slot's position. The slot itself also refuses a second concurrent reader; the
+//! streaming reader checks its lock session at least every second and opens a replication
+//! session only while it holds the lock.
 //!
 //! **Order.** Messages are published in commit order; a publisher that is not atomic gets them
 //! in per-key waves, as the table relay does. The slot moves only past whole transactions whose
 //! messages were all confirmed.
 //!
 //! **Failures.** A message the transport refuses is tried again (the whole rest of the batch
-//! is re-read, so messages after it may be published twice) after the relay's backoff; the
+//! is offered again, so messages after it may be published twice) after the relay's backoff; the
 //! later messages of its key wait, and waiting is never counted as an attempt. After
 //! `max_attempts` refusals of a message in this relay's life, it is moved to
 //! `outbox_dead_letters` (with a negative `seq` that is its WAL position: `i64::MIN` plus the
@@ -175,9 +202,11 @@ impl<P: Publisher> WalRelayBuilder<P> {
         self
     }
 
-    /// Changes decoded per read (default 20,000; a one-message transaction is three: begin,
-    /// message, commit; whole transactions, so a read may return more). Each read decodes
-    /// the slot from its restart position again, so small reads cost more per message.
+    /// The most a round takes at once (default 20,000; whole transactions, so a round may
+    /// take more): messages, for the streaming reader; changes decoded per read for the
+    /// SQL-function reader (a one-message transaction is three: begin, message, commit),
+    /// whose every read decodes the slot from its restart position again, so small reads
+    /// cost more per message.
     pub fn batch_size(mut self, n: usize) -> Self {
         self.batch_size = n;
         self
@@ -198,8 +227,9 @@ impl<P: Publisher> WalRelayBuilder<P> {
         self
     }
 
-    /// How often to read the slot when it had nothing, and how often a relay that is not the
-    /// reader tries to become it (default 100 ms).
+    /// How often to read the slot when it had nothing (the streaming reader: how long a
+    /// round of [`run`](WalRelay::run) waits for the server), and how often a relay that is
+    /// not the reader tries to become it (default 100 ms).
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval;
         self
