@@ -620,8 +620,20 @@ async fn producer(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn on_17_a_failover_slot_survives_a_promotion_under_load_with_nothing_lost_or_doubled() {
+    promotion_under_load(17).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn on_18_a_failover_slot_survives_a_promotion_under_load_with_nothing_lost_or_doubled() {
+    promotion_under_load(18).await;
+}
+
+/// A primary of `major` with a failover slot and a synchronous standby set up for slot
+/// synchronization; WAL producers, a WAL relay into the built-in queue and consumers through
+/// the inbox; the primary killed, the standby promoted, every client moved to it.
+async fn promotion_under_load(major: u32) {
     support::init_tracing();
-    let primary = logical(17).await;
+    let primary = logical(major).await;
     let proxy = Proxy::start(primary.addr()).await;
     let pool = pool_at(proxy.addr(), 16).await;
     prepare(&pool).await;
@@ -780,7 +792,7 @@ async fn on_17_a_failover_slot_survives_a_promotion_under_load_with_nothing_lost
         .unwrap()
         .unwrap();
     eprintln!(
-        "17 failover slot: {} orders committed ({after} after the promotion), 0 lost, 0 doubled, \
+        "{major} failover slot: {} orders committed ({after} after the promotion), 0 lost, 0 doubled, \
          {duplicates} redeliveries absorbed by the inbox; promoted {:.0} ms after the kill; the \
          standby's copy stood at {synced_lsn} when the primary died; slot on the new primary: \
          {status:?}",
