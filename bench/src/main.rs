@@ -2162,6 +2162,22 @@ impl Publisher for Stopwatch {
     }
 }
 
+/// A no-op publisher that counts what it took (W2).
+#[derive(Clone, Default)]
+struct Counting(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Publisher for Counting {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        self.0
+            .fetch_add(batch.len(), std::sync::atomic::Ordering::Relaxed);
+        vec![Ok(()); batch.len()]
+    }
+
+    fn atomic_batches(&self) -> bool {
+        true
+    }
+}
+
 struct LatencyRun {
     id: String,
     rate: f64,
@@ -2171,7 +2187,15 @@ struct LatencyRun {
     keys: Option<usize>,
     batch: usize,
     /// The WAL outbox and a `WalRelay` on this slot, instead of the table and `Relay`.
-    wal: Option<pgbox::WalSlot>,
+    wal: Option<WalRun>,
+}
+
+/// A W3 run's WAL relay: its slot, its reader, and how many producers emit into the WAL at
+/// full rate beside the measured one.
+struct WalRun {
+    slot: pgbox::WalSlot,
+    reader: pgbox::WalReader,
+    load: usize,
 }
 
 async fn latency_run(
@@ -2193,8 +2217,9 @@ async fn latency_run(
             let task = tokio::spawn(async move { relay.run(s).await });
             (task, Outbox::new())
         }
-        Some(slot) => {
-            let relay = pgbox::WalRelay::builder(pool.clone(), slot.clone(), stopwatch.clone())
+        Some(wal) => {
+            let relay = pgbox::WalRelay::builder(pool.clone(), wal.slot.clone(), stopwatch.clone())
+                .reader(wal.reader)
                 .wake_up(run.wake)
                 .poll_interval(run.poll)
                 .build()?;
@@ -2202,6 +2227,34 @@ async fn latency_run(
             (task, Outbox::new().mode(pgbox::OutboxMode::Wal))
         }
     };
+    // Producers at full rate beside the measured one (W3 under load): 1-message
+    // transactions into the WAL as fast as they commit.
+    let load_stop = CancellationToken::new();
+    let mut load = Vec::new();
+    let load_pool = match run.wal.as_ref().map(|w| w.load).unwrap_or(0) {
+        0 => None,
+        n => Some(
+            pool_options(n as u32 + 1)
+                .connect_with(options.clone())
+                .await?,
+        ),
+    };
+    if let Some(load_pool) = &load_pool {
+        for _ in 0..run.wal.as_ref().map(|w| w.load).unwrap_or(0) {
+            let (pool, stop, p) = (load_pool.clone(), load_stop.clone(), payload.to_owned());
+            load.push(tokio::spawn(async move {
+                let outbox = Outbox::new().mode(pgbox::OutboxMode::Wal);
+                while !stop.is_cancelled() {
+                    let mut tx = pool.begin().await?;
+                    outbox
+                        .enqueue(&mut tx, Message::bytes("load", p.as_bytes().to_vec()))
+                        .await?;
+                    tx.commit().await?;
+                }
+                anyhow::Ok(())
+            }));
+        }
+    }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut committed = HashMap::new();
     let interval = Duration::from_secs_f64(1.0 / run.rate);
@@ -2226,6 +2279,10 @@ async fn latency_run(
         }
     }
     let sent = committed.len();
+    load_stop.cancel();
+    for l in load {
+        l.await??;
+    }
     let drain_deadline = Instant::now() + Duration::from_secs(10);
     while stopwatch.0.lock().unwrap().len() < sent && Instant::now() < drain_deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -2568,14 +2625,29 @@ async fn wal_rows(
         }
     }
 
-    // W3: commit → publish latency through the WAL relay at 100 messages/s: woken by the
-    // producers' NOTIFY (polling every second besides), and polling only, every 100 and 10 ms.
-    for (wake, poll_ms) in [
-        (WakeUp::Notify, 1000u64),
-        (WakeUp::Poll, 100),
-        (WakeUp::Poll, 10),
+    // W3: commit → publish latency through the WAL relay at 100 messages/s: the streaming
+    // reader (pushed by the server), idle and with 4 producers at full rate beside it; the
+    // SQL-function reader woken by the producers' NOTIFY (polling every second besides), and
+    // polling only, every 100 and 10 ms; and with the same load, woken by NOTIFY.
+    use pgbox::WalReader::{SqlFunctions, Stream};
+    for (reader, wake, poll_ms, load) in [
+        (Stream, WakeUp::Notify, 100u64, 0usize),
+        (Stream, WakeUp::Notify, 100, 4),
+        (SqlFunctions, WakeUp::Notify, 1000, 0),
+        (SqlFunctions, WakeUp::Poll, 100, 0),
+        (SqlFunctions, WakeUp::Poll, 10, 0),
+        (SqlFunctions, WakeUp::Notify, 1000, 4),
     ] {
-        let id = format!("W3 WAL commit → publish ({wake:?}, poll {poll_ms} ms) @ 100/s");
+        let how = match reader {
+            Stream => "stream".to_owned(),
+            _ => format!("SQL functions, {wake:?}, poll {poll_ms} ms"),
+        };
+        let beside = if load > 0 {
+            format!(", {load} producers at full rate beside")
+        } else {
+            String::new()
+        };
+        let id = format!("W3 WAL commit → publish ({how}) @ 100/s{beside}");
         if !bench.wanted(&id) {
             continue;
         }
@@ -2591,7 +2663,11 @@ async fn wal_rows(
                 poll: Duration::from_millis(poll_ms),
                 keys: None,
                 batch: bench.args.relay_batch,
-                wal: Some(slot.clone()),
+                wal: Some(WalRun {
+                    slot: slot.clone(),
+                    reader,
+                    load,
+                }),
             },
         )
         .await?;
@@ -2599,10 +2675,20 @@ async fn wal_rows(
         bench.rows.push(row);
     }
 
-    // W2: the WAL relay's drain of a backlog emitted by 16 producers.
-    for per_tx in [1usize, 100] {
+    // W2: the WAL relay's drain of a backlog emitted by 16 producers, right after it was
+    // emitted (the slot's restart position at its start), by each reader.
+    for (per_tx, reader) in [
+        (1usize, Stream),
+        (1, SqlFunctions),
+        (100, Stream),
+        (100, SqlFunctions),
+    ] {
+        let how = match reader {
+            Stream => "stream",
+            _ => "SQL functions",
+        };
         let id = format!(
-            "W2 WAL drain {} in {per_tx}-message transactions (no-op publisher)",
+            "W2 WAL drain {} in {per_tx}-message transactions ({how}, no-op publisher)",
             bench.args.backlog
         );
         if !bench.wanted(&id) {
@@ -2635,24 +2721,27 @@ async fn wal_rows(
             f.await??;
         }
         let start_lsn = wal_lsn(pool).await?;
-        // The relay's defaults (20,000 changes per read).
-        let relay =
-            pgbox::WalRelay::builder(relay_pool.clone(), slot.clone(), DiscardPublisher).build()?;
+        // The relay's defaults (20,000 per read), `drain` (one replication session for the
+        // stream; a peek and an advance per round for the SQL functions).
+        let counted = Counting::default();
+        let relay = pgbox::WalRelay::builder(relay_pool.clone(), slot.clone(), counted.clone())
+            .reader(reader)
+            .build()?;
         let started = Instant::now();
-        let mut published = 0usize;
-        let mut timed_out = false;
-        loop {
-            let round = relay.relay_once().await?;
-            published += round.published;
-            if round.read == 0 {
-                break;
+        let timed_out = match tokio::time::timeout(drain_limit, relay.drain()).await {
+            Ok(result) => {
+                result?;
+                false
             }
-            if started.elapsed() > drain_limit {
-                timed_out = true;
-                break;
-            }
-        }
+            Err(_) => true,
+        };
+        let published = counted.0.load(std::sync::atomic::Ordering::Relaxed);
         let seconds = started.elapsed().as_secs_f64();
+        drop(relay);
+        if timed_out {
+            // What the cut-off drain left: emptied before the next row.
+            empty_slot().await?;
+        }
         let wal = wal_since(pool, &start_lsn).await?;
         anyhow::ensure!(
             timed_out || published == transactions * per_tx,
@@ -2679,7 +2768,10 @@ async fn wal_rows(
                     )
                 }),
             wal_per_msg: wal / published.max(1) as f64,
-            statements: "peek + advance per round".to_owned(),
+            statements: match reader {
+                Stream => "one replication session".to_owned(),
+                _ => "peek + advance per round".to_owned(),
+            },
             dead_tuples: Some(dead_tuples(pool, "outbox").await?),
         };
         print_row(&row);
