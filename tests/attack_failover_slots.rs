@@ -553,3 +553,108 @@ async fn held_doctor_on_a_17_primary_as_the_application_role_finds_what_the_supe
     );
     assert_eq!(slot_codes(&as_app), expected);
 }
+
+/// Finding 7. `WalSlot::create` (and `pgbox wal create-slot`, default `auto`) against a 17
+/// standby that has no synchronized copy yet makes a *local* plain logical slot there (the
+/// publication replicated, so nothing stops it): `failover(true)` is refused on a standby, the
+/// default is not. That local slot has the primary's slot's name, so slot synchronization
+/// then refuses to sync it ("same name slot … already exists on the standby"): the standby
+/// never gets the primary's failover slot, and promoted, the relay reads the local slot,
+/// which starts where it was created, past what the primary's relay had not yet published.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "finding 7: WalSlot::create on a 17 standby makes a local slot that blocks slot synchronization"]
+async fn finding_create_on_a_17_standby_makes_a_local_slot_that_blocks_synchronization() {
+    support::init_tracing();
+    let primary = logical(17).await;
+    let pool = pool_at(primary.addr(), "postgres").await;
+    pgbox::migrate(&pool).await.unwrap();
+    WalSlot::new(SLOT).unwrap().create(&pool).await.unwrap();
+    emit(&pool, 0).await;
+    relay(&pool).drain().await.unwrap();
+    primary.psql(&format!(
+        "ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'"
+    ));
+    primary.psql("SELECT pg_reload_conf()");
+    // Set up for synchronization except the switch itself.
+    let standby = standby(
+        &primary,
+        &[
+            ("primary_slot_name", STANDBY_SLOT),
+            ("hot_standby_feedback", "on"),
+        ],
+    )
+    .await;
+    let standby_pool = pool_at(standby.addr(), "postgres").await;
+    // Committed on the primary, replayed on the standby, not yet published by the relay.
+    emit(&pool, 1).await;
+    let lsn: String = sqlx::query_scalar("SELECT pg_current_wal_flush_lsn()::text")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    standby.wait_for(&format!("SELECT pg_last_wal_replay_lsn() >= '{lsn}'"), "t");
+
+    // A logical slot created on a standby waits for a running-transactions record from the
+    // primary: log them while create runs.
+    let logging = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            for _ in 0..200 {
+                let _ = sqlx::query("SELECT pg_log_standby_snapshot()")
+                    .execute(&pool)
+                    .await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    let created = tokio::time::timeout(
+        Duration::from_secs(20),
+        WalSlot::new(SLOT).unwrap().create(&standby_pool),
+    )
+    .await
+    .expect("create on the standby did not return within 20 s");
+    logging.abort();
+    let status = WalSlot::new(SLOT)
+        .unwrap()
+        .status(&standby_pool)
+        .await
+        .unwrap();
+    let local = status
+        .as_ref()
+        .is_some_and(|s| s.synced == Some(false) && !s.temporary);
+
+    // What becomes of synchronization then.
+    let mut sync_error = String::new();
+    if local {
+        standby.psql("ALTER SYSTEM SET sync_replication_slots = on");
+        standby.psql("SELECT pg_reload_conf()");
+        let started = Instant::now();
+        while started.elapsed() < Duration::from_secs(20) {
+            if let Some(line) = standby
+                .log()
+                .lines()
+                .find(|l| l.contains("already exists on the standby"))
+            {
+                sync_error = line.to_owned();
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+    // Promoted: what the relay there publishes of the message the old primary's relay never
+    // published.
+    let mut after_promotion = None;
+    if local {
+        tokio::task::block_in_place(|| standby.promote());
+        after_promotion = Some(format!(
+            "{:?}",
+            relay(&standby_pool).drain().await.map(|r| r.published)
+        ));
+    }
+    assert!(
+        !local,
+        "create on the standby returned {created:?} and left a local, non-synchronized slot \
+         {SLOT} there ({status:?}); slot synchronization then says: {sync_error:?}; promoted, \
+         the relay there published {after_promotion:?} messages (1 was committed and \
+         unpublished before the promotion)"
+    );
+}
