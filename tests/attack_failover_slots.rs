@@ -182,6 +182,17 @@ async fn finding_the_enable_failover_advice_runs_shell_code_from_a_database_name
     let ran_code = marker.exists();
     let _ = std::fs::remove_file(&marker);
     let failover = plain.status(&pool).await.unwrap().unwrap().failover;
+    // The doctor prints the same command (a physical slot is a standby to fail over to).
+    pgbox::migrate(&pool).await.unwrap();
+    pool.execute("SELECT pg_create_physical_replication_slot('standby1')")
+        .await
+        .unwrap();
+    let report = Doctor::new().check(&pool).await.unwrap();
+    let doctor_prints: Vec<_> = report
+        .with_code(Code::WalSlotNotFailover)
+        .map(|f| printed_psql_command(&f.advice))
+        .collect();
+    assert_eq!(doctor_prints, vec![command.clone()], "{report:#?}");
     assert!(
         !ran_code && out.status.success() && failover == Some(true),
         "the printed command {command:?}, pasted into a shell: ran the database name's \
@@ -657,4 +668,123 @@ async fn finding_create_on_a_17_standby_makes_a_local_slot_that_blocks_synchroni
          the relay there published {after_promotion:?} messages (1 was committed and \
          unpublished before the promotion)"
     );
+}
+
+/// A logical slot on a standby invalidated by a recovery conflict (the primary restarted with
+/// `wal_level = replica`): `WalSlot::status` there types it (16: `conflicting` →
+/// `RecoveryConflict`; 17: `wal_level_insufficient`), and the doctor there reports
+/// `wal_slot_invalidated` (critical).
+#[tokio::test(flavor = "multi_thread")]
+async fn held_a_standby_slot_invalidated_by_the_primarys_wal_level_is_typed_on_16_and_17() {
+    support::init_tracing();
+    for (major, expected) in [(16, "recovery_conflict"), (17, "wal_level_insufficient")] {
+        let primary = logical(major).await;
+        let pool = pool_at(primary.addr(), "postgres").await;
+        pgbox::migrate(&pool).await.unwrap();
+        pool.execute(sqlx::AssertSqlSafe(format!("CREATE PUBLICATION {SLOT}")))
+            .await
+            .unwrap();
+        let standby = standby(&primary, &[("hot_standby_feedback", "off")]).await;
+        let standby_pool = pool_at(standby.addr(), "postgres").await;
+        let logging = {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                for _ in 0..200 {
+                    let _ = sqlx::query("SELECT pg_log_standby_snapshot()")
+                        .execute(&pool)
+                        .await;
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        };
+        tokio::time::timeout(
+            Duration::from_secs(20),
+            sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+                .bind(SLOT)
+                .execute(&standby_pool),
+        )
+        .await
+        .expect("a logical slot on the standby within 20 s")
+        .unwrap();
+        logging.abort();
+        let slot = WalSlot::new(SLOT).unwrap();
+        assert_eq!(
+            slot.status(&standby_pool)
+                .await
+                .unwrap()
+                .unwrap()
+                .invalidation,
+            None
+        );
+        // The primary goes back to wal_level = replica (it has no logical slot of its own).
+        tokio::task::block_in_place(|| {
+            primary.psql("ALTER SYSTEM SET wal_level = replica");
+            primary.pg_ctl(&["-m", "fast", "restart"]);
+        });
+        let started = Instant::now();
+        let status = loop {
+            let status = slot.status(&standby_pool).await.unwrap().unwrap();
+            if status.invalidation.is_some() {
+                break status;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "{major}: not invalidated after 30 s: {status:?}; standby log:\n{}",
+                standby.log()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        assert_eq!(
+            status.invalidation.as_ref().map(|i| i.as_str()),
+            Some(expected),
+            "{major}: {status:?}"
+        );
+        assert_eq!(status.wal_status, "lost", "{major}: {status:?}");
+        let report = Doctor::new().check(&standby_pool).await.unwrap();
+        eprintln!("{major} standby: {:?}", codes(&report));
+        let found: Vec<_> = report.with_code(Code::WalSlotInvalidated).collect();
+        assert_eq!(found.len(), 1, "{major}: {report:#?}");
+        assert_eq!(found[0].subject.as_deref(), Some(SLOT));
+    }
+}
+
+/// 17, on the primary: a slot that held more than `max_slot_wal_keep_size` is invalidated
+/// (`wal_removed`); `WalSlot::status` types it, the doctor says `wal_slot_invalidated`, and a
+/// failover(true) `create` of the same name does not call it fine.
+#[tokio::test(flavor = "multi_thread")]
+async fn held_a_17_slot_invalidated_for_removed_wal_is_typed() {
+    support::init_tracing();
+    let primary = logical(17).await;
+    let pool = pool_at(primary.addr(), "postgres").await;
+    pgbox::migrate(&pool).await.unwrap();
+    let slot = WalSlot::new(SLOT).unwrap();
+    slot.create(&pool).await.unwrap();
+    primary.psql("ALTER SYSTEM SET max_slot_wal_keep_size = '1MB'");
+    primary.psql("SELECT pg_reload_conf()");
+    let started = Instant::now();
+    let status = loop {
+        emit(&pool, 1).await;
+        primary.psql("SELECT pg_switch_wal()");
+        emit(&pool, 2).await;
+        primary.psql("SELECT pg_switch_wal()");
+        primary.psql("CHECKPOINT");
+        let status = slot.status(&pool).await.unwrap().unwrap();
+        if status.invalidation.is_some() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "not invalidated after 60 s: {status:?}"
+        );
+    };
+    assert_eq!(
+        status.invalidation.as_ref().map(|i| i.as_str()),
+        Some("wal_removed"),
+        "{status:?}"
+    );
+    assert_eq!(status.failover, Some(true));
+    let report = Doctor::new().check(&pool).await.unwrap();
+    let found: Vec<_> = report.with_code(Code::WalSlotInvalidated).collect();
+    assert_eq!(found.len(), 1, "{report:#?}");
+    assert!(found[0].message.contains("wal_removed"), "{:?}", found[0]);
 }
