@@ -788,3 +788,94 @@ async fn held_a_17_slot_invalidated_for_removed_wal_is_typed() {
     assert_eq!(found.len(), 1, "{report:#?}");
     assert!(found[0].message.contains("wal_removed"), "{:?}", found[0]);
 }
+
+/// Finding 8. After a failover the promoted standby's copy of the slot is the new primary's
+/// slot, and it keeps `synced = true` (as `WalSlotStatus::synced` documents). The doctor's
+/// primary-side failover checks skip synced slots: on the promoted primary, with a new
+/// standby streaming and `synchronized_standby_slots` empty, it says nothing
+/// (`failover_slot_unguarded` is what the same setup gets on the original primary): after the
+/// first failover, the next one is unguarded and the doctor is silent about it.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "finding 8: on a promoted primary the doctor skips the outbox slot (synced = true) in its failover checks"]
+async fn finding_doctor_on_a_promoted_primary_skips_its_failover_slot() {
+    support::init_tracing();
+    let primary = logical(17).await;
+    let pool = pool_at(primary.addr(), "postgres").await;
+    pgbox::migrate(&pool).await.unwrap();
+    WalSlot::new(SLOT).unwrap().create(&pool).await.unwrap();
+    emit(&pool, 0).await;
+    let old_relay = relay(&pool);
+    old_relay.drain().await.unwrap();
+    primary.psql(&format!(
+        "ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'"
+    ));
+    primary.psql("SELECT pg_reload_conf()");
+    let promoted = standby(&primary, SYNCING).await;
+    until_synced(&promoted, &pool, &old_relay).await;
+    drop(old_relay);
+    tokio::task::block_in_place(|| {
+        primary.stop_immediate();
+        promoted.promote();
+        // The promoted server's own standbys are not named (the copy of the old primary's
+        // setting is dropped): the state the doctor must flag.
+        promoted.psql("ALTER SYSTEM RESET synchronized_standby_slots");
+        promoted.psql("SELECT pg_reload_conf()");
+    });
+    let new_pool = pool_at(promoted.addr(), "postgres").await;
+    let status = WalSlot::new(SLOT)
+        .unwrap()
+        .status(&new_pool)
+        .await
+        .unwrap()
+        .unwrap();
+    // The relay reads on from the promoted server.
+    emit(&new_pool, 1).await;
+    relay(&new_pool).drain().await.unwrap();
+    let _next = standby(&promoted, SYNCING).await;
+    promoted.wait_for("SHOW synchronized_standby_slots", "");
+
+    let report = Doctor::new().check(&new_pool).await.unwrap();
+    eprintln!("promoted primary: {:?}", codes(&report));
+    assert!(
+        report.with_code(Code::FailoverSlotUnguarded).count() == 1,
+        "promoted primary: a standby streams through {STANDBY_SLOT}, \
+         synchronized_standby_slots is empty, the outbox slot is a failover slot ({status:?}), \
+         yet the doctor says {:?}",
+        codes(&report)
+    );
+}
+
+/// Finding 2, other kinds: a physical slot, or a logical slot of another plugin, named like
+/// the WAL outbox's slot: `create` says Ok and the relay cannot read what it "created".
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "finding 2: WalSlot::create returns Ok for a same-named physical slot or a slot of another plugin"]
+async fn finding_create_says_ok_for_a_same_named_slot_of_another_kind() {
+    support::init_tracing();
+    let primary = logical(17).await;
+    let pool = pool_at(primary.addr(), "postgres").await;
+    pgbox::migrate(&pool).await.unwrap();
+    pool.execute("SELECT pg_create_physical_replication_slot('outbox_physical', true)")
+        .await
+        .unwrap();
+    pool.execute("SELECT pg_create_logical_replication_slot('outbox_decoding', 'test_decoding')")
+        .await
+        .unwrap();
+    let mut problems = Vec::new();
+    for name in ["outbox_physical", "outbox_decoding"] {
+        let slot = WalSlot::new(name).unwrap();
+        let created = slot.create(&pool).await;
+        if created.is_ok() {
+            emit(&pool, 1).await;
+            let relayed = WalRelay::builder(pool.clone(), slot, PgQueue::new(pool.clone()))
+                .build()
+                .unwrap()
+                .drain()
+                .await
+                .map(|r| r.published);
+            if relayed.is_err() {
+                problems.push(format!("{name}: create Ok, then the relay: {relayed:?}"));
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+}
