@@ -1239,6 +1239,8 @@ impl<P: Publisher> WalRelay<P> {
             },
             Some("55000")
                 if message.contains("can no longer get changes")
+                    // PostgreSQL 18: "can no longer access replication slot".
+                    || message.contains("can no longer access")
                     || message.contains("invalidated") =>
             {
                 Error::WalSlot {

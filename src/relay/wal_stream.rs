@@ -374,6 +374,8 @@ pub(super) fn stream_error(slot: &str, e: PgWireError) -> Error {
                 Some("55006") => slot_error(format!("another session reads it ({m})")),
                 Some("55000")
                     if m.contains("can no longer get changes")
+                        // PostgreSQL 18: "can no longer access replication slot".
+                        || m.contains("can no longer access")
                         || m.contains("invalidated")
                         || m.contains("cannot read from logical replication slot") =>
                 {
