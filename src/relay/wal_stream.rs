@@ -478,6 +478,16 @@ mod tests {
     #[test]
     fn server_errors_map_to_slot_states() {
         let e = |m: &str| stream_error("s", PgWireError::Server(m.into()));
+        for invalidated in [
+            "can no longer get changes from replication slot \"s\" (SQLSTATE 55000)",
+            "can no longer access replication slot \"s\" (SQLSTATE 55000)",
+        ] {
+            let err = e(invalidated);
+            assert!(
+                matches!(&err, Error::WalSlot { reason, .. } if reason.contains("invalidated")),
+                "{err:?}"
+            );
+        }
         assert!(
             matches!(e("replication slot \"s\" does not exist (SQLSTATE 42704)"), Error::WalSlot { reason, .. } if reason.contains("does not exist"))
         );
