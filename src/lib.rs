@@ -61,7 +61,7 @@ pub use crate::outbox::{
 pub use crate::pooler::Pooler;
 pub use crate::relay::{
     DeadLetter, DeadLetters, DrainReport, Relay, RelayBuilder, RoundReport, WakeUp, WalReader,
-    WalRelay, WalRelayBuilder, WalRoundReport, WalSlot, WalSlotStatus,
+    WalRelay, WalRelayBuilder, WalRoundReport, WalSlot, WalSlotInvalidation, WalSlotStatus,
 };
 pub use crate::retry::{RetryPolicy, Retryable};
 pub use crate::state::{StateMachine, StateTable, Transition};

@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use pgbox::transport::{PublishError, Publisher};
 use pgbox::{
-    DeadLetters, Envelope, Error, Message, Outbox, OutboxMode, Relay, RetryPolicy, WalRelay,
-    WalSlot,
+    DeadLetters, Envelope, Error, Message, Outbox, OutboxMode, Relay, RetryPolicy, WalReader,
+    WalRelay, WalSlot,
 };
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, Executor, PgConnection, PgPool};
@@ -286,6 +286,9 @@ async fn a_round_that_reads_nothing_never_moves_the_slot_past_a_written_unflushe
     let broker = Broker::default();
     let relay = Arc::new(
         WalRelay::builder(through_proxy.clone(), slot.clone(), broker.clone())
+            // The defect was the SQL-function reader's advance (the proxy holds it); the
+            // streaming reader's twin is in tests/wal_stream.rs.
+            .reader(WalReader::SqlFunctions)
             .build()
             .unwrap(),
     );

@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 pub use self::dead_letters::{DeadLetter, DeadLetters};
+pub use self::slot::WalSlotInvalidation;
 pub use self::wal::{WalReader, WalRelay, WalRelayBuilder, WalRoundReport, WalSlot, WalSlotStatus};
 
 use crate::error::{Error, Result};
