@@ -1,0 +1,479 @@
+//! An attack on the WAL relay's streaming reader (`WalReader::Stream`, issue 35 part 3).
+//!
+//! The promise attacked (module docs of `relay::wal` and `relay::wal_stream`, rustdoc of
+//! `WalRelayBuilder` and `WalRelay::{run, drain, relay_once}`), written down before the code:
+//! - the server decodes each change once and sends whole transactions in commit order; the
+//!   standby status update's position moves only past whole transactions whose messages are
+//!   all published or dead-lettered, or, with nothing unsettled, to a keepalive's `wal_end`;
+//!   a commit written but not flushed lies after it;
+//! - any error ends the session; the next one starts from the position this reader
+//!   confirmed; `run` reconnects after a lost replication session and resumes, losing
+//!   nothing; the relay never gives up on its own;
+//! - keepalives are answered while a publish or an outage backoff outlasts
+//!   `wal_sender_timeout`;
+//! - trust, cleartext, MD5 and SCRAM-SHA-256 logins over TCP and Unix sockets, with the
+//!   pool's settings (host or socket, port, user, password, database, `options`,
+//!   `application_name`); TLS refused typed; every refusal an `Error::WalStream`;
+//! - at most `max_in_flight_bytes` of decoded transactions held, plus 64 emits in the
+//!   client's queue;
+//! - a crash anywhere re-reads from the last confirmed position: at-least-once;
+//! - either reader gives the same messages (dead letters' `seq` is `i64::MIN` + the WAL
+//!   position), in commit order.
+//!
+//! Each test runs on a private cluster with `wal_level = logical`.
+
+mod support;
+
+use std::collections::{BTreeMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use pgbox::transport::{PublishError, Publisher};
+use pgbox::{Envelope, Message, Outbox, OutboxMode, RetryPolicy, WalReader, WalRelay, WalSlot};
+use sqlx::postgres::PgPoolOptions;
+use sqlx::{Executor, PgPool};
+use support::cluster::Cluster;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_util::sync::CancellationToken;
+
+async fn pool(url: &str) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(6)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(url)
+        .await
+        .unwrap()
+}
+
+/// A private cluster with `wal_level = logical`, the settings `extra` (`ALTER SYSTEM`, then a
+/// restart), migrated, with the slot `pgbox_outbox`. (As in tests/wal_stream.rs.)
+async fn logical(extra: &'static [&'static str]) -> (Cluster, PgPool, WalSlot) {
+    let cluster = tokio::task::spawn_blocking(move || {
+        let cluster = Cluster::start_logical();
+        if !extra.is_empty() {
+            for setting in extra {
+                cluster.psql(&format!("ALTER SYSTEM SET {setting}"));
+            }
+            cluster.pg_ctl(&["-m", "fast", "restart"]);
+        }
+        cluster
+    })
+    .await
+    .unwrap();
+    let pool = pool(&cluster.url("postgres")).await;
+    pgbox::migrate(&pool).await.unwrap();
+    let slot = WalSlot::new("pgbox_outbox").unwrap();
+    slot.create(&pool).await.unwrap();
+    (cluster, pool, slot)
+}
+
+fn quick() -> RetryPolicy {
+    RetryPolicy::new()
+        .base_delay(Duration::from_millis(1))
+        .max_delay(Duration::from_millis(5))
+}
+
+/// What a broker took: key, payload, and the envelope's seq and id.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+struct Taken {
+    key: Option<String>,
+    payload: String,
+    seq: i64,
+    id: uuid::Uuid,
+}
+
+/// A broker that records what it took and refuses the payloads in `refuse`.
+#[derive(Clone, Default)]
+struct Broker(Arc<Mutex<BrokerState>>);
+
+#[derive(Default)]
+struct BrokerState {
+    refuse: HashSet<String>,
+    taken: Vec<Taken>,
+}
+
+impl Broker {
+    fn refusing(payloads: &[&str]) -> Broker {
+        let b = Broker::default();
+        b.0.lock().unwrap().refuse = payloads.iter().map(|p| p.to_string()).collect();
+        b
+    }
+    fn taken(&self) -> Vec<Taken> {
+        self.0.lock().unwrap().taken.clone()
+    }
+    fn payloads(&self) -> Vec<String> {
+        self.taken().into_iter().map(|t| t.payload).collect()
+    }
+    fn has(&self, payload: &str) -> bool {
+        self.0
+            .lock()
+            .unwrap()
+            .taken
+            .iter()
+            .any(|t| t.payload == payload)
+    }
+}
+
+impl Publisher for Broker {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        let mut s = self.0.lock().unwrap();
+        batch
+            .iter()
+            .map(|e| {
+                let payload = String::from_utf8_lossy(&e.payload).into_owned();
+                if s.refuse.contains(&payload) {
+                    return Err(PublishError::refused("refused by the broker"));
+                }
+                s.taken.push(Taken {
+                    key: e.ordering_key.clone(),
+                    payload,
+                    seq: e.seq,
+                    id: e.id,
+                });
+                Ok(())
+            })
+            .collect()
+    }
+}
+
+fn wal() -> Outbox {
+    Outbox::new()
+        .mode(OutboxMode::Wal)
+        .max_message_bytes(4 << 20)
+        .unwrap()
+}
+
+async fn emit(pool: &PgPool, messages: Vec<Message>) {
+    let mut tx = pool.begin().await.unwrap();
+    wal().enqueue_batch(&mut tx, messages).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+fn keyed(payload: &str, key: &str) -> Message {
+    Message::bytes("t", payload.as_bytes().to_vec()).ordering_key(key)
+}
+
+fn plain(payload: &str) -> Message {
+    Message::bytes("t", payload.as_bytes().to_vec())
+}
+
+/// Waits (at most `within`) until `broker` took `payload`.
+async fn published_within(broker: &Broker, payload: &str, within: Duration) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if broker.has(payload) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    broker.has(payload)
+}
+
+// ---------------------------------------------------------------------------------------------
+// A TCP proxy that black-holes replication connections (a dropped NAT flow, a partition that
+// sends no reset): bytes stop in both directions, and neither side is told.
+// ---------------------------------------------------------------------------------------------
+
+struct Conn {
+    replication: AtomicBool,
+    dead: AtomicBool,
+}
+
+struct BlackHoleProxy {
+    addr: SocketAddr,
+    conns: Arc<Mutex<Vec<Arc<Conn>>>>,
+    accept: tokio::task::AbortHandle,
+}
+
+impl BlackHoleProxy {
+    async fn start(target: SocketAddr) -> BlackHoleProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let conns: Arc<Mutex<Vec<Arc<Conn>>>> = Arc::default();
+        let registry = conns.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(target).await else {
+                    continue;
+                };
+                let conn = Arc::new(Conn {
+                    replication: AtomicBool::new(false),
+                    dead: AtomicBool::new(false),
+                });
+                registry.lock().unwrap().push(conn.clone());
+                let (client_read, client_write) = client.into_split();
+                let (server_read, server_write) = server.into_split();
+                tokio::spawn(pump(client_read, server_write, conn.clone(), true));
+                tokio::spawn(pump(server_read, client_write, conn, false));
+            }
+        })
+        .abort_handle();
+        BlackHoleProxy {
+            addr,
+            conns,
+            accept,
+        }
+    }
+
+    /// Black-holes every replication connection open now; returns how many.
+    fn black_hole_replication(&self) -> usize {
+        let conns = self.conns.lock().unwrap();
+        let mut n = 0;
+        for c in conns.iter() {
+            if c.replication.load(Ordering::SeqCst) {
+                c.dead.store(true, Ordering::SeqCst);
+                n += 1;
+            }
+        }
+        n
+    }
+}
+
+impl Drop for BlackHoleProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+/// Copies `from` to `to` until either ends; a dead connection's bytes are held forever (the
+/// pump stops reading: neither a close nor data gets through).
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    conn: Arc<Conn>,
+    client_side: bool,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        if conn.dead.load(Ordering::SeqCst) {
+            // Held until the test ends (its runtime drops this task).
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            return;
+        }
+        let n = tokio::select! {
+            r = from.read(&mut buf) => match r {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            },
+            _ = tokio::time::sleep(Duration::from_millis(20)) => continue,
+        };
+        if client_side
+            && buf[..n]
+                .windows(b"START_REPLICATION".len())
+                .any(|w| w == b"START_REPLICATION")
+        {
+            conn.replication.store(true, Ordering::SeqCst);
+        }
+        if conn.dead.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Findings
+// ---------------------------------------------------------------------------------------------
+
+/// The replication connection goes silent (a dropped NAT flow, a partition without a reset):
+/// the server ends its walsender after `wal_sender_timeout` (2 s here) and the slot is free,
+/// every other connection works, and `run` is promised to reconnect after a lost session and
+/// never to give up. It never notices: the client has no receive deadline (it only writes
+/// status updates into the dead socket), the relay's liveness check pings the *lock*
+/// session, not the replication one, so a message committed after the silence is never
+/// published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "finding 1: a silent replication connection is never given up; run never publishes again"]
+async fn finding_a_silent_replication_connection_is_never_given_up() {
+    let (cluster, admin, slot) = logical(&["wal_sender_timeout = '2s'"]).await;
+    let proxy = BlackHoleProxy::start(cluster.addr()).await;
+    let via_proxy = pool(&format!("postgres://postgres@{}/postgres", proxy.addr)).await;
+    let broker = Broker::default();
+    let relay = Arc::new(
+        WalRelay::builder(via_proxy, slot, broker.clone())
+            .backoff(quick())
+            .build()
+            .unwrap(),
+    );
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let relay = relay.clone();
+        let shutdown = shutdown.clone();
+        async move { relay.run(shutdown).await }
+    });
+    emit(&admin, vec![plain("before")]).await;
+    assert!(
+        published_within(&broker, "before", Duration::from_secs(20)).await,
+        "the relay publishes through the proxy at all"
+    );
+    let holed = proxy.black_hole_replication();
+    assert!(
+        holed >= 1,
+        "the relay's replication connection goes through the proxy"
+    );
+    // The server gives the session up after wal_sender_timeout.
+    let mut freed = false;
+    for _ in 0..100 {
+        let active: Option<bool> = sqlx::query_scalar(
+            "SELECT active FROM pg_replication_slots WHERE slot_name = 'pgbox_outbox'",
+        )
+        .fetch_one(&admin)
+        .await
+        .unwrap();
+        if active == Some(false) {
+            freed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        freed,
+        "the server ended the silent walsender (wal_sender_timeout)"
+    );
+    emit(&admin, vec![plain("after")]).await;
+    let published = published_within(&broker, "after", Duration::from_secs(30)).await;
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), running).await;
+    assert!(
+        published,
+        "a message committed after the replication connection went silent was not published \
+         within 30 s (the server had ended the silent walsender after wal_sender_timeout = 2 s \
+         and the slot was free; published: {:?})",
+        broker.payloads()
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Held
+// ---------------------------------------------------------------------------------------------
+
+/// The same WAL through both readers (two slots created before it): the same messages with
+/// the same seqs and ids, in the same per-key order, and the same dead letters with the same
+/// seqs: refused ones, content under the prefix pgbox cannot read, a non-transactional emit
+/// under the prefix, 1,500 messages in one emit, a 1 MiB message, emits around a rolled-back
+/// savepoint, and another schema's messages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_stream_and_sql_functions_publish_the_same_with_the_same_dead_letter_seqs() {
+    let (_cluster, pool, _default_slot) = logical(&[]).await;
+    let stream_slot = WalSlot::new("s_stream").unwrap();
+    stream_slot.create(&pool).await.unwrap();
+    let sql_slot = WalSlot::new("s_sql").unwrap();
+    sql_slot.create(&pool).await.unwrap();
+
+    emit(
+        &pool,
+        vec![keyed("a1", "k1"), keyed("b1", "k2"), keyed("a2", "k1")],
+    )
+    .await;
+    emit(&pool, vec![keyed("bad", "k1"), keyed("a3", "k1")]).await;
+    emit(
+        &pool,
+        (0..1500)
+            .map(|i| keyed(&format!("bulk{i}"), &format!("k{}", i % 3)))
+            .collect(),
+    )
+    .await;
+    emit(&pool, vec![plain(&"x".repeat(1 << 20))]).await;
+    // Content under this schema's prefix that pgbox cannot read, a non-transactional emit
+    // under it, another schema's content.
+    pool.execute(
+        "BEGIN; SELECT pg_logical_emit_message(true, 'pgbox:pgbox', '\\xdeadbeef'::bytea); COMMIT;",
+    )
+    .await
+    .unwrap();
+    pool.execute("SELECT pg_logical_emit_message(false, 'pgbox:pgbox', 'not ours'::bytea)")
+        .await
+        .unwrap();
+    pool.execute(
+        "BEGIN; SELECT pg_logical_emit_message(true, 'pgbox:other', '\\x00'::bytea); COMMIT;",
+    )
+    .await
+    .unwrap();
+    // Emits around a rolled-back savepoint.
+    {
+        let mut tx = pool.begin().await.unwrap();
+        wal().enqueue(&mut tx, keyed("kept1", "k2")).await.unwrap();
+        (&mut *tx).execute("SAVEPOINT s").await.unwrap();
+        wal()
+            .enqueue(&mut tx, keyed("rolled back", "k2"))
+            .await
+            .unwrap();
+        (&mut *tx).execute("ROLLBACK TO SAVEPOINT s").await.unwrap();
+        wal().enqueue(&mut tx, keyed("kept2", "k2")).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    emit(&pool, vec![keyed("last", "k1")]).await;
+
+    async fn dead_letters(pool: &PgPool) -> Vec<(i64, uuid::Uuid, String, Vec<u8>)> {
+        sqlx::query_as(
+            "SELECT seq, message_id, topic, payload FROM pgbox.outbox_dead_letters ORDER BY seq",
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap()
+    }
+
+    let mut results = Vec::new();
+    for (slot, reader) in [
+        (stream_slot, WalReader::Stream),
+        (sql_slot, WalReader::SqlFunctions),
+    ] {
+        let broker = Broker::refusing(&["bad"]);
+        let relay = WalRelay::builder(pool.clone(), slot, broker.clone())
+            .reader(reader)
+            .max_attempts(2)
+            .backoff(quick())
+            .batch_size(500)
+            .max_in_flight_bytes(256 << 10)
+            .build()
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(60), relay.drain())
+            .await
+            .expect("drain within 60 s")
+            .unwrap();
+        let dead = dead_letters(&pool).await;
+        pool.execute("DELETE FROM pgbox.outbox_dead_letters")
+            .await
+            .unwrap();
+        results.push((broker.taken(), dead));
+    }
+    let (stream_taken, stream_dead) = &results[0];
+    let (sql_taken, sql_dead) = &results[1];
+
+    // The same set, each once (no refusal here before the dead letter, so no re-offers of
+    // other keys... except what the documented re-offer publishes twice: compare distinct).
+    let distinct = |t: &[Taken]| {
+        let mut v: Vec<Taken> = t.to_vec();
+        v.sort();
+        v.dedup();
+        v
+    };
+    assert_eq!(distinct(stream_taken), distinct(sql_taken));
+    assert!(!stream_taken.iter().any(|t| t.payload == "rolled back"));
+    assert_eq!(
+        distinct(stream_taken).len(),
+        3 + 1 + 1500 + 1 + 2 + 1,
+        "every message once"
+    );
+    // Per key: the same order of first publication.
+    let per_key = |t: &[Taken]| {
+        let mut m: BTreeMap<Option<String>, Vec<String>> = BTreeMap::new();
+        let mut seen = HashSet::new();
+        for x in t {
+            if seen.insert((x.key.clone(), x.payload.clone())) {
+                m.entry(x.key.clone()).or_default().push(x.payload.clone());
+            }
+        }
+        m
+    };
+    assert_eq!(per_key(stream_taken), per_key(sql_taken));
+    // The same dead letters, with the same seqs and ids.
+    assert_eq!(stream_dead.len(), 3, "{stream_dead:?}");
+    assert_eq!(stream_dead, sql_dead);
+}
