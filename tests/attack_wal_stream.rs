@@ -477,3 +477,123 @@ async fn held_stream_and_sql_functions_publish_the_same_with_the_same_dead_lette
     assert_eq!(stream_dead.len(), 3, "{stream_dead:?}");
     assert_eq!(stream_dead, sql_dead);
 }
+
+/// Logins the replication client must speak with the pool's own settings, on a cluster whose
+/// `pg_hba.conf` asks for passwords: SCRAM-SHA-256 and MD5 over TCP, SCRAM over the Unix
+/// socket, a password full of characters a URL or a connection string would mangle, and the
+/// pool's `application_name` on the walsender. Each relay publishes a message committed
+/// while it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_password_logins_over_tcp_and_the_unix_socket_and_the_application_name() {
+    let (cluster, admin, _slot) = logical(&[]).await;
+    let password = "p@ss:w/rd?#% \"q\" 'sq' \\ ü ✓";
+    let literal = format!("'{}'", password.replace('\'', "''"));
+    cluster.psql(&format!(
+        "SET password_encryption = 'scram-sha-256'; \
+         CREATE ROLE alice LOGIN SUPERUSER REPLICATION PASSWORD {literal}"
+    ));
+    cluster.psql(&format!(
+        "SET password_encryption = 'md5'; \
+         CREATE ROLE bob LOGIN SUPERUSER REPLICATION PASSWORD {literal}"
+    ));
+    std::fs::write(
+        cluster.dir().join("data").join("pg_hba.conf"),
+        "local all postgres trust\n\
+         local all all scram-sha-256\n\
+         host all postgres 127.0.0.1/32 trust\n\
+         host all alice 127.0.0.1/32 scram-sha-256\n\
+         host all bob 127.0.0.1/32 md5\n",
+    )
+    .unwrap();
+    cluster.pg_ctl(&["reload"]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let tcp = |user: &str| {
+        sqlx::postgres::PgConnectOptions::new()
+            .host("127.0.0.1")
+            .port(cluster.port())
+            .username(user)
+            .password(password)
+            .database("postgres")
+    };
+    let logins = [
+        (
+            "scram over tcp",
+            "alice",
+            tcp("alice").application_name("attack scram"),
+        ),
+        (
+            "md5 over tcp",
+            "bob",
+            tcp("bob").application_name("attack md5"),
+        ),
+        (
+            "scram over the unix socket",
+            "alice",
+            sqlx::postgres::PgConnectOptions::new()
+                .socket(cluster.dir())
+                .port(cluster.port())
+                .username("alice")
+                .password(password)
+                .database("postgres")
+                .application_name("attack socket"),
+        ),
+    ];
+    for (label, user, options) in logins {
+        let app = options.get_application_name().unwrap().to_owned();
+        let relay_pool = PgPoolOptions::new()
+            .max_connections(3)
+            .connect_with(options)
+            .await
+            .unwrap_or_else(|e| panic!("{label}: the pool itself logs in: {e}"));
+        let broker = Broker::default();
+        let relay = Arc::new(
+            WalRelay::builder(
+                relay_pool,
+                WalSlot::new("pgbox_outbox").unwrap(),
+                broker.clone(),
+            )
+            .backoff(quick())
+            .build()
+            .unwrap(),
+        );
+        let shutdown = CancellationToken::new();
+        let running = tokio::spawn({
+            let relay = relay.clone();
+            let shutdown = shutdown.clone();
+            async move { relay.run(shutdown).await }
+        });
+        let payload = format!("via {label}");
+        emit(&admin, vec![plain(&payload)]).await;
+        let published = published_within(&broker, &payload, Duration::from_secs(20)).await;
+        let walsender: Option<(String, String)> = sqlx::query_as(
+            "SELECT usename::text, application_name FROM pg_stat_replication \
+             WHERE pid = (SELECT active_pid FROM pg_replication_slots WHERE slot_name = 'pgbox_outbox')",
+        )
+        .fetch_optional(&admin)
+        .await
+        .unwrap();
+        shutdown.cancel();
+        tokio::time::timeout(Duration::from_secs(10), running)
+            .await
+            .expect("run ends on shutdown")
+            .unwrap()
+            .unwrap();
+        assert!(
+            published,
+            "{label}: not published; server log tail: {}",
+            cluster
+                .log()
+                .lines()
+                .rev()
+                .take(5)
+                .collect::<Vec<_>>()
+                .join(" | ")
+        );
+        assert_eq!(
+            walsender,
+            Some((user.to_owned(), app.clone())),
+            "{label}: the walsender's login and application_name"
+        );
+    }
+}
