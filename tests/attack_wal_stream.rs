@@ -597,3 +597,118 @@ async fn held_password_logins_over_tcp_and_the_unix_socket_and_the_application_n
         );
     }
 }
+
+/// Two relays `run` on one slot while a producer commits, and the session is broken at
+/// every kind of point: the walsender terminated (eight times), the reader's lock session
+/// terminated while its replication session is still open (the election lost; the other
+/// relay takes over), and the server crash-restarted. Every message whose commit returned is
+/// published, and the first publication of each is in commit order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_walsender_kills_a_lost_election_and_a_crash_restart_lose_nothing() {
+    let (cluster, admin, slot) = logical(&[]).await;
+    let cluster = Arc::new(cluster);
+    let broker = Broker::default();
+    let shutdown = CancellationToken::new();
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let relay_pool = pool(&cluster.url("postgres")).await;
+        let relay = WalRelay::builder(relay_pool, slot.clone(), broker.clone())
+            .poll_interval(Duration::from_millis(20))
+            .backoff(quick())
+            .build()
+            .unwrap();
+        let s = shutdown.clone();
+        runs.push(tokio::spawn(async move { relay.run(s).await }));
+    }
+    let producer_pool = pool(&cluster.url("postgres")).await;
+    let stop = CancellationToken::new();
+    let producer = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            let mut committed = Vec::new();
+            let mut i = 0usize;
+            while !stop.is_cancelled() && i < 5000 {
+                let payload = format!("m{i:05}");
+                i += 1;
+                let result = async {
+                    let mut tx = producer_pool.begin().await?;
+                    wal()
+                        .enqueue(&mut tx, keyed(&payload, "A"))
+                        .await
+                        .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+                    tx.commit().await
+                }
+                .await;
+                match result {
+                    Ok(()) => committed.push(payload),
+                    Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            committed
+        }
+    });
+    let admin_ok = |r: Result<sqlx::postgres::PgQueryResult, sqlx::Error>| r.is_ok();
+    for kill in 0..8 {
+        tokio::time::sleep(Duration::from_millis(300 + 70 * kill)).await;
+        let _ = admin_ok(
+            admin
+                .execute(
+                    "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots \
+                     WHERE slot_name = 'pgbox_outbox' AND active_pid IS NOT NULL",
+                )
+                .await,
+        );
+    }
+    // The election lost under an open replication session.
+    let _ = admin_ok(
+        admin
+            .execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_locks \
+                 WHERE locktype = 'advisory' AND classid = 1885499255 AND granted",
+            )
+            .await,
+    );
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    {
+        let cluster = cluster.clone();
+        tokio::task::spawn_blocking(move || cluster.crash_restart())
+            .await
+            .unwrap();
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.cancel();
+    let committed = producer.await.unwrap();
+    let last = committed.last().cloned().expect("the producer committed");
+    let all = published_within(&broker, &last, Duration::from_secs(40)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    shutdown.cancel();
+    for r in runs {
+        let _ = tokio::time::timeout(Duration::from_secs(10), r).await;
+    }
+    let taken = broker.payloads();
+    let mut seen = HashSet::new();
+    let firsts: Vec<String> = taken
+        .iter()
+        .filter(|p| seen.insert((*p).clone()))
+        .cloned()
+        .collect();
+    let lost: Vec<&String> = committed.iter().filter(|p| !seen.contains(*p)).collect();
+    assert!(all, "the last committed message {last} was published");
+    assert!(
+        lost.is_empty(),
+        "{} of {} committed messages lost: {:?}",
+        lost.len(),
+        committed.len(),
+        &lost[..lost.len().min(20)]
+    );
+    let mut sorted = firsts.clone();
+    sorted.sort();
+    assert_eq!(firsts, sorted, "first publications in commit order");
+    eprintln!(
+        "committed {}, published {} ({} duplicates)",
+        committed.len(),
+        taken.len(),
+        taken.len() - firsts.len()
+    );
+}
