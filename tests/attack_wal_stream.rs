@@ -712,3 +712,56 @@ async fn held_walsender_kills_a_lost_election_and_a_crash_restart_lose_nothing()
         taken.len() - firsts.len()
     );
 }
+
+/// The module docs: a refused message has "the whole rest of the batch … offered again, so
+/// messages after it may be published twice". With the streaming reader the rest is held in
+/// memory and re-offered in every round until the refused message is settled: a message of
+/// another key committed after it is published once per refusal, `max_attempts` times, not
+/// twice (the SQL-function reader re-reads and re-offers the same way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "finding 2: messages behind a refused one are published once per refusal (max_attempts times), not at most twice as documented"]
+async fn finding_messages_behind_a_refused_one_are_published_once_per_refusal() {
+    let (_cluster, pool, _slot) = logical(&[]).await;
+    let slots = [
+        WalSlot::new("s_stream").unwrap(),
+        WalSlot::new("s_sql").unwrap(),
+    ];
+    for s in &slots {
+        s.create(&pool).await.unwrap();
+    }
+    emit(&pool, vec![keyed("bad", "A")]).await;
+    for i in 0..50 {
+        emit(&pool, vec![keyed(&format!("b{i:02}"), "B")]).await;
+    }
+    let mut figures = Vec::new();
+    for (slot, reader) in slots
+        .into_iter()
+        .zip([WalReader::Stream, WalReader::SqlFunctions])
+    {
+        let broker = Broker::refusing(&["bad"]);
+        let relay = WalRelay::builder(pool.clone(), slot, broker.clone())
+            .reader(reader)
+            .max_attempts(8)
+            .backoff(quick())
+            .build()
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(60), relay.drain())
+            .await
+            .expect("drain within 60 s")
+            .unwrap();
+        let taken = broker.payloads();
+        let most = (0..50)
+            .map(|i| {
+                let p = format!("b{i:02}");
+                taken.iter().filter(|t| **t == p).count()
+            })
+            .max()
+            .unwrap();
+        figures.push((reader, most, taken.len()));
+    }
+    assert!(
+        figures.iter().all(|(_, most, _)| *most <= 2),
+        "messages of key B committed after the refused one of key A (max_attempts 8): \
+         (reader, most publications of one message, publications of 50 messages): {figures:?}"
+    );
+}
