@@ -293,7 +293,7 @@ async fn finding_create_racing_itself_fails_instead_of_finding_the_slot() {
     let primary = logical(17).await;
     let one = pool_at(primary.addr(), "postgres").await;
     let two = pool_at(primary.addr(), "postgres").await;
-    let rounds = 20;
+    let rounds = 40;
     let mut failures = Vec::new();
     for round in 0..rounds {
         let name = format!("race_{round}");
@@ -876,6 +876,164 @@ async fn finding_create_says_ok_for_a_same_named_slot_of_another_kind() {
                 problems.push(format!("{name}: create Ok, then the relay: {relayed:?}"));
             }
         }
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+}
+
+/// Finding 9. A standby whose slot synchronization stopped (here `sync_replication_slots`
+/// turned off after the copy was made) keeps a synced, persistent copy that no longer moves.
+/// The doctor there reports `slot_sync_not_configured` and, in the same report,
+/// `wal_slot_failover_ready` ("synchronized here … may be a little behind"). Promoted, the
+/// relay re-publishes everything since synchronization stopped: past the inbox's retention,
+/// those copies are processed again.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "finding 9: the doctor says wal_slot_failover_ready for a copy that is no longer synchronized"]
+async fn finding_doctor_calls_a_copy_that_stopped_synchronizing_failover_ready() {
+    support::init_tracing();
+    let primary = logical(17).await;
+    let pool = pool_at(primary.addr(), "postgres").await;
+    pgbox::migrate(&pool).await.unwrap();
+    WalSlot::new(SLOT).unwrap().create(&pool).await.unwrap();
+    emit(&pool, 0).await;
+    let old_relay = relay(&pool);
+    old_relay.drain().await.unwrap();
+    primary.psql(&format!(
+        "ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'"
+    ));
+    primary.psql("SELECT pg_reload_conf()");
+    let standby = standby(&primary, SYNCING).await;
+    until_synced(&standby, &pool, &old_relay).await;
+    standby.psql("ALTER SYSTEM SET sync_replication_slots = off");
+    standby.psql("SELECT pg_reload_conf()");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // The primary's relay goes on publishing; the copy stays where it was.
+    let messages = 50;
+    for n in 0..messages {
+        emit(&pool, n).await;
+    }
+    let published = old_relay.drain().await.unwrap().published;
+    assert_eq!(published, messages as usize);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let standby_pool = pool_at(standby.addr(), "postgres").await;
+    let report = Doctor::new().check(&standby_pool).await.unwrap();
+    eprintln!("standby: {:?}", codes(&report));
+    let ready: Vec<_> = report
+        .with_code(Code::WalSlotFailoverReady)
+        .map(|f| f.message.clone())
+        .collect();
+
+    drop(old_relay);
+    tokio::task::block_in_place(|| {
+        primary.stop_immediate();
+        standby.promote();
+        // Its copy of the old primary's synchronized_standby_slots names a slot it does not
+        // have (finding 10): out of the way here.
+        standby.psql("ALTER SYSTEM RESET synchronized_standby_slots");
+        standby.psql("SELECT pg_reload_conf()");
+    });
+    standby.wait_for("SHOW synchronized_standby_slots", "");
+    let republished = tokio::time::timeout(Duration::from_secs(60), relay(&standby_pool).drain())
+        .await
+        .map(|r| r.map(|r| r.published));
+    assert!(
+        ready.is_empty(),
+        "the doctor on the standby says {ready:?} (with {:?}); promoted, the relay there \
+         published again {republished:?} of the {messages} messages the old primary had \
+         already published",
+        codes(&report)
+    );
+}
+
+/// Finding 10. `synchronized_standby_slots` naming a slot that does not exist stalls every
+/// read of a failover slot (the doctor's own promise: `synchronized_standby_slot_unusable`,
+/// critical). The doctor checks the list only while this server has a standby or a physical
+/// slot, and only for failover slots that are not `synced`. Two ordinary ways to be outside
+/// both: (a) the standby was decommissioned and its physical slot dropped, the setting left;
+/// (b) a promotion: the promoted standby's configuration is a copy of the primary's (a base
+/// backup copies `postgresql.auto.conf`), so it names its own physical slot on the old
+/// primary, which it does not have, and its slot is `synced`. Either way the WAL relay
+/// publishes nothing, with no end, and the doctor says `wal_slots_ok`.
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "finding 10: a synchronized_standby_slots entry that stalls the relay is not reported without standbys or after a promotion"]
+async fn finding_a_relay_stalled_by_synchronized_standby_slots_is_not_reported() {
+    support::init_tracing();
+    let primary = logical(17).await;
+    let pool = pool_at(primary.addr(), "postgres").await;
+    pgbox::migrate(&pool).await.unwrap();
+    WalSlot::new(SLOT).unwrap().create(&pool).await.unwrap();
+    emit(&pool, 0).await;
+    let old_relay = relay(&pool);
+    old_relay.drain().await.unwrap();
+    primary.psql(&format!(
+        "ALTER SYSTEM SET synchronized_standby_slots = '{STANDBY_SLOT}'"
+    ));
+    primary.psql("SELECT pg_reload_conf()");
+    let standby = standby(&primary, SYNCING).await;
+    until_synced(&standby, &pool, &old_relay).await;
+    drop(old_relay);
+    let mut problems = Vec::new();
+
+    // (b) The failover.
+    tokio::task::block_in_place(|| {
+        primary.stop_immediate();
+        standby.promote();
+    });
+    let promoted = pool_at(standby.addr(), "postgres").await;
+    let inherited: String =
+        sqlx::query_scalar("SELECT current_setting('synchronized_standby_slots')")
+            .fetch_one(&promoted)
+            .await
+            .unwrap();
+    emit(&promoted, 1).await;
+    let drained = tokio::time::timeout(Duration::from_secs(15), relay(&promoted).drain()).await;
+    let report = Doctor::new().check(&promoted).await.unwrap();
+    eprintln!("promoted: {:?}", codes(&report));
+    if report
+        .with_code(Code::SynchronizedStandbySlotUnusable)
+        .count()
+        == 0
+    {
+        problems.push(format!(
+            "promoted server, synchronized_standby_slots = {inherited:?} (no such slot here): \
+             relay drain after 15 s: {}; doctor: {:?}",
+            if drained.is_err() {
+                "still waiting".to_owned()
+            } else {
+                format!("{drained:?}")
+            },
+            codes(&report)
+        ));
+    }
+
+    // (a) On a primary whose standby is gone: its physical slot dropped, the setting left.
+    let primary = logical(17).await;
+    let pool = pool_at(primary.addr(), "postgres").await;
+    pgbox::migrate(&pool).await.unwrap();
+    WalSlot::new(SLOT).unwrap().create(&pool).await.unwrap();
+    primary.psql("SELECT pg_create_physical_replication_slot('gone')");
+    primary.psql("ALTER SYSTEM SET synchronized_standby_slots = 'gone'");
+    primary.psql("SELECT pg_reload_conf()");
+    primary.psql("SELECT pg_drop_replication_slot('gone')");
+    emit(&pool, 1).await;
+    let drained = tokio::time::timeout(Duration::from_secs(15), relay(&pool).drain()).await;
+    let report = Doctor::new().check(&pool).await.unwrap();
+    eprintln!("decommissioned standby: {:?}", codes(&report));
+    if report
+        .with_code(Code::SynchronizedStandbySlotUnusable)
+        .count()
+        == 0
+    {
+        problems.push(format!(
+            "primary, synchronized_standby_slots = 'gone' (dropped): relay drain after 15 s: \
+             {}; doctor: {:?}",
+            if drained.is_err() {
+                "still waiting".to_owned()
+            } else {
+                format!("{drained:?}")
+            },
+            codes(&report)
+        ));
     }
     assert!(problems.is_empty(), "{problems:#?}");
 }
