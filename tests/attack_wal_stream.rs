@@ -179,7 +179,10 @@ async fn published_within(broker: &Broker, payload: &str, within: Duration) -> b
 
 struct Conn {
     replication: AtomicBool,
-    dead: AtomicBool,
+    /// Client→server bytes held forever.
+    dead_up: AtomicBool,
+    /// Server→client bytes held forever.
+    dead_down: AtomicBool,
 }
 
 struct BlackHoleProxy {
@@ -201,7 +204,8 @@ impl BlackHoleProxy {
                 };
                 let conn = Arc::new(Conn {
                     replication: AtomicBool::new(false),
-                    dead: AtomicBool::new(false),
+                    dead_up: AtomicBool::new(false),
+                    dead_down: AtomicBool::new(false),
                 });
                 registry.lock().unwrap().push(conn.clone());
                 let (client_read, client_write) = client.into_split();
@@ -220,11 +224,26 @@ impl BlackHoleProxy {
 
     /// Black-holes every replication connection open now; returns how many.
     fn black_hole_replication(&self) -> usize {
+        self.hole(true, true)
+    }
+
+    /// Black-holes only the server→client direction of every replication connection open
+    /// now (the client's status updates still reach the server); returns how many.
+    fn black_hole_replication_downstream(&self) -> usize {
+        self.hole(false, true)
+    }
+
+    fn hole(&self, up: bool, down: bool) -> usize {
         let conns = self.conns.lock().unwrap();
         let mut n = 0;
         for c in conns.iter() {
             if c.replication.load(Ordering::SeqCst) {
-                c.dead.store(true, Ordering::SeqCst);
+                if up {
+                    c.dead_up.store(true, Ordering::SeqCst);
+                }
+                if down {
+                    c.dead_down.store(true, Ordering::SeqCst);
+                }
                 n += 1;
             }
         }
@@ -246,9 +265,13 @@ async fn pump(
     conn: Arc<Conn>,
     client_side: bool,
 ) {
+    let dead = |c: &Conn| match client_side {
+        true => c.dead_up.load(Ordering::SeqCst),
+        false => c.dead_down.load(Ordering::SeqCst),
+    };
     let mut buf = vec![0u8; 64 * 1024];
     loop {
-        if conn.dead.load(Ordering::SeqCst) {
+        if dead(&conn) {
             // Held until the test ends (its runtime drops this task).
             tokio::time::sleep(Duration::from_secs(3600)).await;
             return;
@@ -267,7 +290,7 @@ async fn pump(
         {
             conn.replication.store(true, Ordering::SeqCst);
         }
-        if conn.dead.load(Ordering::SeqCst) {
+        if dead(&conn) {
             tokio::time::sleep(Duration::from_secs(3600)).await;
             return;
         }
@@ -823,4 +846,49 @@ async fn held_bounded_calls_back_to_back_find_the_slot_free_and_publish_each_mes
     }
     assert!(problems.is_empty(), "{problems:#?}");
     assert_eq!(broker.payloads().len(), 25, "{:?}", broker.payloads());
+}
+
+/// Finding 1, half-open: only the server→client direction goes silent (the client's status
+/// updates still arrive). Now the server never times the walsender out either (it hears
+/// from the client every second): the slot stays active, and `run` neither publishes the
+/// message committed after nor reconnects, for as long as the path stays half-open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "finding 1: a half-open replication connection (server→client silent) is never given up; run never publishes again"]
+async fn finding_a_half_open_replication_connection_is_never_given_up() {
+    let (cluster, admin, slot) = logical(&["wal_sender_timeout = '2s'"]).await;
+    let proxy = BlackHoleProxy::start(cluster.addr()).await;
+    let via_proxy = pool(&format!("postgres://postgres@{}/postgres", proxy.addr)).await;
+    let broker = Broker::default();
+    let relay = Arc::new(
+        WalRelay::builder(via_proxy, slot, broker.clone())
+            .backoff(quick())
+            .build()
+            .unwrap(),
+    );
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let relay = relay.clone();
+        let shutdown = shutdown.clone();
+        async move { relay.run(shutdown).await }
+    });
+    emit(&admin, vec![plain("before")]).await;
+    assert!(published_within(&broker, "before", Duration::from_secs(20)).await);
+    assert!(proxy.black_hole_replication_downstream() >= 1);
+    emit(&admin, vec![plain("after")]).await;
+    let published = published_within(&broker, "after", Duration::from_secs(20)).await;
+    let active: Option<bool> = sqlx::query_scalar(
+        "SELECT active FROM pg_replication_slots WHERE slot_name = 'pgbox_outbox'",
+    )
+    .fetch_one(&admin)
+    .await
+    .unwrap();
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), running).await;
+    assert!(
+        published,
+        "a message committed after the server→client direction went silent was not published \
+         within 20 s (wal_sender_timeout 2 s; the slot still active: {active:?}; published: \
+         {:?})",
+        broker.payloads()
+    );
 }
