@@ -51,8 +51,19 @@ async fn pool(url: &str) -> PgPool {
 /// A private cluster with `wal_level = logical`, the settings `extra` (`ALTER SYSTEM`, then a
 /// restart), migrated, with the slot `pgbox_outbox`. (As in tests/wal_stream.rs.)
 async fn logical(extra: &'static [&'static str]) -> (Cluster, PgPool, WalSlot) {
+    logical_at(None, extra).await
+}
+
+/// [`logical`] on PostgreSQL `major` (`None`: the default server).
+async fn logical_at(
+    major: Option<u32>,
+    extra: &'static [&'static str],
+) -> (Cluster, PgPool, WalSlot) {
     let cluster = tokio::task::spawn_blocking(move || {
-        let cluster = Cluster::start_logical();
+        let cluster = match major {
+            Some(major) => Cluster::start_logical_version(major),
+            None => Cluster::start_logical(),
+        };
         if !extra.is_empty() {
             for setting in extra {
                 cluster.psql(&format!("ALTER SYSTEM SET {setting}"));
@@ -383,7 +394,17 @@ async fn finding_a_silent_replication_connection_is_never_given_up() {
 /// savepoint, and another schema's messages.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_stream_and_sql_functions_publish_the_same_with_the_same_dead_letter_seqs() {
-    let (_cluster, pool, _default_slot) = logical(&[]).await;
+    equivalence(None).await;
+}
+
+/// The same on PostgreSQL 17.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_stream_and_sql_functions_publish_the_same_on_17() {
+    equivalence(Some(17)).await;
+}
+
+async fn equivalence(major: Option<u32>) {
+    let (_cluster, pool, _default_slot) = logical_at(major, &[]).await;
     let stream_slot = WalSlot::new("s_stream").unwrap();
     stream_slot.create(&pool).await.unwrap();
     let sql_slot = WalSlot::new("s_sql").unwrap();
