@@ -913,3 +913,128 @@ async fn finding_a_half_open_replication_connection_is_never_given_up() {
         broker.payloads()
     );
 }
+
+/// Environment of a relay child process (see [`child_relay_process`]): the database URL.
+const CHILD_RELAY_ENV: &str = "PGBOX_TEST_CHILD_WAL_RELAY";
+
+/// A publisher whose broker is a table (`broker_log`) of the same database: each publish is
+/// an insert of its own, outside the slot's bookkeeping, a few milliseconds long.
+struct TableBroker(PgPool);
+
+impl Publisher for TableBroker {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        let mut out = Vec::with_capacity(batch.len());
+        for e in batch {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            let r = sqlx::query("INSERT INTO broker_log (payload) VALUES ($1)")
+                .bind(String::from_utf8_lossy(&e.payload).into_owned())
+                .execute(&self.0)
+                .await;
+            out.push(
+                r.map(|_| ())
+                    .map_err(|e| PublishError::unavailable(e.to_string())),
+            );
+        }
+        out
+    }
+}
+
+/// Not a test of its own: in the child process [`held_a_relay_process_killed_mid_publish_loses_nothing`]
+/// starts (with `PGBOX_TEST_CHILD_WAL_RELAY` set), runs a streaming relay until killed.
+/// Otherwise returns at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_relay_process() {
+    let Ok(url) = std::env::var(CHILD_RELAY_ENV) else {
+        return;
+    };
+    let pool = pool(&url).await;
+    let relay = WalRelay::builder(
+        pool.clone(),
+        WalSlot::new("pgbox_outbox").unwrap(),
+        TableBroker(pool),
+    )
+    .backoff(quick())
+    .build()
+    .unwrap();
+    // Runs until the parent kills this process (the parent bounds it).
+    relay.run(CancellationToken::new()).await.unwrap();
+}
+
+/// A relay process SIGKILLed mid-publish (its replication session open, the server told of
+/// some of what it published): a second process re-reads from the confirmed position and
+/// publishes the rest. 600 messages in 60 transactions: none lost; doubles counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a_relay_process_killed_mid_publish_loses_nothing() {
+    let (cluster, pool, _slot) = logical(&[]).await;
+    pool.execute("CREATE TABLE broker_log (n bigserial PRIMARY KEY, payload text NOT NULL)")
+        .await
+        .unwrap();
+    for t in 0..60 {
+        emit(
+            &pool,
+            (0..10)
+                .map(|i| keyed(&format!("m{t:02}-{i}"), "A"))
+                .collect(),
+        )
+        .await;
+    }
+    let count = |sql: &'static str| {
+        let pool = pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let spawn = || {
+        std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["child_relay_process", "--exact", "--nocapture"])
+            .env(CHILD_RELAY_ENV, cluster.url("postgres"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    let mut first = spawn();
+    let mut published_before_kill = 0;
+    for _ in 0..400 {
+        published_before_kill = count("SELECT count(*) FROM broker_log").await;
+        if published_before_kill >= 200 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    first.kill().unwrap(); // SIGKILL
+    first.wait().unwrap();
+    assert!(published_before_kill >= 200, "the first process published");
+    let mut second = spawn();
+    let mut distinct = 0;
+    for _ in 0..600 {
+        distinct = count("SELECT count(DISTINCT payload) FROM broker_log").await;
+        if distinct >= 600 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    second.kill().unwrap();
+    second.wait().unwrap();
+    let total = count("SELECT count(*) FROM broker_log").await;
+    assert_eq!(distinct, 600, "every message published (total {total})");
+    // First publications in commit order.
+    let firsts: Vec<String> = sqlx::query_scalar(
+        "SELECT payload FROM (SELECT payload, min(n) AS n FROM broker_log GROUP BY payload) f \
+         ORDER BY n",
+    )
+    .fetch_all(&pool)
+    .await
+    .unwrap();
+    let mut sorted = firsts.clone();
+    sorted.sort();
+    assert_eq!(firsts, sorted);
+    eprintln!(
+        "killed after {published_before_kill} publications; 600 messages, {total} publications \
+         ({} doubled)",
+        total - 600
+    );
+}
