@@ -1038,3 +1038,71 @@ async fn held_a_relay_process_killed_mid_publish_loses_nothing() {
         total - 600
     );
 }
+
+/// 64 MiB payloads through the streaming reader with a 1 MiB byte budget (each taken whole,
+/// alone): two of them in transactions of their own, a small message between and after,
+/// each published once, intact, in commit order, with the slot past them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_64_mib_payloads_pass_whole_under_a_1_mib_budget() {
+    let (_cluster, pool, slot) = logical(&[]).await;
+    let big = |fill: u8| -> Vec<u8> {
+        (0..64usize << 20)
+            .map(|i| fill.wrapping_add((i % 251) as u8))
+            .collect()
+    };
+    let outbox = Outbox::new()
+        .mode(OutboxMode::Wal)
+        .max_message_bytes(128 << 20)
+        .unwrap();
+    for (label, payload) in [
+        ("big-a", big(1)),
+        ("small-1", b"small-1".to_vec()),
+        ("big-b", big(7)),
+        ("small-2", b"small-2".to_vec()),
+    ] {
+        let mut tx = pool.begin().await.unwrap();
+        outbox
+            .enqueue(&mut tx, Message::bytes("t", payload).ordering_key(label))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    #[derive(Clone, Default)]
+    struct Sizes(Arc<Mutex<Vec<(String, usize, u64)>>>);
+    impl Publisher for Sizes {
+        async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+            let mut s = self.0.lock().unwrap();
+            for e in batch {
+                let sum = e.payload.iter().enumerate().fold(0u64, |a, (i, b)| {
+                    a.wrapping_mul(31).wrapping_add(*b as u64 ^ i as u64)
+                });
+                s.push((e.ordering_key.clone().unwrap(), e.payload.len(), sum));
+            }
+            batch.iter().map(|_| Ok(())).collect()
+        }
+    }
+    let sizes = Sizes::default();
+    let relay = WalRelay::builder(pool.clone(), slot, sizes.clone())
+        .max_in_flight_bytes(1 << 20)
+        .build()
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(90), relay.drain())
+        .await
+        .expect("drain within 90 s")
+        .unwrap();
+    let sum = |p: &[u8]| {
+        p.iter().enumerate().fold(0u64, |a, (i, b)| {
+            a.wrapping_mul(31).wrapping_add(*b as u64 ^ i as u64)
+        })
+    };
+    let want = vec![
+        ("big-a".to_owned(), 64 << 20, sum(&big(1))),
+        ("small-1".to_owned(), 7, sum(b"small-1")),
+        ("big-b".to_owned(), 64 << 20, sum(&big(7))),
+        ("small-2".to_owned(), 7, sum(b"small-2")),
+    ];
+    assert_eq!(*sizes.0.lock().unwrap(), want);
+    // Nothing left: a second drain publishes nothing.
+    let again = relay.drain().await.unwrap();
+    assert_eq!(again.published, 0);
+}
