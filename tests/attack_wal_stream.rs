@@ -244,6 +244,14 @@ impl BlackHoleProxy {
         self.hole(false, true)
     }
 
+    /// Lets every held connection's bytes flow again.
+    fn release(&self) {
+        for c in self.conns.lock().unwrap().iter() {
+            c.dead_up.store(false, Ordering::SeqCst);
+            c.dead_down.store(false, Ordering::SeqCst);
+        }
+    }
+
     fn hole(&self, up: bool, down: bool) -> usize {
         let conns = self.conns.lock().unwrap();
         let mut n = 0;
@@ -269,7 +277,7 @@ impl Drop for BlackHoleProxy {
 }
 
 /// Copies `from` to `to` until either ends; a dead connection's bytes are held forever (the
-/// pump stops reading: neither a close nor data gets through).
+/// pump stops reading: neither a close nor data gets through) until released.
 async fn pump(
     mut from: tokio::net::tcp::OwnedReadHalf,
     mut to: tokio::net::tcp::OwnedWriteHalf,
@@ -283,9 +291,9 @@ async fn pump(
     let mut buf = vec![0u8; 64 * 1024];
     loop {
         if dead(&conn) {
-            // Held until the test ends (its runtime drops this task).
-            tokio::time::sleep(Duration::from_secs(3600)).await;
-            return;
+            // Held until released, or until the test ends (its runtime drops this task).
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
         }
         let n = tokio::select! {
             r = from.read(&mut buf) => match r {
@@ -301,9 +309,8 @@ async fn pump(
         {
             conn.replication.store(true, Ordering::SeqCst);
         }
-        if dead(&conn) {
-            tokio::time::sleep(Duration::from_secs(3600)).await;
-            return;
+        while dead(&conn) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
         if to.write_all(&buf[..n]).await.is_err() {
             return;
@@ -1105,4 +1112,41 @@ async fn held_64_mib_payloads_pass_whole_under_a_1_mib_budget() {
     // Nothing left: a second drain publishes nothing.
     let again = relay.drain().await.unwrap();
     assert_eq!(again.published, 0);
+}
+
+/// The replication connection stalls (not cut) for longer than `wal_sender_timeout` (2 s;
+/// stalled 6 s), then flows again: the server ended the walsender meanwhile, the relay learns
+/// it when the stall ends, reconnects, and publishes what was committed during the stall,
+/// and what after it, once each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn held_a_replication_connection_stalled_past_wal_sender_timeout_recovers_when_it_flows() {
+    let (cluster, admin, slot) = logical(&["wal_sender_timeout = '2s'"]).await;
+    let proxy = BlackHoleProxy::start(cluster.addr()).await;
+    let via_proxy = pool(&format!("postgres://postgres@{}/postgres", proxy.addr)).await;
+    let broker = Broker::default();
+    let relay = Arc::new(
+        WalRelay::builder(via_proxy, slot, broker.clone())
+            .backoff(quick())
+            .build()
+            .unwrap(),
+    );
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let relay = relay.clone();
+        let shutdown = shutdown.clone();
+        async move { relay.run(shutdown).await }
+    });
+    emit(&admin, vec![plain("before")]).await;
+    assert!(published_within(&broker, "before", Duration::from_secs(20)).await);
+    assert!(proxy.black_hole_replication() >= 1);
+    emit(&admin, vec![plain("during")]).await;
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    proxy.release();
+    emit(&admin, vec![plain("after")]).await;
+    let published = published_within(&broker, "after", Duration::from_secs(20)).await;
+    shutdown.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), running).await;
+    assert!(published, "published: {:?}", broker.payloads());
+    let payloads = broker.payloads();
+    assert_eq!(payloads, ["before", "during", "after"]);
 }
