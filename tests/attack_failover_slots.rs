@@ -124,8 +124,10 @@ async fn until_synced(standby: &Cluster, primary: &PgPool, relay: &WalRelay<PgQu
 
 /// The printed command of an advice (`psql "…" -c '…'`), up to the text after it.
 fn printed_psql_command(advice: &str) -> String {
+    // The conninfo argument is quoted for the shell, in double or (safer) single quotes.
     let start = advice
         .find("psql \"")
+        .or_else(|| advice.find("psql '"))
         .expect("a psql command in the advice");
     let rest = &advice[start..];
     let end = rest
@@ -140,7 +142,6 @@ fn printed_psql_command(advice: &str) -> String {
 /// with `$(…)` runs a command in the operator's shell. Run verbatim with `sh -c` (the way an
 /// operator pastes it), it must turn failover on for the slot and run nothing else.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "finding 1: the ALTER_REPLICATION_SLOT advice pastes the database name unquoted into a shell command"]
 async fn finding_the_enable_failover_advice_runs_shell_code_from_a_database_name() {
     support::init_tracing();
     let primary = logical(17).await;
@@ -172,17 +173,8 @@ async fn finding_the_enable_failover_advice_runs_shell_code_from_a_database_name
     };
     let command = printed_psql_command(reason);
     eprintln!("printed: {command}");
-    let out = std::process::Command::new("sh")
-        .args(["-c", &command])
-        .env("PGHOST", "127.0.0.1")
-        .env("PGPORT", primary.port().to_string())
-        .env("PGUSER", "postgres")
-        .output()
-        .unwrap();
-    let ran_code = marker.exists();
-    let _ = std::fs::remove_file(&marker);
-    let failover = plain.status(&pool).await.unwrap().unwrap().failover;
-    // The doctor prints the same command (a physical slot is a standby to fail over to).
+    // The doctor prints the same command (a physical slot is a standby to fail over to),
+    // asked while the slot still has no failover (the printed command turns it on).
     pgbox::migrate(&pool).await.unwrap();
     pool.execute("SELECT pg_create_physical_replication_slot('standby1')")
         .await
@@ -193,6 +185,16 @@ async fn finding_the_enable_failover_advice_runs_shell_code_from_a_database_name
         .map(|f| printed_psql_command(&f.advice))
         .collect();
     assert_eq!(doctor_prints, vec![command.clone()], "{report:#?}");
+    let out = std::process::Command::new("sh")
+        .args(["-c", &command])
+        .env("PGHOST", "127.0.0.1")
+        .env("PGPORT", primary.port().to_string())
+        .env("PGUSER", "postgres")
+        .output()
+        .unwrap();
+    let ran_code = marker.exists();
+    let _ = std::fs::remove_file(&marker);
+    let failover = plain.status(&pool).await.unwrap().unwrap().failover;
     assert!(
         !ran_code && out.status.success() && failover == Some(true),
         "the printed command {command:?}, pasted into a shell: ran the database name's \
@@ -243,7 +245,6 @@ async fn held_the_enable_failover_advice_works_as_printed_for_a_plain_database_n
 /// (`pg_replication_slots` is cluster-wide), says Ok and creates nothing; its database has
 /// no slot, and its relay cannot read (the slot "was not created in this database").
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "finding 2: WalSlot::create returns Ok for a same-named slot of another database"]
 async fn finding_create_says_ok_for_a_slot_of_the_same_name_in_another_database() {
     support::init_tracing();
     let primary = logical(17).await;
@@ -287,7 +288,6 @@ async fn finding_create_says_ok_for_a_slot_of_the_same_name_in_another_database(
 /// and "create it": the loser gets a raw database error (duplicate publication or "replication
 /// slot already exists") instead of Ok.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "finding 3: two concurrent WalSlot::create calls for one slot: one fails with a raw database error"]
 async fn finding_create_racing_itself_fails_instead_of_finding_the_slot() {
     support::init_tracing();
     let primary = logical(17).await;
@@ -573,7 +573,6 @@ async fn held_doctor_on_a_17_primary_as_the_application_role_finds_what_the_supe
 /// never gets the primary's failover slot, and promoted, the relay reads the local slot,
 /// which starts where it was created, past what the primary's relay had not yet published.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "finding 7: WalSlot::create on a 17 standby makes a local slot that blocks slot synchronization"]
 async fn finding_create_on_a_17_standby_makes_a_local_slot_that_blocks_synchronization() {
     support::init_tracing();
     let primary = logical(17).await;
@@ -848,7 +847,6 @@ async fn finding_doctor_on_a_promoted_primary_skips_its_failover_slot() {
 /// Finding 2, other kinds: a physical slot, or a logical slot of another plugin, named like
 /// the WAL outbox's slot: `create` says Ok and the relay cannot read what it "created".
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "finding 2: WalSlot::create returns Ok for a same-named physical slot or a slot of another plugin"]
 async fn finding_create_says_ok_for_a_same_named_slot_of_another_kind() {
     support::init_tracing();
     let primary = logical(17).await;

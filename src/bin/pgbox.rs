@@ -872,12 +872,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         FailoverArg::On => slot = slot.failover(true),
                         FailoverArg::Off => slot = slot.failover(false),
                     }
-                    slot.create(&pool).await?;
+                    // true only when this call created it (it may have existed).
+                    let created = slot.create_if_absent(&pool).await?;
                     // None: a server without failover slots (before 17).
                     let failover = slot.status(&pool).await?.and_then(|st| st.failover);
                     print(
                         json_mode,
-                        json!({ "slot": slot.name(), "created": true, "failover": failover }),
+                        json!({ "slot": slot.name(), "created": created, "failover": failover }),
                         || {
                             format!(
                                 "slot {} and its publication exist; failover: {}\n",

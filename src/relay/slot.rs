@@ -201,8 +201,9 @@ impl WalSlot {
     /// An existing slot is never changed: PostgreSQL 17 turns failover on only through a
     /// replication connection (`ALTER_REPLICATION_SLOT <slot> (FAILOVER true)`), which sqlx
     /// cannot open. The default then logs a warning with the command (`psql
-    /// "dbname=<db> replication=database" -c 'ALTER_REPLICATION_SLOT …'`, while no relay reads
-    /// the slot); `pgbox doctor` reports it (`wal_slot_not_failover`).
+    /// 'dbname='\''<db>'\'' replication=database' -c 'ALTER_REPLICATION_SLOT "<slot>" (FAILOVER
+    /// true)'`, quoted for a POSIX shell, to run while no relay reads the slot); `pgbox doctor`
+    /// reports it (`wal_slot_not_failover`).
     pub fn failover(mut self, failover: bool) -> Self {
         self.failover = Some(failover);
         self
@@ -218,35 +219,64 @@ impl WalSlot {
     /// with [`Error::WalLevel`] unless the server runs with `wal_level = logical`. Needs the
     /// `REPLICATION` attribute (or superuser) and `CREATE` on the database; run it as the
     /// owner, like the migrations. Messages emitted before the slot exists are not kept.
+    ///
+    /// Safe to call from several processes at once (services starting together): the check
+    /// and the create run under a transaction-level advisory lock keyed on the slot's name,
+    /// so every caller succeeds and one creates. Fails with [`Error::WalSlot`] on a standby
+    /// (create it on the primary; a 17+ standby with `sync_replication_slots = on` keeps a
+    /// synchronized copy, which a slot made here would block), and when a slot of this name
+    /// exists that the relay cannot read: a physical slot, a logical slot of another plugin
+    /// than `pgoutput`, or one of another database (slot names are cluster-wide: pick another
+    /// name).
     pub async fn create(&self, pool: &PgPool) -> Result<()> {
-        let mut conn = pool.acquire().await?;
-        check_wal_level(&mut conn).await?;
-        let (major, in_recovery) = server_major_and_recovery(&mut conn).await?;
+        self.create_if_absent(pool).await.map(|_| ())
+    }
+
+    /// [`create`](Self::create), saying whether this call created the slot (`false`: it
+    /// existed, and is one the relay can read).
+    pub async fn create_if_absent(&self, pool: &PgPool) -> Result<bool> {
+        let mut tx = crate::pooler::begin(pool, None).await?;
+        check_wal_level(&mut tx).await?;
+        let (major, in_recovery) = server_major_and_recovery(&mut tx).await?;
+        if in_recovery {
+            return Err(self.on_standby_error(major));
+        }
         let failover = self.failover_on(major, in_recovery)?;
+        // Serializes concurrent creates of this name (released at commit or rollback). The
+        // publication is created in this first transaction; the slot in a second one, since
+        // PostgreSQL refuses to create a logical slot in a transaction that has written.
+        self.lock(&mut tx).await?;
         let exists: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_publication WHERE pubname = $1)",
         )
         .persistent(false)
         .bind(self.name())
-        .fetch_one(&mut *conn)
+        .fetch_one(&mut *tx)
         .await?;
         if !exists {
             sqlx::raw_sql(AssertSqlSafe(format!(
                 "CREATE PUBLICATION {}",
                 self.name.quoted()
             )))
-            .execute(&mut *conn)
+            .execute(&mut *tx)
             .await?;
         }
+        tx.commit().await?;
+
+        let mut tx = crate::pooler::begin(pool, None).await?;
+        self.lock(&mut tx).await?;
         let existing: Option<Value> = sqlx::query_scalar(
-            "SELECT pg_catalog.to_jsonb(s) FROM pg_catalog.pg_replication_slots s \
-             WHERE s.slot_name = $1",
+            "SELECT pg_catalog.jsonb_build_object(\
+                'slot', pg_catalog.to_jsonb(s), \
+                'this_database', s.database IS NOT DISTINCT FROM pg_catalog.current_database(), \
+                'current_database', pg_catalog.current_database()::text) \
+             FROM pg_catalog.pg_replication_slots s WHERE s.slot_name = $1",
         )
         .persistent(false)
         .bind(self.name())
-        .fetch_optional(&mut *conn)
+        .fetch_optional(&mut *tx)
         .await?;
-        match existing {
+        let created = match existing {
             None if major >= FAILOVER_SLOTS_SINCE => {
                 sqlx::query(
                     "SELECT 1 FROM pg_catalog.pg_create_logical_replication_slot(\
@@ -255,9 +285,10 @@ impl WalSlot {
                 .persistent(false)
                 .bind(self.name())
                 .bind(failover)
-                .execute(&mut *conn)
+                .execute(&mut *tx)
                 .await?;
                 tracing::info!(slot = self.name(), failover, "pgbox WAL slot created");
+                true
             }
             None => {
                 sqlx::query(
@@ -265,30 +296,113 @@ impl WalSlot {
                 )
                 .persistent(false)
                 .bind(self.name())
-                .execute(&mut *conn)
+                .execute(&mut *tx)
                 .await?;
                 tracing::info!(slot = self.name(), "pgbox WAL slot created");
+                true
             }
-            Some(row) if failover && row.get("failover") == Some(&Value::Bool(false)) => {
-                let database: String = sqlx::raw_sql("SELECT pg_catalog.current_database()::text")
-                    .fetch_one(&mut *conn)
-                    .await?
-                    .try_get(0)?;
-                let how = enable_failover_advice(self.name(), &database);
-                if self.failover == Some(true) {
-                    return Err(Error::WalSlot {
-                        slot: self.name().to_owned(),
-                        reason: format!("it exists without failover: {how}"),
-                    });
+            Some(found) => {
+                self.check_existing(&found)?;
+                let row = found.get("slot").cloned().unwrap_or(Value::Null);
+                if failover && row.get("failover") == Some(&Value::Bool(false)) {
+                    let database = found
+                        .get("current_database")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default();
+                    let how = enable_failover_advice(self.name(), database);
+                    if self.failover == Some(true) {
+                        return Err(Error::WalSlot {
+                            slot: self.name().to_owned(),
+                            reason: format!("it exists without failover: {how}"),
+                        });
+                    }
+                    tracing::warn!(
+                        slot = self.name(),
+                        "pgbox WAL slot exists without failover: a failover to a standby loses \
+                         it. {how}"
+                    );
                 }
-                tracing::warn!(
-                    slot = self.name(),
-                    "pgbox WAL slot exists without failover: a failover to a standby loses it. {how}"
-                );
+                false
             }
-            Some(_) => {}
-        }
+        };
+        tx.commit().await?;
+        Ok(created)
+    }
+
+    /// Takes the transaction-level advisory lock that serializes creates of this slot.
+    async fn lock(&self, conn: &mut PgConnection) -> Result<()> {
+        sqlx::query("SELECT pg_catalog.pg_advisory_xact_lock($1)")
+            .persistent(false)
+            .bind(create_lock_key(self.name()))
+            .execute(&mut *conn)
+            .await?;
         Ok(())
+    }
+
+    /// An existing slot of this name must be one the relay reads: logical, `pgoutput`, in
+    /// this database. `found` is `{slot, this_database, current_database}`.
+    fn check_existing(&self, found: &Value) -> Result<()> {
+        let row = found.get("slot").cloned().unwrap_or(Value::Null);
+        let text = |key: &str| {
+            row.get(key)
+                .and_then(Value::as_str)
+                .unwrap_or("?")
+                .to_owned()
+        };
+        let what = if text("slot_type") != "logical" {
+            Some(format!(
+                "a {} replication slot of this name exists",
+                text("slot_type")
+            ))
+        } else if text("plugin") != "pgoutput" {
+            Some(format!(
+                "a logical slot of this name exists with output plugin {:?} (the WAL relay \
+                 reads pgoutput)",
+                text("plugin")
+            ))
+        } else if found.get("this_database") != Some(&Value::Bool(true)) {
+            Some(format!(
+                "a logical slot of this name exists in database {:?}, not in this one ({:?}): \
+                 slot names are cluster-wide, and a slot decodes only its own database",
+                text("database"),
+                found
+                    .get("current_database")
+                    .and_then(Value::as_str)
+                    .unwrap_or("?")
+            ))
+        } else {
+            None
+        };
+        match what {
+            None => Ok(()),
+            Some(what) => Err(Error::WalSlot {
+                slot: self.name().to_owned(),
+                reason: format!(
+                    "{what}; the WAL relay cannot read it. Pick another name for this \
+                     database's slot (WalSlot::new, `pgbox wal create-slot --slot <name>`, and \
+                     the same name for its relay), or drop that slot if nothing uses it"
+                ),
+            }),
+        }
+    }
+
+    /// `create` on a standby: the slot belongs on the primary.
+    fn on_standby_error(&self, major: i32) -> Error {
+        let version = if major >= FAILOVER_SLOTS_SINCE {
+            "on PostgreSQL 17+, a standby with sync_replication_slots = on keeps a \
+             synchronized copy of the primary's failover slot, and a slot created here under \
+             the same name would block that synchronization"
+        } else {
+            "before PostgreSQL 17, logical slots live on the primary only (a failover loses \
+             them)"
+        };
+        Error::WalSlot {
+            slot: self.name().to_owned(),
+            reason: format!(
+                "this server is a standby (pg_is_in_recovery()): create the slot on the \
+                 primary; {version}"
+            ),
+        }
     }
 
     /// How to turn failover on for the existing slot `slot` of `database` (17+), for the
@@ -393,17 +507,52 @@ impl WalSlot {
 }
 
 /// How to turn failover on for an existing slot `slot` of `database` on 17+: a replication
-/// connection, or a drop and a create.
+/// connection, or a drop and a create. The printed command is safe to paste into a POSIX shell
+/// for any database and slot name: the database is a quoted libpq conninfo value, the slot a
+/// quoted identifier of the replication command, and each argument is single-quoted for the
+/// shell.
 fn enable_failover_advice(slot: &str, database: &str) -> String {
+    let conninfo = format!("dbname={} replication=database", conninfo_value(database));
+    let command = format!(
+        "ALTER_REPLICATION_SLOT {} (FAILOVER true)",
+        quote_identifier(slot)
+    );
     format!(
         "PostgreSQL 17 has no SQL function to turn failover on for an existing slot; a \
          replication connection does, while no relay reads the slot (stop the relays for a \
-         moment): psql \"dbname={database} replication=database\" -c 'ALTER_REPLICATION_SLOT \
-         {slot} (FAILOVER true)' (as a role with REPLICATION). Without one: stop producers and \
+         moment): psql {} -c {} (as a role with REPLICATION). Without one: stop producers and \
          relays, let the relay drain the slot (WalRelay::drain), `pgbox wal drop-slot --slot \
          {slot}`, `pgbox wal create-slot --slot {slot}` (a failover slot by default on 17+), \
-         start them again (messages emitted between the drop and the create would not be kept)"
+         start them again (messages emitted between the drop and the create would not be kept)",
+        shell_quote(&conninfo),
+        shell_quote(&command),
     )
+}
+
+/// `value` as a single-quoted libpq conninfo value (`\` and `'` backslash-escaped).
+fn conninfo_value(value: &str) -> String {
+    format!("'{}'", value.replace('\\', "\\\\").replace('\'', "\\'"))
+}
+
+/// `name` as a double-quoted SQL (and replication command) identifier.
+fn quote_identifier(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// `arg` as one single-quoted POSIX shell word (`'` becomes `'\''`): nothing in it expands.
+fn shell_quote(arg: &str) -> String {
+    format!("'{}'", arg.replace('\'', "'\\''"))
+}
+
+/// The advisory lock key serializing [`WalSlot::create`] of the slot `name` (FNV-1a, like
+/// the migrations' lock, under its own prefix).
+fn create_lock_key(name: &str) -> i64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in b"pgbox-wal-slot:".iter().chain(name.as_bytes()) {
+        hash ^= u64::from(*b);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash as i64
 }
 
 /// `wal_level` must be `logical` for logical decoding.
