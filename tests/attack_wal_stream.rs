@@ -26,7 +26,7 @@ mod support;
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -1149,4 +1149,60 @@ async fn held_a_replication_connection_stalled_past_wal_sender_timeout_recovers_
     assert!(published, "published: {:?}", broker.payloads());
     let payloads = broker.payloads();
     assert_eq!(payloads, ["before", "during", "after"]);
+}
+
+/// Finding 1 through `drain`: the replication connection goes silent mid-drain (25 MiB of
+/// transactions, more than the client's queue and the sockets hold). `drain` is promised to
+/// return when caught up or to fail as a round fails; it does neither: every round waits
+/// for a keepalive that never comes, and the drain never returns.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "finding 1: a drain whose replication connection goes silent never returns"]
+async fn finding_a_drain_whose_replication_connection_goes_silent_never_returns() {
+    let (cluster, admin, slot) = logical(&["wal_sender_timeout = '2s'"]).await;
+    for t in 0..100 {
+        emit(
+            &admin,
+            vec![plain(&format!("{t:03}{}", "x".repeat(256 << 10)))],
+        )
+        .await;
+    }
+    let proxy = BlackHoleProxy::start(cluster.addr()).await;
+    let via_proxy = pool(&format!("postgres://postgres@{}/postgres", proxy.addr)).await;
+    #[derive(Clone, Default)]
+    struct Slow(Arc<AtomicUsize>);
+    impl Publisher for Slow {
+        async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            self.0.fetch_add(batch.len(), Ordering::SeqCst);
+            batch.iter().map(|_| Ok(())).collect()
+        }
+    }
+    let slow = Slow::default();
+    let relay = Arc::new(
+        WalRelay::builder(via_proxy, slot, slow.clone())
+            .max_in_flight_bytes(1)
+            .backoff(quick())
+            .build()
+            .unwrap(),
+    );
+    let drain = tokio::spawn({
+        let relay = relay.clone();
+        async move { relay.drain().await }
+    });
+    let mut holed = 0;
+    for _ in 0..400 {
+        if slow.0.load(Ordering::SeqCst) >= 3 {
+            holed = proxy.black_hole_replication();
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(holed >= 1, "the drain's session went through the proxy");
+    let ended = tokio::time::timeout(Duration::from_secs(40), drain).await;
+    let published = slow.0.load(Ordering::SeqCst);
+    assert!(
+        ended.is_ok(),
+        "drain neither returned nor failed within 40 s of its replication connection going \
+         silent (wal_sender_timeout 2 s; {published} of 100 published)"
+    );
 }
