@@ -333,7 +333,6 @@ async fn finding_create_racing_itself_fails_instead_of_finding_the_slot() {
 /// (`failover_slot_unguarded`) and `STANDBY1` as a missing slot that stalls decoding
 /// (`synchronized_standby_slot_unusable`, critical).
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "finding 4: the doctor reads synchronized_standby_slots as raw text, not as the server's identifier list"]
 async fn finding_doctor_misreads_synchronized_standby_slots_written_in_upper_case() {
     support::init_tracing();
     let primary = logical(17).await;
@@ -386,7 +385,6 @@ async fn finding_doctor_misreads_synchronized_standby_slots_written_in_upper_cas
 /// `primary_conninfo`: it says nothing about it and reports the slot
 /// `wal_slot_failover_ready` (ok), where the superuser's run says `slot_sync_not_configured`.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "finding 5: a doctor that cannot read primary_conninfo reports wal_slot_failover_ready instead of saying it could not check"]
 async fn finding_doctor_without_pg_read_all_settings_says_failover_ready_on_a_standby_that_cannot_sync()
  {
     support::init_tracing();
@@ -458,7 +456,6 @@ async fn finding_doctor_without_pg_read_all_settings_says_failover_ready_on_a_st
 /// primary's slot: promoted then, their messages are gone. The publication of the slot's name
 /// is on the standby from the start.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "finding 6: a 17 standby's doctor is silent about slot synchronization until a relay has read the slot once"]
 async fn finding_standby_doctor_is_silent_before_the_relays_first_read() {
     support::init_tracing();
     let primary = logical(17).await;
@@ -795,7 +792,6 @@ async fn held_a_17_slot_invalidated_for_removed_wal_is_typed() {
 /// (`failover_slot_unguarded` is what the same setup gets on the original primary): after the
 /// first failover, the next one is unguarded and the doctor is silent about it.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "finding 8: on a promoted primary the doctor skips the outbox slot (synced = true) in its failover checks"]
 async fn finding_doctor_on_a_promoted_primary_skips_its_failover_slot() {
     support::init_tracing();
     let primary = logical(17).await;
@@ -885,7 +881,6 @@ async fn finding_create_says_ok_for_a_same_named_slot_of_another_kind() {
 /// relay re-publishes everything since synchronization stopped: past the inbox's retention,
 /// those copies are processed again.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "finding 9: the doctor says wal_slot_failover_ready for a copy that is no longer synchronized"]
 async fn finding_doctor_calls_a_copy_that_stopped_synchronizing_failover_ready() {
     support::init_tracing();
     let primary = logical(17).await;
@@ -953,7 +948,6 @@ async fn finding_doctor_calls_a_copy_that_stopped_synchronizing_failover_ready()
 /// primary, which it does not have, and its slot is `synced`. Either way the WAL relay
 /// publishes nothing, with no end, and the doctor says `wal_slots_ok`.
 #[tokio::test(flavor = "multi_thread")]
-#[ignore = "finding 10: a synchronized_standby_slots entry that stalls the relay is not reported without standbys or after a promotion"]
 async fn finding_a_relay_stalled_by_synchronized_standby_slots_is_not_reported() {
     support::init_tracing();
     let primary = logical(17).await;

@@ -328,7 +328,11 @@ async fn doctor_on_17_names_what_a_failover_slot_lacks_on_the_primary_and_on_the
     let f = the(&report, Code::WalSlotNotFailover);
     assert_eq!(f.subject.as_deref(), Some("plain"));
     assert!(f.message.contains("this slot is lost at failover"), "{f:?}");
-    assert!(f.advice.contains("ALTER_REPLICATION_SLOT plain"), "{f:?}");
+    assert!(
+        f.advice
+            .contains("ALTER_REPLICATION_SLOT \"plain\" (FAILOVER true)"),
+        "{f:?}"
+    );
     let f = the(&report, Code::FailoverSlotUnguarded);
     assert!(
         f.message.contains("synchronized_standby_slots is empty"),

@@ -153,7 +153,8 @@ pub(super) struct FailoverSetup {
     pub(super) major: i32,
     pub(super) in_recovery: bool,
     pub(super) wal_level: String,
-    /// `synchronized_standby_slots` (17+), split on commas.
+    /// `synchronized_standby_slots` (17+), read as the server reads it (an identifier list:
+    /// see [`split_identifier_list`]).
     pub(super) synchronized_standby_slots: Vec<String>,
     pub(super) sync_replication_slots: bool,
     pub(super) hot_standby_feedback: bool,
@@ -168,6 +169,10 @@ pub(super) struct FailoverSetup {
     pub(super) standbys: Vec<(String, Option<String>)>,
     /// This server's physical slots: name, active, `wal_status`.
     pub(super) physical_slots: Vec<(String, bool, String)>,
+    /// On a standby: whether the slot synchronization worker runs (17+), `None` when this
+    /// role cannot see it (`pg_stat_activity` hides background processes' types without
+    /// `pg_read_all_stats`).
+    pub(super) slotsync_worker: Option<bool>,
 }
 
 impl FailoverSetup {
@@ -218,16 +223,27 @@ impl FailoverSetup {
         .into_iter()
         .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
         .collect::<Result<Vec<_>>>()?;
+        // Background processes show a backend_type only to pg_read_all_stats (or pg_monitor).
+        let worker = sqlx::query(
+            "SELECT coalesce(pg_catalog.bool_or(backend_type = 'slotsync worker'), false), \
+                    coalesce(pg_catalog.bool_or(backend_type IS NULL), false) \
+             FROM pg_catalog.pg_stat_activity",
+        )
+        .persistent(false)
+        .fetch_one(&mut *conn)
+        .await?;
+        let (seen, hidden): (bool, bool) = (worker.try_get(0)?, worker.try_get(1)?);
+        let slotsync_worker = match (seen, hidden) {
+            (true, _) => Some(true),
+            (false, true) => None,
+            (false, false) => Some(false),
+        };
         let synchronized: String = row.try_get(3)?;
         Ok(FailoverSetup {
             major: row.try_get(0)?,
             in_recovery: row.try_get(1)?,
             wal_level: row.try_get(2)?,
-            synchronized_standby_slots: synchronized
-                .split(',')
-                .map(|s| s.trim().trim_matches('"').to_owned())
-                .filter(|s| !s.is_empty())
-                .collect(),
+            synchronized_standby_slots: split_identifier_list(&synchronized),
             sync_replication_slots: row.try_get(4)?,
             hot_standby_feedback: row.try_get(5)?,
             primary_slot_name: row.try_get(6)?,
@@ -235,6 +251,7 @@ impl FailoverSetup {
             idle_slot_timeout_secs: row.try_get(8)?,
             standbys,
             physical_slots,
+            slotsync_worker,
         })
     }
 
@@ -249,9 +266,55 @@ impl FailoverSetup {
     /// `synchronized_standby_slots` names them, and each slot it names is usable.
     pub(super) fn primary_findings(&self, failover_slots: &[String]) -> Vec<Finding> {
         let mut findings = Vec::new();
-        if self.in_recovery || failover_slots.is_empty() || !self.has_standbys() {
+        if self.in_recovery || failover_slots.is_empty() {
             return findings;
         }
+        let slots = failover_slots.join(", ");
+        let named = &self.synchronized_standby_slots;
+        if self.has_standbys() {
+            self.standby_findings(failover_slots, &mut findings);
+        }
+        // Checked with or without standbys: a list left from a decommissioned standby, or
+        // copied with the configuration to a standby since promoted, stalls the relay all
+        // the same.
+        for name in named {
+            let problem = match self.physical_slots.iter().find(|(n, _, _)| n == name) {
+                None => Some("does not exist (or is not a physical slot)".to_owned()),
+                Some((_, _, wal_status)) if wal_status == "lost" => {
+                    Some("was invalidated".to_owned())
+                }
+                Some((_, false, _)) => Some("is not active: its standby is not streaming".into()),
+                Some(_) => None,
+            };
+            if let Some(problem) = problem {
+                findings.push(
+                    Finding::new(
+                        Severity::Critical,
+                        Code::SynchronizedStandbySlotUnusable,
+                        format!(
+                            "slot {name}, named in synchronized_standby_slots, {problem}: \
+                             reads of the failover slot(s) {slots} wait until it confirms the \
+                             WAL, so the WAL relay publishes nothing meanwhile"
+                        ),
+                        format!(
+                            "Bring its standby back (streaming through primary_slot_name = \
+                             '{name}'), or, if that standby is gone, remove {name} from \
+                             synchronized_standby_slots (ALTER SYSTEM SET ...; SELECT \
+                             pg_reload_conf()) and drop its slot \
+                             (pg_drop_replication_slot('{name}'))."
+                        ),
+                    )
+                    .subject(name.clone())
+                    .details(json!({ "slot": name, "problem": problem })),
+                );
+            }
+        }
+        findings
+    }
+
+    /// [`primary_findings`](Self::primary_findings) about the standbys: each streams through
+    /// a physical slot, and `synchronized_standby_slots` names them.
+    fn standby_findings(&self, failover_slots: &[String], findings: &mut Vec<Finding>) {
         let slots = failover_slots.join(", ");
         let named = &self.synchronized_standby_slots;
         for (standby, slot) in &self.standbys {
@@ -339,39 +402,6 @@ impl FailoverSetup {
                 })),
             );
         }
-        for name in named {
-            let problem = match self.physical_slots.iter().find(|(n, _, _)| n == name) {
-                None => Some("does not exist (or is not a physical slot)".to_owned()),
-                Some((_, _, wal_status)) if wal_status == "lost" => {
-                    Some("was invalidated".to_owned())
-                }
-                Some((_, false, _)) => Some("is not active: its standby is not streaming".into()),
-                Some(_) => None,
-            };
-            if let Some(problem) = problem {
-                findings.push(
-                    Finding::new(
-                        Severity::Critical,
-                        Code::SynchronizedStandbySlotUnusable,
-                        format!(
-                            "slot {name}, named in synchronized_standby_slots, {problem}: \
-                             reads of the failover slot(s) {slots} wait until it confirms the \
-                             WAL, so the WAL relay publishes nothing meanwhile"
-                        ),
-                        format!(
-                            "Bring its standby back (streaming through primary_slot_name = \
-                             '{name}'), or, if that standby is gone, remove {name} from \
-                             synchronized_standby_slots (ALTER SYSTEM SET ...; SELECT \
-                             pg_reload_conf()) and drop its slot \
-                             (pg_drop_replication_slot('{name}'))."
-                        ),
-                    )
-                    .subject(name.clone())
-                    .details(json!({ "slot": name, "problem": problem })),
-                );
-            }
-        }
-        findings
     }
 
     /// On a 17+ standby: the settings slot synchronization needs, each one missing named.
@@ -414,22 +444,58 @@ impl FailoverSetup {
             missing.push(format!("wal_level is {} here, not logical", self.wal_level));
             fixes.push("ALTER SYSTEM SET wal_level = logical; (a restart)".to_owned());
         }
-        if missing.is_empty() {
+        if missing.is_empty() && self.slotsync_worker == Some(false) {
+            missing.push(
+                "the slot synchronization worker is not running (it stops when a setting it \
+                 needs is wrong or the primary is unreachable; this server's log says why)"
+                    .to_owned(),
+            );
+            fixes.push("fix what this server's log names (slot sync worker);".to_owned());
+        }
+        // What this role cannot see keeps the doctor from saying synchronization works.
+        let mut unreadable = Vec::new();
+        if self.primary_conninfo.is_none() {
+            unreadable.push(
+                "primary_conninfo (whether it names a dbname; reading it needs \
+                 pg_read_all_settings)",
+            );
+        }
+        if self.slotsync_worker.is_none() {
+            unreadable.push(
+                "whether the slot synchronization worker runs (pg_stat_activity shows it to \
+                 pg_read_all_stats)",
+            );
+        }
+        if missing.is_empty() && unreadable.is_empty() {
             return None;
         }
-        let unknown = if self.primary_conninfo.is_none() {
-            " (primary_conninfo was not readable by this role: check it has a dbname)"
+        let unknown = if unreadable.is_empty() {
+            String::new()
         } else {
-            ""
+            format!(
+                "; this role could not check {} (run the doctor as a role with pg_monitor, or \
+                 check them by hand)",
+                unreadable.join(", ")
+            )
         };
-        Some(
-            Finding::new(
-                Severity::Warning,
-                Code::SlotSyncNotConfigured,
+        let (message, advice) = if missing.is_empty() {
+            (
+                format!(
+                    "the doctor cannot tell whether this standby synchronizes failover slots: \
+                     its settings it could read are in place{unknown}. Until that is known, a \
+                     promotion may find no current copy of the primary's WAL outbox slot"
+                ),
+                "Grant the doctor's role pg_monitor (pg_read_all_settings and \
+                 pg_read_all_stats), or check by hand that primary_conninfo names a dbname and \
+                 that pg_stat_activity lists a slotsync worker."
+                    .to_owned(),
+            )
+        } else {
+            (
                 format!(
                     "this standby does not synchronize failover slots: {}{unknown}. Promoted, \
-                     it has no copy of the primary's WAL outbox slot, and what producers \
-                     emitted after the relay's last confirmed position is never published",
+                     it has no current copy of the primary's WAL outbox slot, and what \
+                     producers emitted after the copy's position is lost or published again",
                     missing.join("; ")
                 ),
                 format!(
@@ -438,6 +504,14 @@ impl FailoverSetup {
                     fixes.join(" ")
                 ),
             )
+        };
+        Some(
+            Finding::new(
+                Severity::Warning,
+                Code::SlotSyncNotConfigured,
+                message,
+                advice,
+            )
             .details(json!({
                 "missing": missing,
                 "sync_replication_slots": self.sync_replication_slots,
@@ -445,6 +519,8 @@ impl FailoverSetup {
                 "primary_slot_name": self.primary_slot_name,
                 "primary_conninfo_has_dbname": self.primary_conninfo.as_deref().map(conninfo_has_dbname),
                 "wal_level": self.wal_level,
+                "slotsync_worker_running": self.slotsync_worker,
+                "unreadable": unreadable,
             })),
         )
     }
@@ -472,4 +548,61 @@ pub(super) fn conninfo_has_dbname(conninfo: &str) -> bool {
         kv.strip_prefix("dbname=")
             .is_some_and(|v| !v.is_empty() && v != "''")
     })
+}
+
+/// `synchronized_standby_slots` as the server splits it (`SplitIdentifierString`): names
+/// separated by commas, whitespace around them ignored, an unquoted name folded to lower
+/// case, a double-quoted one kept as written (`""` is a quote). PostgreSQL 17 has no `*` for
+/// this setting (every entry is a slot name). An unparsable list yields what parsed before.
+pub(super) fn split_identifier_list(list: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut chars = list.chars().peekable();
+    loop {
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        let Some(&first) = chars.peek() else { break };
+        let mut name = String::new();
+        if first == '"' {
+            chars.next();
+            loop {
+                match chars.next() {
+                    Some('"') if chars.peek() == Some(&'"') => {
+                        chars.next();
+                        name.push('"');
+                    }
+                    Some('"') => break,
+                    Some(c) => name.push(c),
+                    None => return names,
+                }
+            }
+        } else {
+            while let Some(c) = chars.next_if(|c| *c != ',' && !c.is_whitespace()) {
+                name.extend(c.to_lowercase());
+            }
+        }
+        while chars.next_if(|c| c.is_whitespace()).is_some() {}
+        if !name.is_empty() {
+            names.push(name);
+        }
+        match chars.next() {
+            Some(',') => continue,
+            _ => break,
+        }
+    }
+    names
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_identifier_list;
+
+    #[test]
+    fn synchronized_standby_slots_is_read_as_an_identifier_list() {
+        assert_eq!(split_identifier_list("STANDBY1"), vec!["standby1"]);
+        assert_eq!(
+            split_identifier_list(" a ,\"B\", \"c\"\"d\" "),
+            vec!["a", "B", "c\"d"]
+        );
+        assert!(split_identifier_list("").is_empty());
+        assert!(split_identifier_list("  ").is_empty());
+    }
 }

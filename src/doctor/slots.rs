@@ -91,9 +91,17 @@ impl Doctor {
         .collect::<Result<Vec<_>>>()?;
         // The slots this schema's relay reads, by their publications (which a standby has,
         // whether or not it has the slot).
+        // Also before the relay's first read has written that claim: a publication with no
+        // tables (messages only) is what `WalSlot::create` makes, from the start.
         let claimed: Vec<String> = sqlx::query_scalar(
             "SELECT p.pubname::text FROM pg_catalog.pg_publication p \
-             WHERE pg_catalog.obj_description(p.oid, 'pg_publication') = $1 ORDER BY 1",
+             WHERE pg_catalog.obj_description(p.oid, 'pg_publication') = $1 \
+                OR (NOT p.puballtables \
+                    AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_publication_rel r \
+                                    WHERE r.prpubid = p.oid) \
+                    AND NOT EXISTS (SELECT 1 FROM pg_catalog.pg_publication_namespace n \
+                                    WHERE n.pnpubid = p.oid)) \
+             ORDER BY 1",
         )
         .persistent(false)
         .bind(format!("{SLOT_CLAIM_PREFIX}{}", self.schema.as_str()))
@@ -250,10 +258,11 @@ impl Doctor {
             }
         }
 
-        // A failover can only take the slot along if the servers are set up for it.
+        // A failover can only take the slot along if the servers are set up for it. On a
+        // primary a slot's `synced` is what a promotion left: the slot is this server's own.
         let failover_slots: Vec<String> = rows
             .iter()
-            .filter(|s| s.failover() == Some(true) && !s.temporary && s.synced() != Some(true))
+            .filter(|s| s.failover() == Some(true) && !s.temporary)
             .map(|s| s.name.clone())
             .collect();
         findings.extend(setup.primary_findings(&failover_slots));
@@ -274,11 +283,13 @@ impl Doctor {
                         );
                     }
                 } else {
-                    findings.extend(setup.standby_settings_finding());
+                    let settings = setup.standby_settings_finding();
+                    let syncing = settings.is_none();
+                    findings.extend(settings);
                     for name in &names {
                         let slot = rows.iter().find(|s| &s.name == name);
-                        match standby_slot_problem(slot) {
-                            Some(problem) => findings.push(
+                        match standby_slot_problem(slot, syncing) {
+                            Some((problem, first)) => findings.push(
                                 Finding::new(
                                     Severity::Warning,
                                     Code::WalSlotNotSynced,
@@ -289,7 +300,7 @@ impl Doctor {
                                          position would never be published"
                                     ),
                                     format!(
-                                        "On the primary, {name} must be a failover slot \
+                                        "{first}On the primary, {name} must be a failover slot \
                                          (`pgbox doctor` there says so if it is not); here, \
                                          slot synchronization must run \
                                          (slot_sync_not_configured names what is missing). A \
@@ -441,26 +452,47 @@ fn lost_at_failover(setup: &FailoverSetup, name: &str, on_standby: bool) -> Find
     .subject(name.to_owned())
 }
 
-/// What keeps a standby's copy of `slot` from surviving a promotion, `None` if nothing.
-fn standby_slot_problem(slot: Option<&SlotRow>) -> Option<String> {
+/// What keeps a standby's copy of `slot` from surviving a promotion as a current copy, `None`
+/// if nothing, with the first thing to do about it (may be empty). `syncing`: slot
+/// synchronization is configured and running here, as far as the doctor can tell.
+fn standby_slot_problem(slot: Option<&SlotRow>, syncing: bool) -> Option<(String, String)> {
     let Some(slot) = slot else {
-        return Some("is not on this standby".to_owned());
+        return Some(("is not on this standby".to_owned(), String::new()));
     };
     if let Some(reason) = slot.invalidation() {
-        return Some(format!("is invalidated here ({reason})"));
+        return Some((format!("is invalidated here ({reason})"), String::new()));
     }
     if slot.synced() != Some(true) {
-        return Some(
-            "is not a synchronized copy (created on this standby, not by slot synchronization)"
+        return Some((
+            "is a local slot of this standby, not a synchronized copy (created here, not by \
+             slot synchronization, which refuses to replace it)"
                 .to_owned(),
-        );
+            format!(
+                "Drop it here (SELECT pg_drop_replication_slot('{}'); while no session reads \
+                 it): a slot of the primary's name on a standby blocks synchronization of the \
+                 primary's slot, and promoted, it starts where it was created, not where the \
+                 relay stopped. ",
+                slot.name
+            ),
+        ));
     }
     if slot.temporary {
-        return Some(
+        return Some((
             "is still temporary here (synchronization has not made it persistent yet; a \
              promotion drops it)"
                 .to_owned(),
-        );
+            String::new(),
+        ));
+    }
+    if !syncing {
+        return Some((
+            "is a synchronized copy, but slot synchronization is not known to run here \
+             (slot_sync_not_configured says why): the copy may have stopped following the \
+             primary's slot, and promoted, the relay would publish again everything since \
+             it stopped"
+                .to_owned(),
+            String::new(),
+        ));
     }
     None
 }
