@@ -256,6 +256,103 @@ async fn on_17_create_makes_a_failover_slot_by_default_and_says_how_to_turn_it_o
     required.create(&pool).await.unwrap();
 }
 
+/// `pgbox wal create-slot --json` says `"created": true` only when that call created the slot
+/// (`WalSlot::create_if_absent`); a second call finds it.
+#[tokio::test(flavor = "multi_thread")]
+async fn create_slot_says_created_only_for_the_call_that_created_it() {
+    support::init_tracing();
+    let primary = logical(17).await;
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_pgbox"))
+            .args(args)
+            .env("DATABASE_URL", primary.url("postgres"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "pgbox {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let first = cli(&["--json", "wal", "create-slot", "--slot", SLOT]);
+    let second = cli(&["--json", "wal", "create-slot", "--slot", SLOT]);
+    assert_eq!(first["created"], serde_json::json!(true), "{first}");
+    assert_eq!(second["created"], serde_json::json!(false), "{second}");
+    assert_eq!(second["failover"], serde_json::json!(true), "{second}");
+}
+
+/// On a 17 standby, `WalSlot::create` refuses (the slot belongs on the primary; a local one
+/// would block synchronization), and a local slot of the outbox's name made there by hand
+/// is reported with the advice to drop it.
+#[tokio::test(flavor = "multi_thread")]
+async fn on_a_17_standby_create_refuses_and_the_doctor_says_to_drop_a_local_slot() {
+    support::init_tracing();
+    let primary = logical(17).await;
+    let pool = pool_at(primary.addr(), 4).await;
+    prepare(&pool).await;
+    WalSlot::new(SLOT).unwrap().create(&pool).await.unwrap();
+    let standby = standby(&primary, false, &[("hot_standby_feedback", "on")]).await;
+    let standby_pool = pool_at(standby.addr(), 4).await;
+
+    let err = WalSlot::new(SLOT)
+        .unwrap()
+        .create(&standby_pool)
+        .await
+        .unwrap_err();
+    let Error::WalSlot { reason, .. } = &err else {
+        panic!("not a WalSlot error: {err:?}")
+    };
+    assert!(
+        reason.contains("create the slot on the primary"),
+        "{reason}"
+    );
+    assert_eq!(
+        WalSlot::new(SLOT)
+            .unwrap()
+            .status(&standby_pool)
+            .await
+            .unwrap(),
+        None
+    );
+
+    // By hand: a logical slot on a standby waits for a running-transactions record from the
+    // primary, logged while it waits.
+    let logging = {
+        let pool = pool.clone();
+        tokio::spawn(async move {
+            for _ in 0..200 {
+                let _ = sqlx::query("SELECT pg_log_standby_snapshot()")
+                    .execute(&pool)
+                    .await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+    };
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        sqlx::query("SELECT pg_create_logical_replication_slot($1, 'pgoutput')")
+            .bind(SLOT)
+            .execute(&standby_pool),
+    )
+    .await
+    .expect("a logical slot on the standby within 20 s")
+    .unwrap();
+    logging.abort();
+    let report = doctor(&standby_pool).await;
+    eprintln!("standby with a local slot: {:?}", codes(&report));
+    let f = report
+        .with_code(Code::WalSlotNotSynced)
+        .find(|f| f.subject.as_deref() == Some(SLOT))
+        .unwrap_or_else(|| panic!("{report:#?}"));
+    assert!(f.message.contains("a local slot of this standby"), "{f:?}");
+    assert!(
+        f.advice
+            .contains(&format!("pg_drop_replication_slot('{SLOT}')")),
+        "{f:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn on_15_and_16_create_makes_a_plain_slot_and_refuses_a_required_failover() {
     support::init_tracing();
