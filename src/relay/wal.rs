@@ -50,9 +50,12 @@
 //! in per-key waves, as the table relay does. The slot moves only past whole transactions whose
 //! messages were all confirmed.
 //!
-//! **Failures.** A message the transport refuses is tried again (the whole rest of the batch
-//! is offered again, so messages after it may be published twice) after the relay's backoff; the
-//! later messages of its key wait, and waiting is never counted as an attempt. After
+//! **Failures.** A message the transport refuses is tried again after the relay's backoff; the
+//! later messages of its key wait, and waiting is never counted as an attempt. The messages
+//! behind it that the transport confirmed are remembered (by WAL position) until the slot
+//! passes them, and this relay does not offer them again: each message is published once by
+//! a relay, however often an earlier one is refused. Only a new relay (a restart, a crash,
+//! another process taking over the slot) publishes again what the slot had not passed. After
 //! `max_attempts` refusals of a message in this relay's life, it is moved to
 //! `outbox_dead_letters` (with a negative `seq` that is its WAL position: `i64::MIN` plus the
 //! position, so dead letters list in WAL order) and the next messages of its key are offered
@@ -61,7 +64,7 @@
 //! read is dead-lettered the same way (topic `pgbox.undecodable`), never skipped silently; so
 //! is a non-transactional message under the prefix (`pg_logical_emit_message(false, …)`:
 //! pgbox emits only in transactions). The relay's bookkeeping of a message (its refusals,
-//! whether it is dead-lettered already) is by WAL position, not message id: a replayed dead
+//! whether it is published or dead-lettered already) is by WAL position, not message id: a replayed dead
 //! letter is a new message, even while the slot has not passed the original.
 //!
 //! **Other work in the slot.** A slot decodes the whole database's WAL: other schemas'
@@ -295,6 +298,11 @@ struct Reader {
     /// WAL position, not id: a replay of one of them, read in the same rounds, is a new
     /// message to publish, not a settled one.
     dead: HashSet<i64>,
+    /// Messages the transport confirmed whose transaction the slot has not passed yet (a
+    /// message of another key in it, or in an earlier transaction, still waits): settled, not
+    /// offered again when they are read again, so a refusal does not publish the messages
+    /// behind it once more at every retry. By WAL position, as `dead`.
+    published: HashSet<i64>,
     /// Consecutive rounds with a failure (for the backoff).
     failing_rounds: u32,
     /// When the retained-WAL gauge was last set.
@@ -789,13 +797,19 @@ impl<P: Publisher> WalRelay<P> {
                 .iter()
                 .map(|t| t.unreadable.len())
                 .sum::<usize>();
-        // What became of each message this round. A message dead-lettered in an earlier round
-        // whose transaction the slot has not passed yet is settled already.
+        // What became of each message this round. A message dead-lettered, or confirmed by the
+        // transport, in an earlier round whose transaction the slot has not passed yet is
+        // settled already: it is not offered again.
         let mut fates: Vec<Fate> = batch
             .iter()
-            .map(|m| match reader.dead.contains(&m.seq) {
-                true => Fate::Dead,
-                false => Fate::Pending,
+            .map(|m| {
+                if reader.dead.contains(&m.seq) {
+                    Fate::Dead
+                } else if reader.published.contains(&m.seq) {
+                    Fate::Published
+                } else {
+                    Fate::Pending
+                }
             })
             .collect();
         // Keys whose next message must wait for a later round: a message refused (and not yet
@@ -824,6 +838,7 @@ impl<P: Publisher> WalRelay<P> {
                 match result {
                     Some(Ok(())) => {
                         reader.attempts.remove(&m.seq);
+                        reader.published.insert(m.seq);
                         fates[i] = Fate::Published;
                     }
                     // An outage is not the message's failure: not counted, never a dead letter.
@@ -909,6 +924,7 @@ impl<P: Publisher> WalRelay<P> {
             self.advance(reader, lsn).await?;
             for m in &batch[..passed] {
                 reader.dead.remove(&m.seq);
+                reader.published.remove(&m.seq);
             }
         }
         let now = OffsetDateTime::now_utc();
