@@ -353,6 +353,13 @@ pub enum WalStreamProblem {
     /// The session ended: the connection broke, the server shut down or ended the stream.
     /// The relay reconnects with backoff and resumes from the slot's confirmed position.
     Lost,
+    /// The replication connection stopped carrying the server's bytes without breaking (a
+    /// dropped NAT flow, a partition that sends no reset): the server ended this relay's
+    /// walsender (`wal_sender_timeout`) or another session holds the slot, or the server
+    /// sent WAL the client did not receive for longer than the relay's bound while the relay
+    /// was not holding back. The relay ends the session and reconnects as after
+    /// [`Lost`](Self::Lost).
+    Silent,
 }
 
 /// A server error as a person can act on it: the message, the SQLSTATE, and the server's

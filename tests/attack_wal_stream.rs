@@ -330,7 +330,6 @@ async fn pump(
 /// session, not the replication one, so a message committed after the silence is never
 /// published.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "finding 1: a silent replication connection is never given up; run never publishes again"]
 async fn finding_a_silent_replication_connection_is_never_given_up() {
     let (cluster, admin, slot) = logical(&["wal_sender_timeout = '2s'"]).await;
     let proxy = BlackHoleProxy::start(cluster.addr()).await;
@@ -880,7 +879,6 @@ async fn held_bounded_calls_back_to_back_find_the_slot_free_and_publish_each_mes
 /// from the client every second): the slot stays active, and `run` neither publishes the
 /// message committed after nor reconnects, for as long as the path stays half-open.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "finding 1: a half-open replication connection (server→client silent) is never given up; run never publishes again"]
 async fn finding_a_half_open_replication_connection_is_never_given_up() {
     let (cluster, admin, slot) = logical(&["wal_sender_timeout = '2s'"]).await;
     let proxy = BlackHoleProxy::start(cluster.addr()).await;
@@ -1155,7 +1153,6 @@ async fn held_a_replication_connection_stalled_past_wal_sender_timeout_recovers_
 /// return when caught up or to fail as a round fails; it does neither: every round waits
 /// for a keepalive that never comes, and the drain never returns.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "finding 1: a drain whose replication connection goes silent never returns"]
 async fn finding_a_drain_whose_replication_connection_goes_silent_never_returns() {
     let (cluster, admin, slot) = logical(&["wal_sender_timeout = '2s'"]).await;
     for t in 0..100 {

@@ -630,3 +630,87 @@ async fn slot_states_and_refused_sessions_are_typed_errors() {
         );
     }
 }
+
+/// The silent-connection check (the `stream` module's docs) never gives up a healthy
+/// session: idle for longer than its bound with nothing committed, then held back for
+/// longer than it (a 1-byte budget, 40 transactions of 256 KiB, a transport unavailable for
+/// the first 10 s: the relay holds what it read and takes nothing more, the client's queue
+/// and the sockets fill, and the client receives nothing while the server has sent more),
+/// the slot is read by one walsender throughout, and each message is published once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_healthy_session_idle_or_held_back_past_the_silence_bound_is_kept() {
+    /// Unavailable until `.1`, then counts what it takes.
+    #[derive(Clone)]
+    struct Outage(Arc<Mutex<(usize, std::time::Instant)>>);
+    impl Publisher for Outage {
+        async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+            let mut s = self.0.lock().unwrap();
+            if std::time::Instant::now() < s.1 {
+                return batch
+                    .iter()
+                    .map(|_| Err(PublishError::unavailable("connection refused")))
+                    .collect();
+            }
+            s.0 += batch.len();
+            batch.iter().map(|_| Ok(())).collect()
+        }
+    }
+    let (_cluster, pool, slot) = logical(&[]).await;
+    let broker = Outage(Arc::new(Mutex::new((0, std::time::Instant::now()))));
+    let count = |b: &Outage| b.0.lock().unwrap().0;
+    let relay = Arc::new(
+        WalRelay::builder(pool.clone(), slot, broker.clone())
+            .max_in_flight_bytes(1)
+            .backoff(
+                RetryPolicy::new()
+                    .base_delay(Duration::from_millis(200))
+                    .max_delay(Duration::from_millis(200)),
+            )
+            .build()
+            .unwrap(),
+    );
+    let shutdown = CancellationToken::new();
+    let running = tokio::spawn({
+        let (relay, shutdown) = (relay.clone(), shutdown.clone());
+        async move { relay.run(shutdown).await }
+    });
+    let mut pid = None;
+    for _ in 0..100 {
+        pid = walsender(&pool).await;
+        if pid.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pid = pid.expect("the relay streams the slot");
+    let mut seen = std::collections::BTreeSet::new();
+    // Idle: 10 s (the bound is 8 s).
+    for _ in 0..100 {
+        seen.insert(walsender(&pool).await);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    broker.0.lock().unwrap().1 = std::time::Instant::now() + Duration::from_secs(10);
+    for t in 0..40 {
+        emit(
+            &pool,
+            vec![text(&format!("{t:02}{}", "x".repeat(256 << 10)))],
+        )
+        .await;
+    }
+    // Held back for 10 s, then drained.
+    for _ in 0..400 {
+        seen.insert(walsender(&pool).await);
+        if count(&broker) >= 40 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    shutdown.cancel();
+    running.await.unwrap().unwrap();
+    assert_eq!(count(&broker), 40, "each message published once");
+    assert_eq!(
+        seen.into_iter().collect::<Vec<_>>(),
+        [Some(pid)],
+        "the slot was read by one walsender throughout"
+    );
+}

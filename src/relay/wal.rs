@@ -14,9 +14,16 @@
 //! and streams only flushed WAL, so a commit written but not yet flushed, as asynchronous
 //! commits are for up to 3 × `wal_writer_delay`, lies after it). A message the transport
 //! refused is offered again from memory; any error ends the session, and the next one starts
-//! from the position this reader confirmed (the server skips what lies before it). The
-//! reader holds at most `max_in_flight_bytes` of decoded transactions (one larger transaction
-//! is taken whole) and the client's queue at most 64 more emits. The client's worker answers
+//! from the position this reader confirmed (the server skips what lies before it). A
+//! replication connection that stops carrying bytes without breaking (a dropped NAT flow, a
+//! partition without a reset) is given up too
+//! ([`WalStreamProblem::Silent`](crate::WalStreamProblem::Silent)): the reader looks at the
+//! slot's walsender from its lock session at least once a second while it reads, and ends
+//! the session when the server ended that walsender (`wal_sender_timeout`) or, half-open,
+//! when the idle server has sent WAL the client has not received for 8 s while the relay
+//! was not holding back (see the `stream` module; backpressure is never taken for silence).
+//! The reader holds at most `max_in_flight_bytes` of decoded transactions (one larger
+//! transaction is taken whole) and the client's queue at most 64 more emits. The client's worker answers
 //! keepalives and sends status updates while a publish or an outage backoff takes longer than
 //! `wal_sender_timeout`. [`run`](WalRelay::run) keeps the session open;
 //! [`relay_once`](WalRelay::relay_once) and [`drain`](WalRelay::drain) open it and end it
@@ -111,6 +118,31 @@ use super::slot::check_wal_level;
 #[path = "wal_stream.rs"]
 mod stream;
 pub use super::slot::{WalSlot, WalSlotStatus};
+
+/// What the lock session sees of the slot's walsender: its pid, its `sent_lsn` (NULL when
+/// this role may not read it), and whether it waits idle (for WAL, or in its main loop; the
+/// names' case changed in PostgreSQL 17).
+const WALSENDER_SAMPLE: &str = "SELECT s.active_pid, r.sent_lsn::text, \
+       lower(coalesce(a.wait_event, '')) IN ('walsenderwaitforwal', 'walsendermain') \
+     FROM pg_catalog.pg_replication_slots s \
+     LEFT JOIN pg_catalog.pg_stat_replication r ON r.pid = s.active_pid \
+     LEFT JOIN pg_catalog.pg_stat_activity a ON a.pid = s.active_pid \
+     WHERE s.slot_name = $1";
+
+/// Reads [`WALSENDER_SAMPLE`] on the reader's lock connection.
+async fn walsender_sample(conn: &mut PgConnection, slot: &str) -> Result<stream::WalsenderSample> {
+    let row: Option<(Option<i32>, Option<String>, bool)> = sqlx::query_as(WALSENDER_SAMPLE)
+        .persistent(false)
+        .bind(slot)
+        .fetch_optional(&mut *conn)
+        .await?;
+    let (active_pid, sent, idle) = row.unwrap_or((None, None, false));
+    Ok(stream::WalsenderSample {
+        active_pid,
+        sent_lsn: sent.as_deref().and_then(|t| parse_lsn(t).ok()),
+        idle,
+    })
+}
 
 /// Advisory-lock class of the WAL relay's reader election: `pg_try_advisory_lock(class,
 /// hashtext(slot))`.
@@ -430,8 +462,9 @@ impl<P: Publisher> WalRelay<P> {
 
     /// Runs until `shutdown` is cancelled: reads and publishes while it is the reader, tries
     /// to become it otherwise. Errors are logged and retried after a backoff (the poll
-    /// interval, doubling with each failed round up to 10 s: a lost replication session
-    /// reconnects and resumes from the position this relay confirmed; a missing or
+    /// interval, doubling with each failed round up to 10 s: a lost replication session, or
+    /// one whose connection went silent, reconnects and resumes from the position this relay
+    /// confirmed; a missing or
     /// invalidated slot, or `wal_level` not `logical`, fails every try: they need an
     /// operator); the relay never gives up on its own.
     ///
@@ -550,7 +583,9 @@ impl<P: Publisher> WalRelay<P> {
     /// round is published or dead-lettered). A read full of other work's WAL (other
     /// schemas' messages, other applications' logical messages) is not the end: the slot
     /// moves past it and `drain` reads on. Fails if another relay is the reader, or as a
-    /// round fails. Refusals and outages are waited out with the backoff: while the
+    /// round fails (a replication connection gone silent fails it with
+    /// [`WalStreamProblem::Silent`](crate::WalStreamProblem::Silent) within the bounds the
+    /// module docs give). Refusals and outages are waited out with the backoff: while the
     /// transport is unavailable, `drain` keeps waiting (bound it with a timeout if it must
     /// return).
     pub async fn drain(&self) -> Result<WalRoundReport> {
@@ -680,24 +715,36 @@ impl<P: Publisher> WalRelay<P> {
         }
         // The election: the replication session is opened, and kept, only while this relay's
         // lock session lives (the slot itself refuses a second session meanwhile, so a lock
-        // lost under a running session is found here, within a second).
+        // lost under a running session is found here, within a second). The same look, from
+        // the lock session, tells whether the replication session still carries bytes (see
+        // the `stream` module: a silent connection is given up, and the next round
+        // reconnects).
         if reader.stream.is_none()
             || reader
                 .lock_checked
                 .is_none_or(|at| at.elapsed() >= Duration::from_secs(1))
         {
             let conn = reader.conn.as_mut().expect("the reader's connection");
-            conn.ping().await?;
+            match reader.stream.as_mut() {
+                Some(stream) => {
+                    let sample = walsender_sample(conn, slot).await?;
+                    stream.check_alive(slot, sample)?;
+                }
+                None => conn.ping().await?,
+            }
             reader.lock_checked = Some(std::time::Instant::now());
         }
         if reader.stream.is_none() {
-            let stream = stream::Stream::open(
+            let mut stream = stream::Stream::open(
                 &self.pool.connect_options(),
                 slot,
                 self.prefix.clone(),
                 reader.advanced_to,
             )
             .await?;
+            // The walsender that took the slot for this session.
+            let conn = reader.conn.as_mut().expect("the reader's connection");
+            stream.check_alive(slot, walsender_sample(conn, slot).await?)?;
             reader.stream = Some(stream);
         }
         let target = match target {

@@ -19,6 +19,28 @@
 //! `max_in_flight_bytes` of message content (a single transaction larger than that is
 //! taken whole), and the client's queue holds at most [`QUEUE_EVENTS`] more decoded changes
 //! (each at most one emit).
+//!
+//! **A connection that goes silent.** A path that stops carrying bytes without a reset (a
+//! dropped NAT flow, a partition) breaks nothing the client can see: it has no receive
+//! deadline, and a healthy idle session may be silent for as long as nothing is committed.
+//! So the relay watches the session from its lock connection, at every lock check (at
+//! least once a second while it reads; see [`Liveness`]):
+//! - the slot's `active_pid` must stay the walsender that took the slot when this session
+//!   started (read once the server accepted `START_REPLICATION`). NULL or another pid means
+//!   the server ended ours (a silent client is ended after `wal_sender_timeout`): the
+//!   session is given up ([`WalStreamProblem::Silent`]) and the next round reconnects;
+//! - half-open (the server hears the client's status updates, so it never times it out, but
+//!   its bytes do not arrive): the walsender's `sent_lsn` (`pg_stat_replication`) is ahead
+//!   of the furthest position the client received (the `wal_end` of its last message, or
+//!   what the relay confirmed) while the walsender waits idle (`WalSenderWaitForWAL` or
+//!   `WalSenderMain`: an idle walsender owing the client a position sends it a keepalive at
+//!   each wake-up), and the relay is not holding back (its last read waited with the
+//!   client's queue empty), and that position does not move for [`HALF_OPEN_AFTER`]: given
+//!   up the same way. A walsender busy decoding (a large transaction of other work) or
+//!   writing into a full socket is never counted, nor a relay at its byte budget, nor a
+//!   session whose received position moves at all: backpressure is not silence. Without
+//!   the right to read its walsender's row in `pg_stat_replication` (another role's), only
+//!   the first check applies.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -40,6 +62,85 @@ pub(super) const QUEUE_EVENTS: usize = 64;
 /// How often the client tells the server the confirmed position (and that it is alive).
 const STATUS_INTERVAL: Duration = Duration::from_millis(100);
 
+/// How long the server may wait idle having sent WAL the client did not receive, while the
+/// relay is not holding back, before the session is given up as half-open.
+pub(super) const HALF_OPEN_AFTER: Duration = Duration::from_secs(8);
+
+/// How long opening a session may wait for the server to accept `START_REPLICATION`.
+const START_WAIT: Duration = Duration::from_secs(30);
+
+/// What the lock connection sees of the slot's walsender (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct WalsenderSample {
+    /// The slot's `active_pid`.
+    pub(super) active_pid: Option<i32>,
+    /// The walsender's `sent_lsn`, when this role may read it.
+    pub(super) sent_lsn: Option<u64>,
+    /// Whether the walsender waits idle (for WAL, or in its main loop), not decoding and not
+    /// blocked writing into its socket.
+    pub(super) idle: bool,
+}
+
+/// The liveness bookkeeping of one replication session: which walsender serves it, and
+/// since when the server has been owed a position that does not arrive.
+#[derive(Debug, Default)]
+pub(super) struct Liveness {
+    walsender: Option<i32>,
+    /// The received position, and when it was first seen behind an idle server's `sent_lsn`
+    /// while the relay was not holding back.
+    behind_since: Option<(u64, Instant)>,
+}
+
+impl Liveness {
+    /// Judges one sample: `received` is the furthest position the client received (or the
+    /// relay confirmed), `drained` whether the relay's last read waited with the client's
+    /// queue empty. Errs with what is wrong when the session is to be given up.
+    pub(super) fn check(
+        &mut self,
+        sample: WalsenderSample,
+        received: u64,
+        drained: bool,
+        now: Instant,
+    ) -> Result<(), String> {
+        let Some(pid) = sample.active_pid else {
+            return Err(match self.walsender {
+                Some(ours) => format!(
+                    "the server ended this relay's walsender (pid {ours}; the slot is not                      active): the replication connection went silent"
+                ),
+                None => "the slot is not active although the session started".into(),
+            });
+        };
+        match self.walsender {
+            None => self.walsender = Some(pid),
+            Some(ours) if ours != pid => {
+                return Err(format!(
+                    "the slot is active for pid {pid}, not this relay's walsender (pid {ours}):                      the server ended this session"
+                ));
+            }
+            Some(_) => {}
+        }
+        let owed = sample.idle && drained && sample.sent_lsn.is_some_and(|sent| sent > received);
+        if !owed {
+            self.behind_since = None;
+            return Ok(());
+        }
+        match self.behind_since {
+            Some((at, since)) if at == received => {
+                if now.duration_since(since) >= HALF_OPEN_AFTER {
+                    return Err(format!(
+                        "the server sent WAL up to {} and waits, and this client received                          nothing past {} for {:?} while reading (a half-open connection)",
+                        super::format_lsn(sample.sent_lsn.unwrap_or_default()),
+                        super::format_lsn(received),
+                        now.duration_since(since)
+                    ));
+                }
+            }
+            _ => self.behind_since = Some((received, now)),
+        }
+        Ok(())
+    }
+}
+
 /// A replication session on the slot and what it decoded that no round has settled yet.
 pub(super) struct Stream {
     client: ReplicationClient,
@@ -58,6 +159,11 @@ pub(super) struct Stream {
     settled_upto: u64,
     /// A round holds the pending transactions (taken, not yet given back).
     taken: bool,
+    /// The last read waited for the client's next event with its queue empty (the relay was
+    /// not holding back).
+    drained: bool,
+    /// Whether the session still carries bytes (see the module docs).
+    liveness: Liveness,
 }
 
 impl Stream {
@@ -70,9 +176,23 @@ impl Stream {
         from: u64,
     ) -> Result<Stream, Error> {
         let config = config(options, slot, from)?;
-        let client = ReplicationClient::connect(config)
+        let mut client = ReplicationClient::connect(config)
             .await
             .map_err(|e| stream_error(slot, e))?;
+        // From then on the slot's walsender is this session's (see `Liveness`).
+        match tokio::time::timeout(START_WAIT, client.wait_started()).await {
+            Ok(started) => started.map_err(|e| stream_error(slot, e))?,
+            Err(_) => {
+                client.abort();
+                return Err(Error::WalStream {
+                    slot: slot.to_owned(),
+                    problem: WalStreamProblem::Lost,
+                    reason: format!(
+                        "the server did not start the replication session within {START_WAIT:?}"
+                    ),
+                });
+            }
+        }
         Ok(Stream {
             client,
             pending: VecDeque::new(),
@@ -81,7 +201,28 @@ impl Stream {
             seen: from,
             settled_upto: from,
             taken: false,
+            drained: false,
+            liveness: Liveness::default(),
         })
+    }
+
+    /// Judges what the lock connection sees of the slot's walsender; an error ends the
+    /// session (see the module docs).
+    pub(super) fn check_alive(&mut self, slot: &str, sample: WalsenderSample) -> Result<(), Error> {
+        let received = self
+            .client
+            .metrics()
+            .last_wal_end()
+            .0
+            .max(self.seen)
+            .max(self.settled_upto);
+        self.liveness
+            .check(sample, received, self.drained, Instant::now())
+            .map_err(|reason| Error::WalStream {
+                slot: slot.to_owned(),
+                problem: WalStreamProblem::Silent,
+                reason,
+            })
     }
 
     /// The furthest keepalive position received.
@@ -124,6 +265,7 @@ impl Stream {
         done: impl Fn(&Stream) -> bool,
     ) -> Result<(), Error> {
         let deadline = Instant::now() + wait;
+        self.drained = false;
         loop {
             self.take_ready(slot, max_messages, max_bytes)?;
             if !self.pending.is_empty() || done(self) {
@@ -134,7 +276,11 @@ impl Stream {
                 return Ok(());
             }
             match tokio::time::timeout(left, self.client.recv()).await {
-                Err(_) => return Ok(()),
+                Err(_) => {
+                    // Waited out with the queue empty: nothing of ours holds the client back.
+                    self.drained = true;
+                    return Ok(());
+                }
                 Ok(event) => self.take(slot, event)?,
             }
         }
@@ -246,6 +392,15 @@ impl Stream {
         {
             self.client.abort();
         }
+    }
+}
+
+impl Drop for Stream {
+    /// A session dropped without [`close`](Stream::close) (a round failed, or its connection
+    /// went silent) is cut at once: its worker's graceful stop would wait on a silent
+    /// connection for good, keeping the socket (and, half-open, the walsender) alive.
+    fn drop(&mut self) {
+        self.client.abort();
     }
 }
 
@@ -473,6 +628,85 @@ mod tests {
         }
         let options = PgConnectOptions::new().ssl_mode(PgSslMode::Prefer);
         assert!(config(&options, "s", 0).is_ok());
+    }
+
+    fn sample(active_pid: Option<i32>, sent_lsn: u64, idle: bool) -> WalsenderSample {
+        WalsenderSample {
+            active_pid,
+            sent_lsn: Some(sent_lsn),
+            idle,
+        }
+    }
+
+    #[test]
+    fn a_walsender_gone_or_replaced_ends_the_session() {
+        let now = Instant::now();
+        let mut l = Liveness::default();
+        assert!(l.check(sample(Some(7), 100, true), 100, true, now).is_ok());
+        assert!(l.check(sample(None, 100, true), 100, true, now).is_err());
+        let mut l = Liveness::default();
+        assert!(l.check(sample(Some(7), 100, true), 100, true, now).is_ok());
+        assert!(l.check(sample(Some(8), 100, true), 100, true, now).is_err());
+    }
+
+    #[test]
+    fn an_idle_server_owed_a_position_that_never_arrives_ends_the_session_after_the_bound() {
+        let t0 = Instant::now();
+        let mut l = Liveness::default();
+        let owed = sample(Some(7), 200, true);
+        assert!(l.check(owed, 100, true, t0).is_ok());
+        assert!(l.check(owed, 100, true, t0 + HALF_OPEN_AFTER / 2).is_ok());
+        assert!(l.check(owed, 100, true, t0 + HALF_OPEN_AFTER).is_err());
+    }
+
+    #[test]
+    fn backpressure_a_busy_server_and_progress_are_not_silence() {
+        let t0 = Instant::now();
+        let later = t0 + HALF_OPEN_AFTER * 3;
+        // The relay holding back (its last read did not wait with the queue empty).
+        let mut l = Liveness::default();
+        assert!(l.check(sample(Some(7), 200, true), 100, false, t0).is_ok());
+        assert!(
+            l.check(sample(Some(7), 200, true), 100, false, later)
+                .is_ok()
+        );
+        // The walsender busy (decoding, or writing into a full socket).
+        let mut l = Liveness::default();
+        assert!(l.check(sample(Some(7), 200, false), 100, true, t0).is_ok());
+        assert!(
+            l.check(sample(Some(7), 200, false), 100, true, later)
+                .is_ok()
+        );
+        // The received position moves: the bound starts again.
+        let mut l = Liveness::default();
+        assert!(l.check(sample(Some(7), 900, true), 100, true, t0).is_ok());
+        assert!(
+            l.check(sample(Some(7), 900, true), 150, true, later)
+                .is_ok()
+        );
+        assert!(
+            l.check(
+                sample(Some(7), 900, true),
+                150,
+                true,
+                later + HALF_OPEN_AFTER / 2
+            )
+            .is_ok()
+        );
+        // Nothing owed, or sent_lsn not readable.
+        let mut l = Liveness::default();
+        assert!(l.check(sample(Some(7), 100, true), 100, true, t0).is_ok());
+        assert!(
+            l.check(sample(Some(7), 100, true), 100, true, later)
+                .is_ok()
+        );
+        let hidden = WalsenderSample {
+            active_pid: Some(7),
+            sent_lsn: None,
+            idle: true,
+        };
+        assert!(l.check(hidden, 100, true, t0).is_ok());
+        assert!(l.check(hidden, 100, true, later).is_ok());
     }
 
     #[test]
