@@ -714,3 +714,41 @@ async fn a_healthy_session_idle_or_held_back_past_the_silence_bound_is_kept() {
         "the slot was read by one walsender throughout"
     );
 }
+
+/// `relay_once` and `drain` return with the position they confirmed shown by the server:
+/// the slot is free and its `confirmed_flush_lsn` is at or past the flush position taken
+/// after the message's commit (so the next session does not offer it again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_calls_return_with_the_server_showing_the_confirmed_position() {
+    let (_cluster, pool, slot) = logical(&[]).await;
+    let broker = Broker::default();
+    let relay = WalRelay::builder(pool.clone(), slot, broker.clone())
+        .backoff(quick())
+        .build()
+        .unwrap();
+    let mut problems = Vec::new();
+    for i in 0..6 {
+        emit(&pool, vec![text(&format!("m{i}"))]).await;
+        let flushed = scalar_text(&pool, "SELECT pg_current_wal_flush_lsn()::text").await;
+        let report = if i % 2 == 0 {
+            relay.relay_once().await.unwrap()
+        } else {
+            relay.drain().await.unwrap()
+        };
+        let (active, past): (bool, bool) = sqlx::query_as(
+            "SELECT active, confirmed_flush_lsn >= $1::pg_lsn FROM pg_replication_slots \
+             WHERE slot_name = 'pgbox_outbox'",
+        )
+        .bind(&flushed)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if report.published != 1 || active || !past {
+            problems.push(format!(
+                "call {i}: published {}, slot active {active}, confirmed_flush_lsn past {flushed}: {past}",
+                report.published
+            ));
+        }
+    }
+    assert!(problems.is_empty(), "{problems:#?}");
+}

@@ -23,12 +23,15 @@
 //! when the idle server has sent WAL the client has not received for 8 s while the relay
 //! was not holding back (see the `stream` module; backpressure is never taken for silence).
 //! The reader holds at most `max_in_flight_bytes` of decoded transactions (one larger
-//! transaction is taken whole) and the client's queue at most 64 more emits. The client's worker answers
-//! keepalives and sends status updates while a publish or an outage backoff takes longer than
-//! `wal_sender_timeout`. [`run`](WalRelay::run) keeps the session open;
+//! transaction is taken whole) and the client's queue at most 64 more emits. The client's
+//! worker answers keepalives and sends status updates while a publish or an outage backoff
+//! takes longer than `wal_sender_timeout`. [`run`](WalRelay::run) keeps the session open;
 //! [`relay_once`](WalRelay::relay_once) and [`drain`](WalRelay::drain) open it and end it
-//! before they return, once the server has the confirmed position (the slot is free between
-//! calls). It needs a role with `REPLICATION`, a free walsender (`max_wal_senders`), a direct
+//! before they return: they send the confirmed position, end the session after it, and wait
+//! (about 2 s at most) until the slot shows that position (`confirmed_flush_lsn`) and is
+//! free (free between calls). Past that bound they return anyway and log a warning; the next
+//! session then starts from the position the server kept, and what lies after it is offered
+//! again (at-least-once). It needs a role with `REPLICATION`, a free walsender (`max_wal_senders`), a direct
 //! connection (poolers do not pass the replication protocol) and no TLS (not built); each
 //! refusal is an [`Error::WalStream`].
 //!
@@ -629,8 +632,10 @@ impl<P: Publisher> WalRelay<P> {
     /// publish them, move the slot past the confirmed ones.
     ///
     /// The streaming reader opens its replication session for the call and ends it before
-    /// returning, once the server has the confirmed position (the slot is free between calls,
-    /// as with the SQL-function reader); [`run`](Self::run) keeps it open.
+    /// returning, after sending the confirmed position; it waits (about 2 s at most) until
+    /// the slot shows that position and is free (free between calls, as with the
+    /// SQL-function reader; past the bound it returns anyway and logs a warning, see the
+    /// module docs); [`run`](Self::run) keeps the session open.
     pub async fn relay_once(&self) -> Result<WalRoundReport> {
         let result = self.round_once(Target::Now).await.map(|(report, _)| report);
         self.end_bounded_call().await;
@@ -646,8 +651,9 @@ impl<P: Publisher> WalRelay<P> {
         parse_lsn(&text).map_err(|e| self.protocol_error(e))
     }
 
-    /// After `relay_once` or `drain`: ends the streaming reader's session, after the server
-    /// got the confirmed position, and waits (briefly) until the slot is free.
+    /// After `relay_once` or `drain`: ends the streaming reader's session after sending the
+    /// confirmed position, and waits (about 2 s at most) until the slot shows that position
+    /// and is free.
     async fn end_bounded_call(&self) {
         let mut reader = self.reader.lock().await;
         self.close_stream(&mut reader).await;
@@ -661,19 +667,37 @@ impl<P: Publisher> WalRelay<P> {
         let Some(conn) = reader.conn.as_mut() else {
             return;
         };
+        let confirmed = reader.advanced_to;
+        let mut shown = None;
         for _ in 0..200 {
-            let active: Option<bool> = sqlx::query_scalar(
-                "SELECT active FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
+            let row: Option<(bool, Option<String>)> = sqlx::query_as(
+                "SELECT active, confirmed_flush_lsn::text \
+                 FROM pg_catalog.pg_replication_slots WHERE slot_name = $1",
             )
             .persistent(false)
             .bind(self.slot.name())
             .fetch_optional(&mut *conn)
             .await
             .unwrap_or(None);
-            if active != Some(true) {
+            // Gone, or unreadable: the next call reports it.
+            let Some((active, kept)) = row else {
+                return;
+            };
+            let kept = kept.as_deref().and_then(|t| parse_lsn(t).ok()).unwrap_or(0);
+            shown = Some(kept);
+            if !active && kept >= confirmed {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if let Some(kept) = shown.filter(|&kept| kept < confirmed) {
+            tracing::warn!(
+                slot = self.slot.name(),
+                confirmed = %format_lsn(confirmed),
+                kept = %format_lsn(kept),
+                "pgbox WAL relay: the server did not show the confirmed position within 2 s; \
+                 the next read starts from the position it kept and offers again what lies after it"
+            );
         }
     }
 
