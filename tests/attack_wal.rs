@@ -30,49 +30,10 @@ use std::time::Duration;
 
 use pgbox::transport::{PublishError, Publisher};
 use pgbox::{
-    DeadLetters, Envelope, Error, Message, Migrator, Outbox, OutboxMode, RetryPolicy, WalRelay,
-    WalSlot,
+    DeadLetters, Envelope, Error, Message, Migrator, Outbox, OutboxMode, WalRelay, WalSlot,
 };
-use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, Executor, PgPool};
-use support::cluster::Cluster;
-
-async fn pool(url: &str) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(8)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect(url)
-        .await
-        .unwrap()
-}
-
-/// A private cluster with `wal_level = logical`, the settings `extra` (`ALTER SYSTEM`, then a
-/// restart), migrated, with the slot `pgbox_outbox`. (Copied from tests/wal_review.rs.)
-async fn logical(extra: &'static [&'static str]) -> (Cluster, PgPool, WalSlot) {
-    let cluster = tokio::task::spawn_blocking(move || {
-        let cluster = Cluster::start_logical();
-        if !extra.is_empty() {
-            for setting in extra {
-                cluster.psql(&format!("ALTER SYSTEM SET {setting}"));
-            }
-            cluster.pg_ctl(&["-m", "fast", "restart"]);
-        }
-        cluster
-    })
-    .await
-    .unwrap();
-    let pool = pool(&cluster.url("postgres")).await;
-    pgbox::migrate(&pool).await.unwrap();
-    let slot = WalSlot::new("pgbox_outbox").unwrap();
-    slot.create(&pool).await.unwrap();
-    (cluster, pool, slot)
-}
-
-fn quick() -> RetryPolicy {
-    RetryPolicy::new()
-        .base_delay(Duration::from_millis(1))
-        .max_delay(Duration::from_millis(5))
-}
+use support::wal::{logical, quick};
 
 /// A broker the test controls, per payload: refused, unavailable, or taken. Records what it
 /// took, in order, with the message's key.

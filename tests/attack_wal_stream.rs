@@ -31,61 +31,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pgbox::transport::{PublishError, Publisher};
-use pgbox::{Envelope, Message, Outbox, OutboxMode, RetryPolicy, WalReader, WalRelay, WalSlot};
+use pgbox::{Envelope, Message, Outbox, OutboxMode, WalReader, WalRelay, WalSlot};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{Executor, PgPool};
-use support::cluster::Cluster;
+use support::wal::{logical, logical_at, pool, quick};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_util::sync::CancellationToken;
-
-async fn pool(url: &str) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(6)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect(url)
-        .await
-        .unwrap()
-}
-
-/// A private cluster with `wal_level = logical`, the settings `extra` (`ALTER SYSTEM`, then a
-/// restart), migrated, with the slot `pgbox_outbox`. (As in tests/wal_stream.rs.)
-async fn logical(extra: &'static [&'static str]) -> (Cluster, PgPool, WalSlot) {
-    logical_at(None, extra).await
-}
-
-/// [`logical`] on PostgreSQL `major` (`None`: the default server).
-async fn logical_at(
-    major: Option<u32>,
-    extra: &'static [&'static str],
-) -> (Cluster, PgPool, WalSlot) {
-    let cluster = tokio::task::spawn_blocking(move || {
-        let cluster = match major {
-            Some(major) => Cluster::start_logical_version(major),
-            None => Cluster::start_logical(),
-        };
-        if !extra.is_empty() {
-            for setting in extra {
-                cluster.psql(&format!("ALTER SYSTEM SET {setting}"));
-            }
-            cluster.pg_ctl(&["-m", "fast", "restart"]);
-        }
-        cluster
-    })
-    .await
-    .unwrap();
-    let pool = pool(&cluster.url("postgres")).await;
-    pgbox::migrate(&pool).await.unwrap();
-    let slot = WalSlot::new("pgbox_outbox").unwrap();
-    slot.create(&pool).await.unwrap();
-    (cluster, pool, slot)
-}
-
-fn quick() -> RetryPolicy {
-    RetryPolicy::new()
-        .base_delay(Duration::from_millis(1))
-        .max_delay(Duration::from_millis(5))
-}
 
 /// What a broker took: key, payload, and the envelope's seq and id.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]

@@ -14,52 +14,13 @@ use std::time::Duration;
 
 use pgbox::transport::{PublishError, Publisher};
 use pgbox::{
-    DeadLetters, Envelope, Error, Message, Outbox, OutboxMode, Relay, RetryPolicy, WalReader,
-    WalRelay, WalSlot,
+    DeadLetters, Envelope, Error, Message, Outbox, OutboxMode, Relay, WalReader, WalRelay,
 };
-use sqlx::postgres::PgPoolOptions;
 use sqlx::{Connection, Executor, PgConnection, PgPool};
-use support::cluster::Cluster;
+use support::wal::{logical, pool, quick};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::oneshot;
-
-async fn pool(url: &str) -> PgPool {
-    PgPoolOptions::new()
-        .max_connections(4)
-        .acquire_timeout(Duration::from_secs(30))
-        .connect(url)
-        .await
-        .unwrap()
-}
-
-/// A private cluster with `wal_level = logical`, the settings `extra` (`ALTER SYSTEM`, then a
-/// restart), migrated, with the slot `pgbox_outbox`.
-async fn logical(extra: &'static [&'static str]) -> (Cluster, PgPool, WalSlot) {
-    let cluster = tokio::task::spawn_blocking(move || {
-        let cluster = Cluster::start_logical();
-        if !extra.is_empty() {
-            for setting in extra {
-                cluster.psql(&format!("ALTER SYSTEM SET {setting}"));
-            }
-            cluster.pg_ctl(&["-m", "fast", "restart"]);
-        }
-        cluster
-    })
-    .await
-    .unwrap();
-    let pool = pool(&cluster.url("postgres")).await;
-    pgbox::migrate(&pool).await.unwrap();
-    let slot = WalSlot::new("pgbox_outbox").unwrap();
-    slot.create(&pool).await.unwrap();
-    (cluster, pool, slot)
-}
-
-fn quick() -> RetryPolicy {
-    RetryPolicy::new()
-        .base_delay(Duration::from_millis(1))
-        .max_delay(Duration::from_millis(5))
-}
 
 /// A broker the test controls: up or down (every publish `unavailable`), refusing some
 /// payloads (or all), recording what it was offered and what it took.

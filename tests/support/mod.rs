@@ -7,6 +7,7 @@ pub mod local_pg;
 pub mod nats_cluster;
 pub mod pg_binaries;
 pub mod pooler;
+pub mod wal;
 
 use std::str::FromStr;
 use std::time::Duration;
