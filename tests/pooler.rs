@@ -148,78 +148,89 @@ async fn inbox_workload(pool: &sqlx::PgPool, pooler: pgbox::Pooler, consumer: &s
             let mut errors = Vec::new();
             for d in 0..(KEYS * DELIVERIES / TASKS) {
                 let key = format!("k{}", (t * 7 + d * 13) % KEYS);
-                let effect =
-                    async |conn: &mut pgbox::HandlerConnection<'_>| -> Result<(), pgbox::Error> {
-                        sqlx::query("INSERT INTO effects (consumer, key) VALUES ($1, $2)")
-                            .bind(&consumer)
-                            .bind(&key)
-                            .execute(&mut *conn)
-                            .await?;
-                        Ok(())
-                    };
-                let result: Result<(), pgbox::Error> = async {
-                    match d % 4 {
-                        0 => {
-                            let mut tx = pool.begin().await?;
-                            let _ = inbox.process(&mut tx, key.as_str(), effect).await?;
-                            outbox
-                                .enqueue(
-                                    &mut tx,
-                                    pgbox::Message::json("pooled", &serde_json::json!({"k": key}))?
-                                        .ordering_key(key.clone()),
-                                )
+                // A key another task holds by a lease (the fourth form) is "in progress":
+                // the documented answer is to retry later, as a broker would redeliver.
+                for attempt in 0..200 {
+                    let effect =
+                        async |conn: &mut pgbox::HandlerConnection<'_>| -> Result<(), pgbox::Error> {
+                            sqlx::query("INSERT INTO effects (consumer, key) VALUES ($1, $2)")
+                                .bind(&consumer)
+                                .bind(&key)
+                                .execute(&mut *conn)
                                 .await?;
-                            tx.commit().await?;
-                        }
-                        1 => {
-                            let _ = inbox
-                                .process_and_commit(&pool, key.as_str(), effect)
-                                .await?;
-                        }
-                        2 => {
-                            let mut tx = pool.begin().await?;
-                            let duplicate = inbox.lookup(&mut *tx, key.as_str()).await?;
-                            let claimed = inbox.claim_batch(&mut tx, [key.as_str()]).await?;
-                            assert_eq!(claimed.len(), 1);
-                            if claimed[0] {
-                                // Counted, not asserted: the control run (named statements
-                                // through the pooler) gets other clients' results here.
-                                if duplicate.is_some() {
-                                    return Err(pgbox::Error::InvalidConfig(
-                                        "lookup saw a record, yet the claim succeeded".into(),
-                                    ));
-                                }
-                                sqlx::query("INSERT INTO effects (consumer, key) VALUES ($1, $2)")
-                                    .bind(&consumer)
-                                    .bind(&key)
-                                    .persistent(pooler == pgbox::Pooler::None)
-                                    .execute(&mut *tx)
-                                    .await?;
-                            }
-                            tx.commit().await?;
-                        }
-                        _ => {
-                            if let pgbox::LeaseAttempt::Leased(lease) = inbox
-                                .lease(&pool, key.as_str(), Duration::from_secs(30))
-                                .await?
-                            {
+                            Ok(())
+                        };
+                    let result: Result<(), pgbox::Error> = async {
+                        match d % 4 {
+                            0 => {
                                 let mut tx = pool.begin().await?;
-                                sqlx::query("INSERT INTO effects (consumer, key) VALUES ($1, $2)")
-                                    .bind(&consumer)
-                                    .bind(&key)
-                                    .persistent(pooler == pgbox::Pooler::None)
-                                    .execute(&mut *tx)
+                                let _ = inbox.process(&mut tx, key.as_str(), effect).await?;
+                                outbox
+                                    .enqueue(
+                                        &mut tx,
+                                        pgbox::Message::json("pooled", &serde_json::json!({"k": key}))?
+                                            .ordering_key(key.clone()),
+                                    )
                                     .await?;
                                 tx.commit().await?;
-                                lease.complete(&pool, &()).await?;
+                            }
+                            1 => {
+                                let _ = inbox
+                                    .process_and_commit(&pool, key.as_str(), effect)
+                                    .await?;
+                            }
+                            2 => {
+                                let mut tx = pool.begin().await?;
+                                let duplicate = inbox.lookup(&mut *tx, key.as_str()).await?;
+                                let claimed = inbox.claim_batch(&mut tx, [key.as_str()]).await?;
+                                assert_eq!(claimed.len(), 1);
+                                if claimed[0] {
+                                    // Counted, not asserted: the control run (named statements
+                                    // through the pooler) gets other clients' results here.
+                                    if duplicate.is_some() {
+                                        return Err(pgbox::Error::InvalidConfig(
+                                            "lookup saw a record, yet the claim succeeded".into(),
+                                        ));
+                                    }
+                                    sqlx::query("INSERT INTO effects (consumer, key) VALUES ($1, $2)")
+                                        .bind(&consumer)
+                                        .bind(&key)
+                                        .persistent(pooler == pgbox::Pooler::None)
+                                        .execute(&mut *tx)
+                                        .await?;
+                                }
+                                tx.commit().await?;
+                            }
+                            _ => {
+                                if let pgbox::LeaseAttempt::Leased(lease) = inbox
+                                    .lease(&pool, key.as_str(), Duration::from_secs(30))
+                                    .await?
+                                {
+                                    let mut tx = pool.begin().await?;
+                                    sqlx::query("INSERT INTO effects (consumer, key) VALUES ($1, $2)")
+                                        .bind(&consumer)
+                                        .bind(&key)
+                                        .persistent(pooler == pgbox::Pooler::None)
+                                        .execute(&mut *tx)
+                                        .await?;
+                                    tx.commit().await?;
+                                    lease.complete(&pool, &()).await?;
+                                }
                             }
                         }
+                        Ok(())
                     }
-                    Ok(())
-                }
-                .await;
-                if let Err(e) = result {
-                    errors.push(e.to_string());
+                    .await;
+                    match result {
+                        Err(pgbox::Error::KeyInProgress { .. }) if attempt < 199 => {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                        Err(e) => {
+                            errors.push(e.to_string());
+                            break;
+                        }
+                        Ok(()) => break,
+                    }
                 }
             }
             errors
