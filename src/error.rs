@@ -390,14 +390,21 @@ fn sqlx_message(e: &sqlx::Error) -> String {
 
 impl Error {
     /// Whether rolling back and retrying the whole transaction may succeed: serialization
-    /// failures, deadlocks, lock and statement timeouts, lost connections, pool timeouts,
-    /// [`Error::ConcurrentClaim`] and [`Error::VersionConflict`].
+    /// failures, deadlocks, lock and statement timeouts, lost connections (also a WAL
+    /// relay's replication session: [`WalStreamProblem::Lost`] and
+    /// [`WalStreamProblem::Silent`]), pool timeouts, [`Error::ConcurrentClaim`] and
+    /// [`Error::VersionConflict`].
     pub fn is_retryable(&self) -> bool {
         match self {
             Error::ConcurrentClaim { .. }
             | Error::VersionConflict { .. }
             | Error::KeyInProgress { .. } => true,
             Error::Database { kind, .. } => kind.is_retryable(),
+            // A replication session that broke or went silent: the next try reconnects.
+            Error::WalStream {
+                problem: WalStreamProblem::Lost | WalStreamProblem::Silent,
+                ..
+            } => true,
             _ => false,
         }
     }
@@ -544,6 +551,19 @@ impl fmt::Display for DbErrorKind {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lost_or_silent_replication_session_is_retryable_and_a_refusal_is_not() {
+        let stream = |problem| Error::WalStream {
+            slot: "s".into(),
+            problem,
+            reason: String::new(),
+        };
+        assert!(stream(WalStreamProblem::Lost).is_retryable());
+        assert!(stream(WalStreamProblem::Silent).is_retryable());
+        assert!(!stream(WalStreamProblem::NoReplicationPrivilege).is_retryable());
+        assert!(!stream(WalStreamProblem::UnsupportedOption).is_retryable());
+    }
 
     #[test]
     fn sqlstates_map_to_kinds_and_retryability() {

@@ -13,8 +13,10 @@
 //! before it was received: the server sends a transaction whole at its commit, in WAL order,
 //! and streams only flushed WAL, so a commit written but not yet flushed, as asynchronous
 //! commits are for up to 3 × `wal_writer_delay`, lies after it). A message the transport
-//! refused is offered again from memory; any error ends the session, and the next one starts
-//! from the position this reader confirmed (the server skips what lies before it). A
+//! refused is offered again from memory; any error ends the session and the reader's lock
+//! session, and the next reign starts from the slot's confirmed position (a failover or a
+//! slot made anew never makes it skip what the new slot holds; what this relay settled and
+//! the server did not record is read again and passed over). A
 //! replication connection that stops carrying bytes without breaking (a dropped NAT flow, a
 //! partition without a reset) is given up too
 //! ([`WalStreamProblem::Silent`](crate::WalStreamProblem::Silent)): the reader looks at the
@@ -711,7 +713,7 @@ impl<P: Publisher> WalRelay<P> {
         if result.is_err() {
             // A broken connection (or one whose state is unknown) is not reused: its session,
             // and with it the reader's lock, ends; so does the replication session (the next
-            // one resumes from the position this reader confirmed).
+            // reign resumes from the slot's confirmed position).
             reader.stream = None;
             if let Some(conn) = reader.conn.take() {
                 let _ = conn.close().await;
@@ -822,6 +824,12 @@ impl<P: Publisher> WalRelay<P> {
             reader.conn = Some(conn);
             // A session of an earlier reign (the lock was lost meanwhile) is not reused.
             reader.stream = None;
+            // A new reign starts from the slot's own position, not from what this relay
+            // confirmed in an earlier one: the server may have changed meanwhile (a failover
+            // to a standby that had not received it, a slot created anew), and starting past
+            // the slot's position would skip what it holds. What this relay already settled
+            // is still remembered by position, so reading it again publishes nothing twice.
+            reader.advanced_to = 0;
         }
         report.reader = true;
         let slot_label = [("slot", self.slot.name().to_owned())];
