@@ -153,6 +153,9 @@ async fn walsender_sample(conn: &mut PgConnection, slot: &str) -> Result<stream:
 /// hashtext(slot))`.
 const READER_LOCK_CLASS: i32 = 0x7062_6f77; // "pbow"
 
+/// How a slot error says that another session reads the slot (SQLSTATE 55006).
+const SLOT_IN_USE: &str = "another session reads it";
+
 /// What one [`WalRelay::relay_once`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -761,13 +764,28 @@ impl<P: Publisher> WalRelay<P> {
             reader.lock_checked = Some(std::time::Instant::now());
         }
         if reader.stream.is_none() {
-            let mut stream = stream::Stream::open(
-                &self.pool.connect_options(),
-                slot,
-                self.prefix.clone(),
-                reader.advanced_to,
-            )
-            .await?;
+            // This relay holds the reader's lock, so a session that still has the slot is
+            // almost surely this relay's own previous one (a round cancelled, a session
+            // ended), whose walsender has not exited yet: wait for it, briefly.
+            let mut tries = 0;
+            let mut stream = loop {
+                match stream::Stream::open(
+                    &self.pool.connect_options(),
+                    slot,
+                    self.prefix.clone(),
+                    reader.advanced_to,
+                )
+                .await
+                {
+                    Err(Error::WalSlot { reason, .. })
+                        if tries < 50 && reason.starts_with(SLOT_IN_USE) =>
+                    {
+                        tries += 1;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    other => break other?,
+                }
+            };
             // The walsender that took the slot for this session.
             let conn = reader.conn.as_mut().expect("the reader's connection");
             stream.check_alive(slot, walsender_sample(conn, slot).await?)?;
@@ -1330,7 +1348,7 @@ impl<P: Publisher> WalRelay<P> {
             },
             Some("55006") => Error::WalSlot {
                 slot,
-                reason: format!("another session reads it ({message})"),
+                reason: format!("{SLOT_IN_USE} ({message})"),
             },
             Some("55000")
                 if message.contains("can no longer get changes")

@@ -526,7 +526,7 @@ pub(super) fn stream_error(slot: &str, e: PgWireError) -> Error {
                 Some("42704") => slot_error(format!(
                     "it does not exist ({m}); create it with WalSlot::create or `pgbox wal create-slot`"
                 )),
-                Some("55006") => slot_error(format!("another session reads it ({m})")),
+                Some("55006") => slot_error(format!("{} ({m})", super::SLOT_IN_USE)),
                 Some("55000")
                     if m.contains("can no longer get changes")
                         // PostgreSQL 18: "can no longer access replication slot".
