@@ -29,6 +29,8 @@ mod retry;
 mod state;
 mod status;
 pub mod telemetry;
+#[cfg(feature = "testing")]
+pub mod testing;
 mod traceparent;
 pub mod transport;
 mod version;

@@ -1,0 +1,1 @@
+//! Test support for services built on pgbox (feature `testing`).
