@@ -60,7 +60,9 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+#[cfg(feature = "kafka")]
 use pgbox::transport::kafka::Kafka;
+#[cfg(feature = "nats")]
 use pgbox::transport::nats::Nats;
 use pgbox::transport::rabbitmq::RabbitMq;
 use pgbox::transport::{PgQueue, PublishError, Publisher, Subscriber};
@@ -134,6 +136,7 @@ fn rabbitmq(args: &Args) -> anyhow::Result<RabbitMq> {
         .build()?)
 }
 
+#[cfg(feature = "nats")]
 fn nats(args: &Args) -> anyhow::Result<Nats> {
     Ok(Nats::builder(&args.broker_url)
         .stream("PGBOX_EXAMPLE")
@@ -145,6 +148,7 @@ fn nats(args: &Args) -> anyhow::Result<Nats> {
         .build()?)
 }
 
+#[cfg(feature = "kafka")]
 fn kafka(args: &Args) -> anyhow::Result<Kafka> {
     Ok(Kafka::builder(&args.broker_url)
         .group("pgbox-example")
@@ -153,6 +157,19 @@ fn kafka(args: &Args) -> anyhow::Result<Kafka> {
         // restarts inside it: one message per batch there. Not needed on Apache Kafka.
         .set("batch.num.messages", "1")
         .build()?)
+}
+
+/// What a transport left out of this build says: how to build it in.
+pub(crate) fn needs_feature(feature: &str) -> String {
+    format!(
+        "this example was built without the `{feature}` transport; build it in with \
+         `cargo run --features {feature} --example ...` ({})",
+        if feature == "kafka" {
+            "builds librdkafka: needs make and a C/C++ compiler"
+        } else {
+            "needs a C compiler for ring"
+        }
+    )
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -328,14 +345,20 @@ async fn simulate() -> anyhow::Result<()> {
             args.broker_url = brokers::rabbitmq_url().await;
             args.topic = format!("payment-succeeded-{run}");
         }
+        #[cfg(feature = "nats")]
         TransportKind::Nats => {
             args.broker_url = brokers::nats_url().await;
             args.topic = format!("payment-succeeded-{run}");
         }
+        #[cfg(not(feature = "nats"))]
+        TransportKind::Nats => anyhow::bail!(crate::needs_feature("nats")),
+        #[cfg(feature = "kafka")]
         TransportKind::Kafka => {
             args.broker_url = brokers::kafka_url().await;
             args.topic = format!("payment-succeeded-{run}");
         }
+        #[cfg(not(feature = "kafka"))]
+        TransportKind::Kafka => anyhow::bail!(crate::needs_feature("kafka")),
     }
     let url = demo_db::demo_url().await?;
     let pool = sqlx::postgres::PgPoolOptions::new()
@@ -385,16 +408,22 @@ async fn simulate() -> anyhow::Result<()> {
             rabbit.declare_topic(&args.topic).await?;
             spawn_relay(&pool, rabbit, &args, &counters, &shutdown)?
         }
+        #[cfg(feature = "nats")]
         TransportKind::Nats => {
             let nats = nats(&args)?;
             nats.declare_topic(&args.topic).await?;
             spawn_relay(&pool, nats, &args, &counters, &shutdown)?
         }
+        #[cfg(not(feature = "nats"))]
+        TransportKind::Nats => anyhow::bail!(crate::needs_feature("nats")),
+        #[cfg(feature = "kafka")]
         TransportKind::Kafka => {
             let kafka = kafka(&args)?;
             kafka.declare_topic(&args.topic).await?;
             spawn_relay(&pool, kafka, &args, &counters, &shutdown)?
         }
+        #[cfg(not(feature = "kafka"))]
+        TransportKind::Kafka => anyhow::bail!(crate::needs_feature("kafka")),
     };
 
     // The points service: K consumer instances, each restarted when it crashes.
@@ -596,14 +625,20 @@ async fn run_consumer(
             let rabbit = rabbitmq(&args)?;
             consume(pool, rabbit, inbox, args, counters, shutdown).await
         }
+        #[cfg(feature = "nats")]
         TransportKind::Nats => {
             let nats = nats(&args)?;
             consume(pool, nats, inbox, args, counters, shutdown).await
         }
+        #[cfg(not(feature = "nats"))]
+        TransportKind::Nats => anyhow::bail!(crate::needs_feature("nats")),
+        #[cfg(feature = "kafka")]
         TransportKind::Kafka => {
             let kafka = kafka(&args)?;
             consume(pool, kafka, inbox, args, counters, shutdown).await
         }
+        #[cfg(not(feature = "kafka"))]
+        TransportKind::Kafka => anyhow::bail!(crate::needs_feature("kafka")),
     }
 }
 

@@ -25,6 +25,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+#[cfg(feature = "nats")]
 use pgbox::transport::nats::Nats;
 use pgbox::transport::rabbitmq::RabbitMq;
 use pgbox::transport::{PgQueue, PublishError, Publisher, Subscriber};
@@ -758,6 +759,7 @@ fn rabbit(url: &str, prefix: &str) -> RabbitMq {
         .unwrap()
 }
 
+#[cfg(feature = "nats")]
 fn nats(url: &str) -> Nats {
     Nats::builder(url)
         .stream("PGBOX_TEST")
@@ -832,6 +834,7 @@ async fn rabbitmq_outage_shapes_lose_reorder_and_dead_letter_nothing() {
     broker_outage_shapes(&db.pool, proxied, &direct, &proxy, topic).await;
 }
 
+#[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_outage_shapes_lose_reorder_and_dead_letter_nothing() {
     support::init_tracing();
@@ -885,6 +888,7 @@ async fn rabbitmq_silent_mid_publish_is_an_outage_the_relay_recovers_from() {
 
 /// NATS keeps using a connection that went silent until its own pings give up on it (the
 /// transport does not replace it on publish timeouts, as the RabbitMQ one does).
+#[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_silent_mid_publish_is_an_outage_the_relay_recovers_from() {
     support::init_tracing();
@@ -1259,6 +1263,7 @@ async fn several_relays_through_a_flapping_transport() {
 /// librdkafka reads `topic.<name>` as the default topic configuration's `<name>` (it strips
 /// the prefix when the global name is unknown). `KafkaBuilder::build` used to guard
 /// `partitioner`, `queuing.strategy` and `auto.offset.reset` by their bare names only.
+#[cfg(feature = "kafka")]
 #[test]
 fn kafka_builder_refuses_guarded_settings_under_their_topic_prefix() {
     use pgbox::transport::kafka::Kafka;
@@ -1298,6 +1303,7 @@ fn kafka_builder_refuses_guarded_settings_under_their_topic_prefix() {
 /// a setting pgbox sets itself under a name that would race with pgbox's (librdkafka's
 /// aliases are separate keys of `ClientConfig`'s map, applied in no set order). Each is
 /// refused, naming the setting; what pgbox leaves to the user is still accepted.
+#[cfg(feature = "kafka")]
 #[test]
 fn kafka_builder_refuses_owned_and_guarded_settings_under_their_aliases() {
     use pgbox::transport::kafka::Kafka;
@@ -1340,6 +1346,7 @@ fn kafka_builder_refuses_owned_and_guarded_settings_under_their_aliases() {
 
 /// What librdkafka's default topic configuration holds for `bare` after `key` = `value` was
 /// set on the global configuration (as `ClientConfig::set` does).
+#[cfg(feature = "kafka")]
 fn effective_topic_setting(key: &str, value: &str, bare: &str) -> String {
     use rdkafka::bindings as rd;
     use std::ffi::{CStr, CString};

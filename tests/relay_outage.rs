@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
+#[cfg(feature = "nats")]
 use pgbox::transport::nats::Nats;
 use pgbox::transport::rabbitmq::RabbitMq;
 use pgbox::transport::{PgQueue, PublishError, Publisher, Subscriber};
@@ -263,6 +264,7 @@ async fn rabbitmq_outage_longer_than_the_retry_budget_dead_letters_nothing() {
     assert_all_in_key_order(&delivered);
 }
 
+#[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nats_outage_longer_than_the_retry_budget_dead_letters_nothing() {
     support::init_tracing();
@@ -480,11 +482,13 @@ async fn an_outage_shows_in_the_doctor_as_a_stalled_outbox() {
 
 /// A tansu broker of this test's own, advertised at `proxy`'s address (so every client
 /// connection goes through the proxy); killed, and its directory removed, on drop.
+#[cfg(feature = "kafka")]
 struct OwnKafka {
     child: std::process::Child,
     dir: std::path::PathBuf,
 }
 
+#[cfg(feature = "kafka")]
 impl Drop for OwnKafka {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -493,6 +497,7 @@ impl Drop for OwnKafka {
     }
 }
 
+#[cfg(feature = "kafka")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_outage_longer_than_the_retry_budget_dead_letters_nothing() {
     use pgbox::transport::kafka::Kafka;

@@ -34,6 +34,19 @@ mod service;
 
 mod cli;
 
+/// What a transport left out of this build says: how to build it in.
+pub(crate) fn needs_feature(feature: &str) -> String {
+    format!(
+        "this example was built without the `{feature}` transport; build it in with \
+         `cargo run --features {feature} --example payment_services` ({})",
+        if feature == "kafka" {
+            "builds librdkafka: needs make and a C/C++ compiler"
+        } else {
+            "needs a C compiler for ring"
+        }
+    )
+}
+
 #[tokio::main]
 async fn main() -> std::process::ExitCode {
     if cli::run(std::env::args_os().collect()).await {

@@ -85,16 +85,22 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
             let broker = service::BrokerReady::watch_topic(&rabbit, &args.topic, shutdown.clone());
             (spawn_consumer(&pool, rabbit, &args, &shutdown)?, broker)
         }
+        #[cfg(feature = "nats")]
         TransportKind::Nats => {
             let nats = args.nats()?;
             let broker = service::BrokerReady::watch_topic(&nats, &args.topic, shutdown.clone());
             (spawn_consumer(&pool, nats, &args, &shutdown)?, broker)
         }
+        #[cfg(not(feature = "nats"))]
+        TransportKind::Nats => anyhow::bail!(crate::needs_feature("nats")),
+        #[cfg(feature = "kafka")]
         TransportKind::Kafka => {
             let kafka = args.kafka()?;
             let broker = service::BrokerReady::watch_topic(&kafka, &args.topic, shutdown.clone());
             (spawn_consumer(&pool, kafka, &args, &shutdown)?, broker)
         }
+        #[cfg(not(feature = "kafka"))]
+        TransportKind::Kafka => anyhow::bail!(crate::needs_feature("kafka")),
     };
     let gauges = service::spawn_gauges(pool.clone(), gauge_schemas, shutdown.clone());
 

@@ -116,6 +116,7 @@ impl ServiceArgs {
         Ok(builder.build()?)
     }
 
+    #[cfg(feature = "nats")]
     pub fn nats(&self) -> anyhow::Result<pgbox::transport::nats::Nats> {
         let mut builder = pgbox::transport::nats::Nats::builder(self.broker_url())
             .stream("PGBOX_SERVICES")
@@ -130,6 +131,7 @@ impl ServiceArgs {
         Ok(builder.build()?)
     }
 
+    #[cfg(feature = "kafka")]
     pub fn kafka(&self) -> anyhow::Result<pgbox::transport::kafka::Kafka> {
         let mut builder =
             pgbox::transport::kafka::Kafka::builder(self.broker_url()).group("points-service");
@@ -330,12 +332,14 @@ impl DeclareTopic for pgbox::transport::rabbitmq::RabbitMq {
     }
 }
 
+#[cfg(feature = "nats")]
 impl DeclareTopic for pgbox::transport::nats::Nats {
     async fn declare(&self, topic: &str) -> pgbox::Result<()> {
         self.declare_topic(topic).await
     }
 }
 
+#[cfg(feature = "kafka")]
 impl DeclareTopic for pgbox::transport::kafka::Kafka {
     async fn declare(&self, topic: &str) -> pgbox::Result<()> {
         // Declared once; the readiness probe asks the cluster each time.

@@ -735,7 +735,7 @@ pub mod kafka {
     use std::process::{Child, Command, Stdio};
     use std::time::{Duration, Instant};
 
-    use super::{Proxy, run};
+    use super::Proxy;
 
     /// The shared broker's address.
     pub const SHARED: &str = "127.0.0.1:19092";
@@ -751,46 +751,24 @@ pub mod kafka {
         home.join(".cache/pgbox")
     }
 
-    /// The tansu binary, built with `cargo install` the first time (several minutes, once
-    /// per machine; a file lock makes concurrent test binaries wait for one build).
+    /// The tansu binary: `PGBOX_TANSU`, else the one `scripts/kafka-test-broker.sh` built
+    /// into `~/.cache/pgbox/tansu-<version>`. A test never builds it (a `cargo install`
+    /// inside a test runs for minutes with its progress hidden by the test harness): it says
+    /// what to run instead.
     pub fn tansu() -> Result<PathBuf, String> {
         if let Some(path) = std::env::var_os("PGBOX_TANSU") {
             return Ok(PathBuf::from(path));
         }
-        let root = cache_root().join(format!("tansu-{TANSU_VERSION}"));
-        let binary = root.join("bin/tansu");
+        let binary = cache_root().join(format!("tansu-{TANSU_VERSION}/bin/tansu"));
         if binary.exists() {
-            return Ok(binary);
-        }
-        std::fs::create_dir_all(cache_root()).map_err(|e| format!("create cache dir: {e}"))?;
-        let lock_path = cache_root().join("tansu-build.lock");
-        let lock = File::create(&lock_path).map_err(|e| format!("create {lock_path:?}: {e}"))?;
-        lock.lock()
-            .map_err(|e| format!("lock {lock_path:?}: {e}"))?;
-        if binary.exists() {
-            return Ok(binary);
-        }
-        eprintln!(
-            "pgbox: building the Kafka-protocol broker tansu {TANSU_VERSION} once for this \
-             machine (cargo install; several minutes)"
-        );
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        // --locked: tansu 0.6.0 does not compile against its dependencies' newest
-        // versions. Its default features have no storage engine; memory storage comes with
-        // dynostore.
-        run(Command::new(cargo)
-            .args(["install", "tansu", "--version", TANSU_VERSION, "--locked"])
-            .args(["--features", "postgres,dynostore", "--root"])
-            .arg(&root)
-            .arg("--target-dir")
-            .arg(cache_root().join("tansu-target"))
-            .env_remove("RUSTFLAGS")
-            .env("CARGO_INCREMENTAL", "0"))?;
-        if binary.exists() {
-            let _ = std::fs::remove_dir_all(cache_root().join("tansu-target"));
             Ok(binary)
         } else {
-            Err(format!("cargo install tansu did not produce {binary:?}"))
+            Err(format!(
+                "the Kafka tests need the Kafka-protocol broker tansu {TANSU_VERSION}, not \
+                 built on this machine yet ({binary:?} is missing): run \
+                 `bash scripts/kafka-test-broker.sh` once (several minutes), or set \
+                 PGBOX_TANSU to a tansu binary"
+            ))
         }
     }
 

@@ -4,6 +4,7 @@
 pub mod brokers;
 pub mod cluster;
 pub mod local_pg;
+#[cfg(feature = "nats")]
 pub mod nats_cluster;
 pub mod pg_binaries;
 pub mod pooler;
