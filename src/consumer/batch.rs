@@ -230,7 +230,7 @@ impl<S: Subscriber> Consumer<S> {
                 tracing::debug!(messages = done.len(), "pgbox batch committed");
                 // All at once: a transport that groups acks (the built-in queue) settles the
                 // batch in one or two statements instead of one round trip per message.
-                let acks = done.iter().map(|(delivery, _)| self.source.ack(delivery));
+                let acks = done.iter().map(|(delivery, _)| self.ack_settled(delivery));
                 for result in futures_util::future::join_all(acks).await {
                     if let Err(e) = result {
                         tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");

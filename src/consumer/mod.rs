@@ -331,6 +331,18 @@ impl AwayTally {
     }
 }
 
+/// What the test kit's `run_until_idle` looks at.
+#[cfg(feature = "testing")]
+impl<S> Consumer<S> {
+    pub(crate) fn source(&self) -> &S {
+        &self.source
+    }
+
+    pub(crate) fn topic(&self) -> &str {
+        &self.topic
+    }
+}
+
 impl<S> fmt::Debug for Consumer<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Consumer")
@@ -623,7 +635,7 @@ impl<S: Subscriber> Consumer<S> {
                     .lookup_on_pool(&self.pool, Key::new(key.as_str()))
                     .await
             {
-                if let Err(e) = self.source.ack(&delivery).await {
+                if let Err(e) = self.ack_settled(&delivery).await {
                     tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
                 }
                 self.away.lock().expect("away tally").forget(&envelope.id);
@@ -663,7 +675,7 @@ impl<S: Subscriber> Consumer<S> {
                     return self.retry(&delivery, &e.to_string()).await;
                 }
             };
-            if let Err(e) = self.source.ack(&delivery).await {
+            if let Err(e) = self.ack_settled(&delivery).await {
                 // Committed but not acked: the redelivery will be a duplicate.
                 tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
             }
@@ -672,6 +684,21 @@ impl<S: Subscriber> Consumer<S> {
         }
         .instrument(span)
         .await
+    }
+
+    /// Acks a delivery the inbox settled (processed, rejected, a duplicate). With the test
+    /// kit's `consumer.after_handler_commit_before_ack` fault point armed, hands it back
+    /// unacked instead, as a runner that died there would.
+    async fn ack_settled(&self, delivery: &S::Delivery) -> Result<bool> {
+        #[cfg(feature = "testing")]
+        {
+            let point = crate::testing::FaultPoint::ConsumerAfterHandlerCommitBeforeAck;
+            if crate::testing::hit(point) {
+                let crash = crate::testing::crash(point).to_string();
+                return self.source.nack(delivery, Duration::ZERO, &crash).await;
+            }
+        }
+        self.source.ack(delivery).await
     }
 
     /// The inbox key of `envelope`: the configured key function's, or the message id. A
@@ -769,7 +796,7 @@ impl<S: Subscriber> Consumer<S> {
                     return self.retry(&delivery, &e.to_string()).await;
                 }
             };
-            if let Err(e) = self.source.ack(&delivery).await {
+            if let Err(e) = self.ack_settled(&delivery).await {
                 tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
             }
             self.away.lock().expect("away tally").forget(&envelope.id);

@@ -755,6 +755,14 @@ impl<P: Publisher> Relay<P> {
                 Some(_) => vec![Some(Ok(())); batch.len()],
                 None => self.publish_in_key_order(&batch).await,
             };
+            #[cfg(feature = "testing")]
+            {
+                // The test kit's fault point: die after the publish, before the settling.
+                let point = crate::testing::FaultPoint::RelayAfterPublishBeforeMark;
+                if crate::testing::hit(point) {
+                    return Err(crate::testing::crash(point));
+                }
+            }
             let confirmed_at = OffsetDateTime::now_utc();
             let mut tally = Tally::default();
             let (mut done, mut retry, mut dead) = (Vec::new(), Vec::new(), Vec::new());
