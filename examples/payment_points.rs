@@ -160,6 +160,7 @@ fn kafka(args: &Args) -> anyhow::Result<Kafka> {
 }
 
 /// What a transport left out of this build says: how to build it in.
+#[cfg(not(all(feature = "nats", feature = "kafka")))]
 pub(crate) fn needs_feature(feature: &str) -> String {
     format!(
         "this example was built without the `{feature}` transport; build it in with \
