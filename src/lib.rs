@@ -1,5 +1,6 @@
 #![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(
     missing_docs,
     missing_debug_implementations,
@@ -34,6 +35,11 @@ pub mod testing;
 mod traceparent;
 pub mod transport;
 mod version;
+
+/// The sqlx pgbox is built on (0.9, PostgreSQL, tokio): use `pgbox::sqlx` instead of a
+/// dependency of your own to be sure the pool and transaction types are the ones pgbox takes
+/// (two sqlx versions in one build make `PgPool` two different types).
+pub use sqlx;
 
 /// Cancels a [`Relay`] or [`Consumer`] run (re-exported from `tokio-util`).
 pub use tokio_util::sync::CancellationToken;
