@@ -82,7 +82,11 @@ async fn reach(url: &str) -> Result<(), String> {
 /// The newest `/usr/lib/postgresql/<major>/bin` holding `initdb`, or `$PG_BIN`.
 fn find_bindir() -> Result<PathBuf, String> {
     if let Some(dir) = std::env::var_os("PG_BIN") {
-        return Ok(PathBuf::from(dir));
+        let dir = PathBuf::from(dir);
+        if !dir.join("initdb").exists() {
+            return Err(format!("PG_BIN={}: no initdb there", dir.display()));
+        }
+        return Ok(dir);
     }
     let entries = std::fs::read_dir("/usr/lib/postgresql").map_err(|e| {
         format!(
@@ -148,8 +152,17 @@ fn start_private_cluster() -> Result<String, String> {
         uuid::Uuid::now_v7().simple()
     ));
     std::fs::create_dir_all(&dir).map_err(|e| format!("create {dir:?}: {e}"))?;
+    let started = start_in(&bindir, root, &dir);
+    if started.is_err() {
+        // Nothing of it runs: leave no directory behind.
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    started
+}
+
+fn start_in(bindir: &Path, root: bool, dir: &Path) -> Result<String, String> {
     if root {
-        run(Command::new("chown").arg("postgres:postgres").arg(&dir))?;
+        run(Command::new("chown").arg("postgres:postgres").arg(dir))?;
     }
     let data = dir.join("data");
     run(as_server_user(root, &bindir.join("initdb"))
@@ -181,7 +194,7 @@ fn start_private_cluster() -> Result<String, String> {
         .arg("-l")
         .arg(dir.join("server.log"))
         .args(["-w", "-t", "60", "-o", &options, "start"]))?;
-    watch_over(root, &pg_ctl, &dir);
+    watch_over(root, &pg_ctl, dir);
     Ok(format!("postgres://postgres@127.0.0.1:{port}/postgres"))
 }
 
