@@ -366,6 +366,7 @@ pub enum WalStreamProblem {
 /// detail and hint when it sent them; not the server's source-file position, which sqlx's
 /// own display appends ("at line 334").
 pub(crate) fn database_message(db: &dyn sqlx::error::DatabaseError) -> String {
+    let ours = missing_object_hint(db);
     let mut text = db.message().to_owned();
     if let Some(code) = db.code() {
         text.push_str(&format!(" (SQLSTATE {code})"));
@@ -374,11 +375,92 @@ pub(crate) fn database_message(db: &dyn sqlx::error::DatabaseError) -> String {
         if let Some(detail) = pg.detail() {
             text.push_str(&format!("; {detail}"));
         }
-        if let Some(hint) = pg.hint() {
+        // The server's hint for a missing function of pgbox's ("You might need to add
+        // explicit type casts") points the wrong way: ours replaces it.
+        if let Some(hint) = pg.hint()
+            && !(ours.is_some() && db.code().as_deref() == Some("42883"))
+        {
             text.push_str(&format!("; hint: {hint}"));
         }
     }
+    if let Some(hint) = ours {
+        text.push_str("; ");
+        text.push_str(hint);
+    }
     text
+}
+
+/// What to do when the server says one of pgbox's own objects does not exist: the schema was
+/// never migrated, or was migrated by an older pgbox than this one.
+pub(crate) const MIGRATE_HINT: &str = "pgbox's tables are missing or older than this pgbox: \
+     run its migrations (`pgbox::migrate(&pool)` at start-up, \
+     `pgbox::Migrator::new().schema(\"NAME\")?.run(&pool)` for a schema other than `pgbox`, \
+     or `pgbox migrate [--schema NAME]` from the command line)";
+
+/// The tables, functions and sequences pgbox's migrations create: a missing one of these
+/// names means an unmigrated or outdated schema, not an application bug.
+const PGBOX_OBJECTS: &[&str] = &[
+    crate::migrate::HISTORY_TABLE,
+    "enable_partitioned_inbox",
+    "inbox",
+    "inbox_claim_bounded",
+    "inbox_lease",
+    "inbox_lease_token_seq",
+    "inbox_partitioning",
+    "inbox_partitions",
+    "inbox_partitions_create",
+    "inbox_partitions_create_ahead",
+    "inbox_partitions_expired",
+    "inbox_refuse_new_claims",
+    "inbox_refuse_new_claims_install",
+    "outbox",
+    "outbox_dead_letters",
+    "outbox_notify",
+    "partitioned_inbox",
+    "partitioned_inbox_check_isolation",
+    "partitioned_inbox_claim",
+    "partitioned_inbox_claim_batch",
+    "partitioned_inbox_lock_id",
+    "queue",
+    "queue_dead_letters",
+    "queue_notify",
+    "queue_receive",
+    "sequence_watermarks",
+];
+
+/// [`MIGRATE_HINT`] when `db` says an object of pgbox's is missing: an undefined table
+/// (42P01) or function (42883) of one of pgbox's names, a column missing from one of pgbox's
+/// tables (42703: a newer migration adds it), or an undefined schema (3F000, which names no
+/// object to check). The SQLSTATE decides; the message is read only for the object's name.
+fn missing_object_hint(db: &dyn sqlx::error::DatabaseError) -> Option<&'static str> {
+    let code = db.code()?;
+    let message = db.message();
+    // The name as the server quotes it, `"schema.table"` or `"table"`, without the schema.
+    let quoted = |after: &str| -> Option<String> {
+        let start = message.find(after)? + after.len();
+        let rest = message[start..].strip_prefix('"')?;
+        let name = &rest[..rest.find('"')?];
+        Some(name.rsplit('.').next().unwrap_or(name).to_owned())
+    };
+    let ours = |name: Option<String>| name.is_some_and(|n| PGBOX_OBJECTS.contains(&n.as_str()));
+    let missing = match code.as_ref() {
+        "3F000" => true,
+        "42P01" => ours(quoted("relation ")),
+        "42703" => ours(quoted("of relation ")),
+        // `function pgbox.inbox_lease(text, text) does not exist`: no quotes.
+        "42883" => ours(message.strip_prefix("function ").and_then(|rest| {
+            let name = &rest[..rest.find('(')?];
+            Some(
+                name.rsplit('.')
+                    .next()
+                    .unwrap_or(name)
+                    .trim_matches('"')
+                    .to_owned(),
+            )
+        })),
+        _ => false,
+    };
+    missing.then_some(MIGRATE_HINT)
 }
 
 fn sqlx_message(e: &sqlx::Error) -> String {
@@ -458,7 +540,11 @@ pub enum DbErrorKind {
     PoolTimedOut,
     /// 25P02: an earlier statement already aborted this transaction.
     TransactionAborted,
-    /// 3F000 / 42P01: the pgbox schema or table does not exist (run the migrations).
+    /// 3F000 / 42P01: a schema or table does not exist. When it is one of pgbox's, the
+    /// error's message says to run the migrations ([`migrate`](fn@crate::migrate),
+    /// [`Migrator`](crate::Migrator), or `pgbox migrate`), as it does for a missing function
+    /// or column of pgbox's (42883, 42703: a schema migrated by an older pgbox; those keep
+    /// their kind, [`DbErrorKind::Other`]).
     MissingSchema,
     /// 25006: the server only allows reads: a hot standby (the address clients use points at
     /// a standby: not yet moved to the promoted one after a failover, or a pool made before a
