@@ -23,7 +23,7 @@ pub const FIRST_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 ///   (`postgres://db1,db2/app`, which sqlx would look up as one host name) and
 ///   `target_session_attrs` other than `any` (which sqlx ignores, so it would connect to a
 ///   standby as readily as to the primary). After a failover, clients must reach the new
-///   primary through one address that follows it: see the README's "Failover".
+///   primary through one address that follows it: see the guide's "Failover" chapter (guide/src/failover.md).
 /// - Nothing listening is reported at once as [`Error::Connect`] with the address ("connection
 ///   refused"), not after the pool's acquire timeout.
 /// - A refused login, a missing database and other server errors keep the server's message

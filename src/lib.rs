@@ -1,4 +1,4 @@
-#![doc = include_str!("../README.md")]
+#![doc = include_str!("front_page.md")]
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![warn(
@@ -13,6 +13,7 @@ mod consumer;
 pub mod doctor;
 mod error;
 mod grants;
+mod guide_doctests;
 #[cfg(feature = "axum")]
 pub mod idempotency;
 mod ident;

@@ -31,7 +31,7 @@ use crate::error::Result;
 /// What stands between pgbox and PostgreSQL (default [`Pooler::None`]).
 ///
 /// Set it on every component that reaches PostgreSQL through a pooler in transaction mode;
-/// see the README's "Running in production: poolers, roles, failover" for what each
+/// see the guide's "Poolers" chapter (guide/src/pooler.md) for what each
 /// component does there.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]

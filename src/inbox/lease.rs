@@ -462,7 +462,7 @@ impl Lease {
     /// retry of the call by the same holder is deduplicated by the remote side, while a
     /// takeover's call carries another key and a larger token. To make the effect happen
     /// once across holders, the remote side must also refuse or dedup by the business
-    /// resource (see the README, "Effects outside the database").
+    /// resource (see the guide's "Effects outside the database" chapter).
     pub fn idempotency_key(&self) -> String {
         format!("{}:{}", self.inbox.consumer(), self.token)
     }

@@ -84,7 +84,7 @@ pub enum OutboxMode {
     /// Logical-decoding messages in the WAL (`pg_logical_emit_message`, transactional),
     /// published by a [`WalRelay`](crate::WalRelay) from a replication slot: no row, no index
     /// entry, nothing to delete or vacuum. Needs `wal_level = logical` and a slot (see
-    /// [`WalSlot`](crate::WalSlot)); see the README's "Which outbox".
+    /// [`WalSlot`](crate::WalSlot)); see the guide's "The outbox" chapter.
     Wal,
 }
 

@@ -369,8 +369,8 @@ enum Target {
 }
 
 /// Publishes the WAL outbox of one schema from a logical replication slot. Build with
-/// [`WalRelay::builder`]; run with [`WalRelay::run`]. See the module docs in the README's
-/// "The WAL outbox".
+/// [`WalRelay::builder`]; run with [`WalRelay::run`]. See the guide's "The WAL
+/// outbox" chapter.
 pub struct WalRelay<P> {
     pool: PgPool,
     slot: WalSlot,

@@ -220,7 +220,7 @@ impl KafkaBuilder {
     /// partitions until [`session_timeout`](Self::session_timeout) passes, since a static
     /// member does not leave its group on shutdown. At most one running process per id:
     /// the broker fences the older of two. On tansu 0.6 this is also what lets a restarted
-    /// consumer take over from a SIGKILLed predecessor that led the group (see the README).
+    /// consumer take over from a SIGKILLed predecessor that led the group (see the guide's Kafka chapter).
     pub fn instance_id(mut self, id: impl Into<String>) -> Self {
         self.instance_id = Some(id.into());
         self
