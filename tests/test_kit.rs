@@ -325,6 +325,48 @@ async fn a_relay_crash_after_publishing_sends_the_message_twice_and_the_inbox_ap
     db.close().await.unwrap();
 }
 
+#[tokio::test]
+async fn what_a_handler_enqueues_is_relayed_before_it_is_idle() {
+    let db = TestDatabase::new().await.unwrap();
+    let pool = db.pool();
+    enqueue_credit(pool, "a", 5).await;
+    let queue = PgQueue::new(pool.clone());
+    let relay = Relay::builder(pool.clone(), queue.clone()).build().unwrap();
+    let consumer = credits_consumer(pool, queue);
+    // Each credit, once applied, announces itself on another topic.
+    let report = run_until_idle(
+        &relay,
+        &consumer,
+        async |e: &Envelope, conn: &mut HandlerConnection<'_>| {
+            let credit: Credit = e.json()?;
+            Outbox::new()
+                .enqueue(
+                    conn,
+                    Message::json("credited", &credit)?.ordering_key(credit.account.as_str()),
+                )
+                .await?;
+            Ok::<_, pgbox::Error>(())
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        report.published, 2,
+        "the credit and the announcement: {report:?}"
+    );
+    let announced: Vec<(String, i64)> =
+        sqlx::query_as("SELECT topic, (SELECT count(*) FROM pgbox.outbox) FROM pgbox.queue")
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        announced,
+        [("credited".to_owned(), 0)],
+        "relayed, waiting for its consumer"
+    );
+    db.close().await.unwrap();
+}
+
 async fn always_fails(_: &Envelope, _: &mut HandlerConnection<'_>) -> Result<(), pgbox::Error> {
     Err(pgbox::Error::InvalidConfig("always fails".into()))
 }
