@@ -12,6 +12,7 @@ mod local_pg;
 
 use pgbox::{Inbox, Outcome};
 use serde::{Deserialize, Serialize};
+use time::format_description::well_known::Rfc3339;
 
 /// What the handler returns: stored with the inbox row and handed back to every duplicate.
 #[derive(Debug, Serialize, Deserialize)]
@@ -65,7 +66,7 @@ async fn main() -> anyhow::Result<()> {
             }
             Outcome::Duplicate(dup) => println!(
                 "delivery {delivery}: duplicate of the delivery at {}, original answer {:?}",
-                dup.first_processed_at,
+                dup.first_processed_at.format(&Rfc3339)?,
                 dup.outcome::<Grant>()?
             ),
             other => println!("delivery {delivery}: {other:?}"),

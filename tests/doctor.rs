@@ -112,6 +112,29 @@ async fn a_freshly_migrated_schema_is_all_ok_and_exits_0() {
     let text = expect_exit(&pgbox_cli(&db.url(), &["doctor"]), EXIT_OK);
     assert!(text.contains("0 critical, 0 warning(s), 11 ok"), "{text}");
     assert!(text.contains("migrations_current"), "{text}");
+    // All ok: nothing under "what to do", no "Nothing to do." repeated per finding; the
+    // superuser the tests run as is a note, not advice under an ok line.
+    assert!(!text.contains("what to do"), "{text}");
+    assert!(!text.contains("Nothing to do."), "{text}");
+    let superuser: bool =
+        sqlx::query_scalar("SELECT rolsuper FROM pg_roles WHERE rolname = current_user")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        text.contains("note: Services should not run as a superuser"),
+        superuser,
+        "{text}"
+    );
+    // When, in RFC 3339 (`2026-11-27T01:45:54.226621Z`), not `2026-11-27 1:45:54.226621 +00:00:00`.
+    let at = text
+        .lines()
+        .next()
+        .and_then(|l| l.split(", at ").nth(1))
+        .and_then(|l| l.split(": ").next())
+        .unwrap_or_else(|| panic!("no time in the summary line: {text}"));
+    time::OffsetDateTime::parse(at, &time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|e| panic!("{at:?} is not RFC 3339: {e}"));
 
     let out = pgbox_cli(&db.url(), &["doctor", "--json"]);
     expect_exit(&out, EXIT_OK);

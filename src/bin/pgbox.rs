@@ -514,8 +514,9 @@ fn doctor_exit_code(report: &Report) -> u8 {
 /// advice.
 fn doctor_text(report: &Report) -> String {
     let mut out = format!(
-        "pgbox doctor, schema {:?}: {} critical, {} warning(s), {} ok\n",
+        "pgbox doctor, schema {:?}, at {}: {} critical, {} warning(s), {} ok\n",
         report.schema,
+        time_text(Some(report.taken_at)),
         report.count(Severity::Critical),
         report.count(Severity::Warning),
         report.count(Severity::Ok)
@@ -528,12 +529,29 @@ fn doctor_text(report: &Report) -> String {
             Severity::Warning => "WARNING",
             Severity::Critical => "CRITICAL",
         };
-        out.push_str(&format!(
-            "\n{label:<8}  {}: {}\n{:<8}  what to do: {}\n",
-            f.code, f.message, "", f.advice
-        ));
+        out.push_str(&format!("\n{label:<8}  {}: {}\n", f.code, f.message));
+        if let Some((heading, advice)) = advice_line(f.severity, &f.advice) {
+            out.push_str(&format!("{:<8}  {heading}: {advice}\n", ""));
+        }
     }
     out
+}
+
+/// A finding's advice as the text report shows it: "what to do" for a problem; for an ok
+/// finding only what is worth knowing beyond "Nothing to do." (a "note"), else nothing.
+fn advice_line(severity: Severity, advice: &str) -> Option<(&'static str, &str)> {
+    if severity != Severity::Ok {
+        return Some(("what to do", advice));
+    }
+    let rest = advice
+        .strip_prefix("Nothing to do.")
+        .unwrap_or(advice)
+        .trim();
+    let rest = rest
+        .strip_prefix('(')
+        .and_then(|r| r.strip_suffix(')'))
+        .unwrap_or(rest);
+    (!rest.is_empty()).then_some(("note", rest))
 }
 
 async fn run(cli: Cli) -> Result<(), Failure> {
