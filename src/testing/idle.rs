@@ -11,8 +11,8 @@ use super::{FaultPoint, FaultPoints, TestError};
 use crate::error::Error;
 use crate::inbox::HandlerConnection;
 use crate::outbox::Envelope;
-use crate::transport::Publisher;
 use crate::transport::PgQueue;
+use crate::transport::Publisher;
 use crate::{Consumer, ConsumerStats, Relay};
 
 /// How long [`run_until_idle`] waits for idle.
@@ -25,7 +25,9 @@ const LOOK_EVERY: Duration = Duration::from_millis(10);
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct IdleReport {
-    /// Messages the relay published (a message published again after a fault counts again).
+    /// Messages the relay published and settled. A round that failed at a fault point
+    /// settled nothing and is not counted; its messages count when a later round publishes
+    /// them again.
     pub published: usize,
     /// Relay rounds that failed at an armed [`FaultPoint`] (and were run again).
     pub relay_faults: usize,
