@@ -168,18 +168,20 @@ impl Migrator {
             let report = self.run_locked(conn).await?;
             // Success: the lock was released, the connection may go back to the pool.
             drop(guard.0.take());
-            // refinery logs each migration as it applies it (through `log`, which most
-            // subscribers pick up): one summary line here, not a second line per migration.
-            for m in &report.applied {
-                tracing::debug!(version = m.version, name = %m.name, "pgbox migration applied");
-            }
-            if let (Some(first), Some(last)) = (report.applied.first(), report.applied.last()) {
-                tracing::info!(
+            // What an operator needs, once per call; each migration is at DEBUG.
+            match (report.applied.first(), report.applied.last()) {
+                (Some(first), Some(last)) => tracing::info!(
+                    schema = self.schema.as_str(),
                     applied = report.applied.len(),
                     from = first.version,
                     to = last.version,
-                    "pgbox migrations applied"
-                );
+                    "pgbox schema migrated"
+                ),
+                _ => tracing::info!(
+                    schema = self.schema.as_str(),
+                    applied = 0,
+                    "pgbox schema already current"
+                ),
             }
             Ok(report)
         }
@@ -207,15 +209,7 @@ impl Migrator {
             .execute(&mut **conn)
             .await?;
 
-        let mut runner = embedded::migrations::runner();
-        runner.set_migration_table_name(self.history_table());
-        let report = runner
-            .run_async(&mut SqlxMigrationConnection {
-                conn,
-                schema: &self.schema,
-            })
-            .await
-            .map_err(|e| Error::Migration(Box::new(e)))?;
+        let applied = self.apply_pending(conn).await?;
         let partitions_created = match &self.partitioning {
             Some(partitioning) => partitioning.apply(conn, &self.schema).await?,
             None => Vec::new(),
@@ -235,16 +229,77 @@ impl Migrator {
             .execute(&mut **conn)
             .await?;
         Ok(MigrationReport {
-            applied: report
+            applied,
+            partitions_created,
+        })
+    }
+
+    /// Applies the migrations the schema lacks, each in a transaction of its own with its
+    /// history row, as refinery's runner would, but without its INFO line per step (it logs
+    /// through `log`, which most applications' subscribers show): pgbox logs each migration at
+    /// DEBUG and [`run`](Migrator::run) one INFO line per call. A history that is not a plain
+    /// prefix of this build's migrations (an edited, unknown or skipped migration) goes to
+    /// refinery's runner, whose checks refuse it ([`Error::Migration`]).
+    async fn apply_pending(&self, conn: &mut PgConnection) -> Result<Vec<AppliedMigration>> {
+        let history = self.history_table();
+        let mut ours = embedded::migrations::runner().get_migrations().clone();
+        ours.sort_by_key(|m| m.version());
+        let mut db = SqlxMigrationConnection {
+            conn,
+            schema: &self.schema,
+        };
+        db.execute([history_table_ddl(&history).as_str()].into_iter())
+            .await?;
+        let found: Vec<Migration> = db
+            .query(&format!(
+                "SELECT version, name, applied_on, checksum FROM {history} ORDER BY version"
+            ))
+            .await?;
+        let plain_prefix = found.len() <= ours.len()
+            && found.iter().zip(&ours).all(|(a, m)| {
+                a.version() == m.version() && a.name() == m.name() && a.checksum() == m.checksum()
+            });
+        if !plain_prefix {
+            let mut runner = embedded::migrations::runner();
+            runner.set_migration_table_name(&history);
+            let report = runner
+                .run_async(&mut db)
+                .await
+                .map_err(|e| Error::Migration(Box::new(e)))?;
+            return Ok(report
                 .applied_migrations()
                 .iter()
                 .map(|m| AppliedMigration {
                     version: m.version(),
                     name: m.name().to_owned(),
                 })
-                .collect(),
-            partitions_created,
-        })
+                .collect());
+        }
+        let mut applied = Vec::new();
+        for m in &ours[found.len()..] {
+            tracing::debug!(
+                version = m.version(),
+                name = m.name(),
+                "applying pgbox migration"
+            );
+            let record = history_row_sql(&history, m);
+            let sql = m.sql().unwrap_or_default();
+            db.execute([sql, record.as_str()].into_iter())
+                .await
+                .inspect_err(|e| {
+                    tracing::warn!(
+                        version = m.version(),
+                        name = m.name(),
+                        error = %e,
+                        "pgbox migration failed; rolled back"
+                    );
+                })?;
+            applied.push(AppliedMigration {
+                version: m.version(),
+                name: m.name().to_owned(),
+            });
+        }
+        Ok(applied)
     }
 
     /// The migrations already applied to this schema, oldest first (empty if none).

@@ -119,3 +119,55 @@ async fn a_missing_table_of_the_application_is_not_blamed_on_pgbox() {
     assert_eq!(e.db_kind(), Some(DbErrorKind::MissingSchema), "{e}");
     assert!(!e.to_string().contains("pgbox migrate"), "{e}");
 }
+
+/// The log lines of this test binary, as a subscriber that shows INFO prints them
+/// (with `log` records, refinery's and sqlx's, bridged in as most applications have them).
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn migrating_logs_one_info_line_per_call_and_no_notices() {
+    use tracing_subscriber::util::SubscriberInitExt;
+    let captured = Captured::default();
+    let writer = captured.clone();
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .with_writer(move || writer.clone())
+        .finish()
+        .try_init()
+        .expect("the only subscriber of this test binary");
+    let db = TestDb::empty().await;
+    let migrator = pgbox::Migrator::new().schema("first_hour_logs").unwrap();
+    let first = migrator.run(&db.pool).await.unwrap();
+    assert!(!first.applied.is_empty());
+    let again = migrator.run(&db.pool).await.unwrap();
+    assert!(again.applied.is_empty());
+
+    let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+    let ours: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("first_hour_logs"))
+        .collect();
+    assert_eq!(ours.len(), 2, "one line per call:\n{text}");
+    assert!(ours[0].contains("pgbox schema migrated"), "{text}");
+    assert!(ours[1].contains("pgbox schema already current"), "{text}");
+    for noise in [
+        "applying migration",
+        "current version",
+        "no migrations to apply",
+        "already exists, skipping",
+    ] {
+        assert!(!text.contains(noise), "{noise:?} logged:\n{text}");
+    }
+}
