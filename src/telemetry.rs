@@ -47,6 +47,7 @@
 //! | [`WAL_RELAY_UNAVAILABLE`] | counter | `slot` |
 //! | [`WAL_SLOT_RETAINED_BYTES`] | gauge | `slot` |
 //! | [`INBOX_CLAIM_DURATION`] | histogram | `consumer` |
+//! | [`INBOX_LIVENESS_CHECKS`] | counter | `consumer` |
 //! | [`INBOX_LEASE_TAKEOVERS`] | counter | `consumer` |
 //! | [`OUTBOX_BACKLOG`] | gauge | `schema`, `topic` |
 //! | [`OUTBOX_OLDEST_PENDING_AGE`] | gauge | `schema`, `topic` |
@@ -394,6 +395,12 @@ const METRICS: &[(&str, Kind, Unit, &str)] = &[
         "The inbox claim, including any wait behind an in-flight claim of the key.",
     ),
     (
+        INBOX_LIVENESS_CHECKS,
+        Kind::Counter,
+        Unit::Count,
+        "Liveness checks owed after a handler that used the raw connection or had a statement fail.",
+    ),
+    (
         INBOX_LEASE_TAKEOVERS,
         Kind::Counter,
         Unit::Count,
@@ -565,5 +572,40 @@ fn set_inbox_gauges(labels: &[(&'static str, String); 2], rows: i64, live: i64, 
         let [schema, consumer] = labels.clone();
         let labels = [schema, consumer, ("state", state.to_owned())];
         metrics::gauge!(INBOX_LEASES, &labels).set(n as f64);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::METRICS;
+
+    /// Every metric name this module defines is described (help text and unit) and listed
+    /// in the module's table: a metric added without both had no `# HELP` line and was
+    /// missing from the docs (`pgbox_inbox_liveness_checks_total` was).
+    #[test]
+    fn every_metric_is_described_and_documented() {
+        let source = include_str!("telemetry.rs");
+        let defined: Vec<(&str, &str)> = source
+            .lines()
+            .filter_map(|line| line.strip_prefix("pub const "))
+            .filter_map(|rest| {
+                let (constant, value) = rest.split_once(": &str = \"")?;
+                value
+                    .strip_suffix("\";")
+                    .filter(|name| name.starts_with("pgbox_"))
+                    .map(|name| (constant, name))
+            })
+            .collect();
+        assert!(defined.len() > 20, "found only {defined:?}");
+        for (constant, name) in defined {
+            assert!(
+                METRICS.iter().any(|(described, ..)| *described == name),
+                "{name} is not in METRICS (describe_metrics)"
+            );
+            assert!(
+                source.contains(&format!("//! | [`{constant}`] |")),
+                "{constant} is not in the module docs' table"
+            );
+        }
     }
 }
