@@ -7,6 +7,7 @@
 //! Exits non-zero if an order is charged twice, never, or recorded with another charge.
 //! Run with `cargo run --example external_effect`.
 
+#[allow(dead_code)]
 #[path = "support/demo_db.rs"]
 mod demo_db;
 #[path = "../tests/support/local_pg.rs"]

@@ -13,7 +13,9 @@
 //!
 //! Two services, two schemas, as in production: `payments` + `payments_pgbox` (the outbox) and
 //! `points` + `points_pgbox` (the inbox, next to the data it protects); the queue lives in
-//! `broker`. These schemas are dropped and recreated at start, and left for inspection.
+//! `sim_broker`. These schemas are dropped and recreated at start, and left for inspection.
+//! (The two real services keep to schemas of their own, `svc_payments`, `svc_points`, ...,
+//! so either may run after the other.)
 //!
 //! ```text
 //! cargo run --example payment_points -- --orders 2000 --consumers 4 \
@@ -118,7 +120,7 @@ struct Args {
 /// The transport between the two services.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 enum TransportKind {
-    /// The built-in queue, in schema `broker`.
+    /// The built-in queue, in schema `sim_broker`.
     Postgres,
     /// RabbitMQ.
     Rabbitmq,
@@ -291,6 +293,18 @@ impl<S: Subscriber> Subscriber for CrashingSubscriber<S> {
     }
 }
 
+/// The schemas of the simulation, reset at every run. Not the two services' (`svc_payments`,
+/// ...): the same names with other tables would trip up whichever ran second.
+const SIM_SCHEMAS: [&str; 5] = [
+    "payments",
+    "payments_pgbox",
+    "points",
+    "points_pgbox",
+    SIM_BROKER,
+];
+/// The simulation's built-in queue.
+const SIM_BROKER: &str = "sim_broker";
+
 const SETUP: &str = "
 CREATE TABLE payments.orders (id bigint PRIMARY KEY, user_id bigint NOT NULL, status text NOT NULL);
 CREATE TABLE points.ledger (order_id bigint PRIMARY KEY, user_id bigint NOT NULL, points bigint NOT NULL);
@@ -367,9 +381,9 @@ async fn simulate() -> anyhow::Result<()> {
         .connect(&url)
         .await?;
 
-    demo_db::reset_schemas(&pool, &demo::SCHEMAS).await?;
+    demo_db::reset_schemas(&pool, &SIM_SCHEMAS).await?;
     sqlx::raw_sql(SETUP).execute(&pool).await?;
-    for schema in ["payments_pgbox", "points_pgbox", "broker"] {
+    for schema in ["payments_pgbox", "points_pgbox", SIM_BROKER] {
         Migrator::new().schema(schema)?.run(&pool).await?;
     }
     let users = (args.orders / 10).max(1) as i64;
@@ -398,7 +412,7 @@ async fn simulate() -> anyhow::Result<()> {
     let relay_task = match args.transport {
         TransportKind::Postgres => spawn_relay(
             &pool,
-            PgQueue::with_schema(pool.clone(), "broker")?,
+            PgQueue::with_schema(pool.clone(), SIM_BROKER)?,
             &args,
             &counters,
             &shutdown,
@@ -449,7 +463,7 @@ async fn simulate() -> anyhow::Result<()> {
             .fetch_one(&pool)
             .await?;
         let backlog: i64 = sqlx::query_scalar(
-            "SELECT (SELECT count(*) FROM payments_pgbox.outbox) + (SELECT count(*) FROM broker.queue)",
+            "SELECT (SELECT count(*) FROM payments_pgbox.outbox) + (SELECT count(*) FROM sim_broker.queue)",
         )
         .fetch_one(&pool)
         .await?;
@@ -494,7 +508,7 @@ async fn simulate() -> anyhow::Result<()> {
 }
 
 /// The pgbox schemas of this run: the payments outbox, the queue, the points inbox.
-const PGBOX_SCHEMAS: [&str; 3] = ["payments_pgbox", "broker", "points_pgbox"];
+const PGBOX_SCHEMAS: [&str; 3] = ["payments_pgbox", SIM_BROKER, "points_pgbox"];
 
 /// Installs the Prometheus exporter (its HTTP listener runs on this runtime until the process
 /// exits) and refreshes pgbox's gauges every half second until `shutdown`.
@@ -619,7 +633,7 @@ async fn run_consumer(
         .build()?;
     match args.transport {
         TransportKind::Postgres => {
-            let queue = PgQueue::with_schema(pool.clone(), "broker")?;
+            let queue = PgQueue::with_schema(pool.clone(), SIM_BROKER)?;
             consume(pool, queue, inbox, args, counters, shutdown).await
         }
         TransportKind::Rabbitmq => {

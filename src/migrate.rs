@@ -171,17 +171,12 @@ impl Migrator {
             // What an operator needs, once per call; each migration is at DEBUG.
             match (report.applied.first(), report.applied.last()) {
                 (Some(first), Some(last)) => tracing::info!(
-                    schema = self.schema.as_str(),
                     applied = report.applied.len(),
                     from = first.version,
                     to = last.version,
                     "pgbox schema migrated"
                 ),
-                _ => tracing::info!(
-                    schema = self.schema.as_str(),
-                    applied = 0,
-                    "pgbox schema already current"
-                ),
+                _ => tracing::info!(applied = 0, "pgbox schema already current"),
             }
             Ok(report)
         }

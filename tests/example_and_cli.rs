@@ -390,3 +390,118 @@ async fn the_demo_never_drops_a_schema_it_did_not_create() {
         );
     }
 }
+
+/// The one-process simulation and the two services keep to schemas of their own: the
+/// services start in a database where the simulation ran (same scenario, other tables), and
+/// a table of theirs with another layout stops them with a message naming its owner, not a
+/// raw SQL error on the first request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulation_and_the_services_run_after_each_other() {
+    let db = TestDb::empty().await;
+    let url = db.url();
+    let sim = {
+        let url = url.clone();
+        tokio::task::spawn_blocking(move || {
+            Command::new(example_path("payment_points"))
+                .args(["--orders", "20"])
+                .env("DATABASE_URL", url)
+                .output()
+                .unwrap()
+        })
+        .await
+        .unwrap()
+    };
+    assert!(
+        sim.status.success(),
+        "{}",
+        String::from_utf8_lossy(&sim.stderr)
+    );
+
+    // The payments service, after the simulation: ready, and an order can be made and paid.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = Command::new(example_path("payment_services"))
+        .args(["payments", "--listen", &format!("127.0.0.1:{port}")])
+        .env("DATABASE_URL", &url)
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let http = |method: &str, path: &str, headers: &str, body: &str| -> Option<String> {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .ok()?;
+        write!(
+            s,
+            "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n{headers}\
+             content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .ok()?;
+        let mut out = String::new();
+        s.read_to_string(&mut out).ok()?;
+        Some(out)
+    };
+    let mut ready = false;
+    for _ in 0..600 {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+            panic!("the payments service exited after the simulation ({status}): {err}");
+        }
+        if http("GET", "/health/ready", "", "").is_some_and(|r| r.starts_with("HTTP/1.1 200")) {
+            ready = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert!(ready, "the payments service never became ready");
+    let created = http("POST", "/orders", "", r#"{"user_id":42,"amount":990}"#).unwrap();
+    assert!(created.starts_with("HTTP/1.1 201"), "{created}");
+    let id = created
+        .split("\"id\":")
+        .nth(1)
+        .and_then(|r| r.split(|c: char| !c.is_ascii_digit()).next())
+        .unwrap_or_else(|| panic!("no id in {created}"))
+        .to_owned();
+    let paid = http(
+        "POST",
+        &format!("/orders/{id}/pay"),
+        &format!("idempotency-key: pay-{id}\r\n"),
+        "",
+    )
+    .unwrap();
+    assert!(paid.starts_with("HTTP/1.1 200"), "{paid}");
+    child.kill().unwrap();
+    child.wait().unwrap();
+
+    // A table of the service's with another layout (here the simulation's) stops it, named.
+    sqlx::raw_sql(
+        "DROP SCHEMA svc_payments CASCADE; CREATE SCHEMA svc_payments; \
+         CREATE TABLE svc_payments.orders (id bigint PRIMARY KEY, user_id bigint, status text)",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let out = tokio::task::spawn_blocking(move || {
+        Command::new(example_path("payment_services"))
+            .args(["payments", "--listen", &format!("127.0.0.1:{port}")])
+            .env("DATABASE_URL", url)
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("svc_payments.orders belongs to examples/payment_services"),
+        "{err}"
+    );
+    assert!(err.contains("no column amount"), "{err}");
+}

@@ -77,8 +77,8 @@ async fn demo_keeps_its_invariants_while_services_are_killed() {
 
     // Independently: 60 paid orders, 30 points each, once.
     let (paid, ledger): (i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM payments.orders WHERE status = 'paid'), \
-                (SELECT coalesce(sum(points), 0)::bigint FROM points.ledger)",
+        "SELECT (SELECT count(*) FROM svc_payments.orders WHERE status = 'paid'), \
+                (SELECT coalesce(sum(points), 0)::bigint FROM svc_points.ledger)",
     )
     .fetch_one(&db.pool)
     .await
@@ -113,8 +113,8 @@ async fn demo_on_kafka_keeps_its_invariants_while_services_are_killed() {
     .await;
     assert!(text.contains("[ok] no order rewarded twice"));
     let (paid, ledger): (i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM payments.orders WHERE status = 'paid'), \
-                (SELECT coalesce(sum(points), 0)::bigint FROM points.ledger)",
+        "SELECT (SELECT count(*) FROM svc_payments.orders WHERE status = 'paid'), \
+                (SELECT coalesce(sum(points), 0)::bigint FROM svc_points.ledger)",
     )
     .fetch_one(&db.pool)
     .await
@@ -196,9 +196,9 @@ async fn demo_with_injected_faults_keeps_its_invariants() {
 
     // Independently: whatever was injected, one ledger row per order, 30 points each.
     let (ledger_rows, ledger, recorded): (i64, i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM points.ledger), \
-                (SELECT coalesce(sum(points), 0)::bigint FROM points.ledger), \
-                (SELECT count FROM payments.injected_faults WHERE kind = 'producer_resends')",
+        "SELECT (SELECT count(*) FROM svc_points.ledger), \
+                (SELECT coalesce(sum(points), 0)::bigint FROM svc_points.ledger), \
+                (SELECT count FROM svc_payments.injected_faults WHERE kind = 'producer_resends')",
     )
     .fetch_one(&db.pool)
     .await
@@ -364,7 +364,7 @@ async fn pay_is_idempotent_by_key_over_http() {
     let events: Vec<(i64, i64)> = sqlx::query_as(
         "SELECT (convert_from(payload, 'UTF8')::jsonb->>'order_id')::bigint AS order_id, \
                 count(DISTINCT message_id) \
-         FROM (SELECT payload, message_id FROM payments_pgbox.outbox \
+         FROM (SELECT payload, message_id FROM svc_payments_pgbox.outbox \
                UNION ALL SELECT payload, message_id FROM broker.queue) m \
          GROUP BY 1 ORDER BY 1",
     )
@@ -373,7 +373,7 @@ async fn pay_is_idempotent_by_key_over_http() {
     .unwrap();
     assert_eq!(events, vec![(order, 1), (other, 1)]);
     let paid: Vec<(i64, String)> =
-        sqlx::query_as("SELECT id, status FROM payments.orders ORDER BY id")
+        sqlx::query_as("SELECT id, status FROM svc_payments.orders ORDER BY id")
             .fetch_all(&db.pool)
             .await
             .unwrap();
@@ -428,8 +428,8 @@ async fn demo_drives_running_services_in_external_mode() {
 
     // Both runs' orders, rewarded once each; the services are still up and stop cleanly.
     let (paid, ledger): (i64, i64) = sqlx::query_as(
-        "SELECT (SELECT count(*) FROM payments.orders WHERE status = 'paid'), \
-                (SELECT coalesce(sum(points), 0)::bigint FROM points.ledger)",
+        "SELECT (SELECT count(*) FROM svc_payments.orders WHERE status = 'paid'), \
+                (SELECT coalesce(sum(points), 0)::bigint FROM svc_points.ledger)",
     )
     .fetch_one(&db.pool)
     .await

@@ -78,11 +78,11 @@ pub struct DemoArgs {
 
 /// The schemas the demo owns in its database (see `demo_db`).
 pub(crate) const SCHEMAS: [&str; 5] = [
-    "payments",
-    "payments_pgbox",
-    "points",
-    "points_pgbox",
-    "broker",
+    crate::payments::SCHEMA,
+    crate::payments::PGBOX_SCHEMA,
+    crate::points::SCHEMA,
+    crate::points::PGBOX_SCHEMA,
+    crate::payments::BROKER_SCHEMA,
 ];
 
 /// A service process, restarted in place (same port) after a kill.
@@ -698,9 +698,9 @@ struct Faults {
 /// Outbox rows plus (postgres transport) queue rows not yet consumed.
 async fn backlog(pool: &sqlx::PgPool, queue: bool) -> anyhow::Result<i64> {
     let sql = if queue {
-        "SELECT (SELECT count(*) FROM payments_pgbox.outbox) + (SELECT count(*) FROM broker.queue)"
+        "SELECT (SELECT count(*) FROM svc_payments_pgbox.outbox) + (SELECT count(*) FROM broker.queue)"
     } else {
-        "SELECT count(*) FROM payments_pgbox.outbox"
+        "SELECT count(*) FROM svc_payments_pgbox.outbox"
     };
     Ok(sqlx::query_scalar(sql).fetch_one(pool).await?)
 }
@@ -827,7 +827,7 @@ struct SqlView {
 async fn sql_view(pool: &sqlx::PgPool, users: (i64, i64), run: &str) -> anyhow::Result<SqlView> {
     let (first, last) = users;
     let (orders, paid): (i64, i64) = sqlx::query_as(
-        "SELECT count(*), count(*) FILTER (WHERE status = 'paid') FROM payments.orders \
+        "SELECT count(*), count(*) FILTER (WHERE status = 'paid') FROM svc_payments.orders \
          WHERE user_id BETWEEN $1 AND $2",
     )
     .bind(first)
@@ -835,7 +835,7 @@ async fn sql_view(pool: &sqlx::PgPool, users: (i64, i64), run: &str) -> anyhow::
     .fetch_one(pool)
     .await?;
     let (ledger_rows, ledger_points): (i64, i64) = sqlx::query_as(
-        "SELECT count(*), coalesce(sum(points), 0)::bigint FROM points.ledger \
+        "SELECT count(*), coalesce(sum(points), 0)::bigint FROM svc_points.ledger \
          WHERE user_id BETWEEN $1 AND $2",
     )
     .bind(first)
@@ -843,7 +843,7 @@ async fn sql_view(pool: &sqlx::PgPool, users: (i64, i64), run: &str) -> anyhow::
     .fetch_one(pool)
     .await?;
     let totals: i64 = sqlx::query_scalar(
-        "SELECT coalesce(sum(total), 0)::bigint FROM points.accounts \
+        "SELECT coalesce(sum(total), 0)::bigint FROM svc_points.accounts \
          WHERE user_id BETWEEN $1 AND $2",
     )
     .bind(first)
@@ -851,17 +851,17 @@ async fn sql_view(pool: &sqlx::PgPool, users: (i64, i64), run: &str) -> anyhow::
     .fetch_one(pool)
     .await?;
     let unrewarded: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM payments.orders o WHERE o.status = 'paid' \
+        "SELECT count(*) FROM svc_payments.orders o WHERE o.status = 'paid' \
          AND o.user_id BETWEEN $1 AND $2 \
-         AND NOT EXISTS (SELECT 1 FROM points.ledger l WHERE l.order_id = o.id)",
+         AND NOT EXISTS (SELECT 1 FROM svc_points.ledger l WHERE l.order_id = o.id)",
     )
     .bind(first)
     .bind(last)
     .fetch_one(pool)
     .await?;
     let rewarded_unpaid: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM points.ledger l WHERE l.user_id BETWEEN $1 AND $2 \
-         AND NOT EXISTS (SELECT 1 FROM payments.orders o WHERE o.id = l.order_id \
+        "SELECT count(*) FROM svc_points.ledger l WHERE l.user_id BETWEEN $1 AND $2 \
+         AND NOT EXISTS (SELECT 1 FROM svc_payments.orders o WHERE o.id = l.order_id \
                          AND o.status = 'paid')",
     )
     .bind(first)
@@ -870,7 +870,7 @@ async fn sql_view(pool: &sqlx::PgPool, users: (i64, i64), run: &str) -> anyhow::
     .await?;
     // The idempotency layer records `<scope length>:<scope>:<key>`; payments has no scope.
     let pay_keys: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM payments_pgbox.inbox \
+        "SELECT count(*) FROM svc_payments_pgbox.inbox \
          WHERE consumer = 'pay-requests' AND key LIKE $1",
     )
     .bind(format!("0::{run}-pay-%"))

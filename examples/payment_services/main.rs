@@ -6,10 +6,14 @@
 //! payment_services demo --orders 200 --kills 3        # starts both, drives them, checks
 //! ```
 //!
-//! `payments` owns schemas `payments` (orders) and `payments_pgbox` (its outbox and the
-//! inbox that makes `POST /orders/{id}/pay` idempotent by `Idempotency-Key`); `points` owns
-//! `points` (ledger, accounts) and `points_pgbox` (its inbox). With `--transport postgres`
-//! (the default) the messages go through the built-in queue in schema `broker`.
+//! `payments` owns schemas `svc_payments` (orders) and `svc_payments_pgbox` (its outbox and
+//! the inbox that makes `POST /orders/{id}/pay` idempotent by `Idempotency-Key`); `points`
+//! owns `svc_points` (ledger, accounts) and `svc_points_pgbox` (its inbox). With `--transport
+//! postgres` (the default) the messages go through the built-in queue in schema `broker`.
+//! (The one-process simulation, `payment_points` with flags, keeps to schemas of its own:
+//! `payments`, `points`, ... with other tables.) A service creates its schemas when they are
+//! missing, marked as the examples' own, so the demo may reset them later; a table of its
+//! schemas with another layout stops it with a message naming the example that owns it.
 //! Both services need `DATABASE_URL` (the demo finds or makes a database itself), serve
 //! `/health/live` (200 while the process runs), `/health/ready` (503 naming what is down,
 //! the database or the broker, until both answer; `/health` is the same) and `/metrics`

@@ -31,19 +31,41 @@ use sqlx::PgPool;
 use crate::service::{self, AppError, ServiceArgs, TransportKind, error_body};
 
 /// The business schema and pgbox's, owned by this service.
-pub const SCHEMA: &str = "payments";
-pub const PGBOX_SCHEMA: &str = "payments_pgbox";
+pub const SCHEMA: &str = "svc_payments";
+pub const PGBOX_SCHEMA: &str = "svc_payments_pgbox";
 /// The built-in queue's schema (transport `postgres`).
 pub const BROKER_SCHEMA: &str = "broker";
 /// Inbox consumers of the idempotency layers: one key space per kind of request.
 const PAY_REQUESTS: &str = "pay-requests";
 const ORDER_REQUESTS: &str = "order-requests";
 
+/// Who owns this service's tables, as a layout mismatch names it.
+const OWNER: &str = "examples/payment_services (its payments service)";
+/// The tables `SETUP` makes, with their columns: an existing table without them is refused.
+const TABLES: [(&str, &[&str]); 2] = [
+    (
+        "svc_payments.orders",
+        &[
+            "id",
+            "user_id",
+            "amount",
+            "status",
+            "payment_id",
+            "created_at",
+            "paid_at",
+        ],
+    ),
+    ("svc_payments.injected_faults", &["kind", "count"]),
+];
+
+/// Idempotent, run at every start: `IF NOT EXISTS` answers a restart with an "already exists,
+/// skipping" NOTICE per object, which sqlx logs at info; quieted for this transaction only.
 const SETUP: &str = "
 BEGIN;
+SET LOCAL client_min_messages = warning;
 SELECT pg_advisory_xact_lock(hashtext('payments-service-setup'));
-CREATE SCHEMA IF NOT EXISTS payments;
-CREATE TABLE IF NOT EXISTS payments.orders (
+CREATE SCHEMA IF NOT EXISTS svc_payments;
+CREATE TABLE IF NOT EXISTS svc_payments.orders (
     id bigserial PRIMARY KEY,
     user_id bigint NOT NULL,
     amount bigint NOT NULL CHECK (amount > 0),
@@ -53,24 +75,25 @@ CREATE TABLE IF NOT EXISTS payments.orders (
     paid_at timestamptz
 );
 -- What the fault flags injected (--duplicate-rate, --producer-retries), across restarts.
-CREATE TABLE IF NOT EXISTS payments.injected_faults (
+CREATE TABLE IF NOT EXISTS svc_payments.injected_faults (
     kind text PRIMARY KEY,
     count bigint NOT NULL
 );
 COMMIT;
 ";
 
-const INSERT_ORDER: &str = "INSERT INTO payments.orders (user_id, amount) VALUES ($1, $2) \
+const INSERT_ORDER: &str = "INSERT INTO svc_payments.orders (user_id, amount) VALUES ($1, $2) \
      RETURNING to_jsonb(orders.*)";
-const MARK_PAID: &str = "UPDATE payments.orders SET payment_id = gen_random_uuid(), paid_at = now() \
+const MARK_PAID: &str = "UPDATE svc_payments.orders SET payment_id = gen_random_uuid(), paid_at = now() \
      WHERE id = $1 RETURNING to_jsonb(orders.*)";
-const GET_ORDER: &str = "SELECT to_jsonb(o.*) FROM payments.orders o WHERE id = $1";
-const STATS: &str = "SELECT count(*), count(*) FILTER (WHERE status = 'paid') FROM payments.orders";
-const COUNT_FAULT: &str = "INSERT INTO payments.injected_faults AS f (kind, count) VALUES ($1, $2) \
+const GET_ORDER: &str = "SELECT to_jsonb(o.*) FROM svc_payments.orders o WHERE id = $1";
+const STATS: &str =
+    "SELECT count(*), count(*) FILTER (WHERE status = 'paid') FROM svc_payments.orders";
+const COUNT_FAULT: &str = "INSERT INTO svc_payments.injected_faults AS f (kind, count) VALUES ($1, $2) \
      ON CONFLICT (kind) DO UPDATE SET count = f.count + EXCLUDED.count";
 const FAULTS: &str = "SELECT \
-     coalesce((SELECT count FROM payments.injected_faults WHERE kind = 'relay_duplicates'), 0), \
-     coalesce((SELECT count FROM payments.injected_faults WHERE kind = 'producer_resends'), 0)";
+     coalesce((SELECT count FROM svc_payments.injected_faults WHERE kind = 'relay_duplicates'), 0), \
+     coalesce((SELECT count FROM svc_payments.injected_faults WHERE kind = 'producer_resends'), 0)";
 /// `injected_faults.kind` of each fault.
 const RELAY_DUPLICATES: &str = "relay_duplicates";
 const PRODUCER_RESENDS: &str = "producer_resends";
@@ -123,9 +146,14 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
     args.check_fault_rates()?;
     let metrics = service::install_metrics()?;
     let pool = args.connect().await?;
+    crate::demo_db::ensure_schemas(&pool, &[SCHEMA, PGBOX_SCHEMA]).await?;
+    for (table, columns) in TABLES {
+        crate::demo_db::check_layout(&pool, OWNER, table, columns).await?;
+    }
     sqlx::raw_sql(SETUP).execute(&pool).await?;
     Migrator::new().schema(PGBOX_SCHEMA)?.run(&pool).await?;
     if args.transport == TransportKind::Postgres {
+        crate::demo_db::ensure_schemas(&pool, &[BROKER_SCHEMA]).await?;
         Migrator::new().schema(BROKER_SCHEMA)?.run(&pool).await?;
     }
     let state: Shared = Arc::new(Payments {
@@ -251,7 +279,7 @@ fn spawn_relay<P: Publisher + 'static>(
 struct DuplicatingPublisher<P> {
     inner: P,
     rate: f64,
-    /// Where the duplicates are counted (`payments.injected_faults`).
+    /// Where the duplicates are counted (`svc_payments.injected_faults`).
     pool: PgPool,
 }
 

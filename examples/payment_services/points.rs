@@ -16,7 +16,17 @@ use sqlx::PgPool;
 use crate::payments::PaymentSucceeded;
 use crate::service::{self, AppError, ServiceArgs, TransportKind, error_body};
 
-pub const PGBOX_SCHEMA: &str = "points_pgbox";
+/// The business schema and pgbox's, owned by this service.
+pub const SCHEMA: &str = "svc_points";
+pub const PGBOX_SCHEMA: &str = "svc_points_pgbox";
+/// The tables `SETUP` makes, with their columns: an existing table without them is refused.
+const TABLES: [(&str, &[&str]); 2] = [
+    (
+        "svc_points.ledger",
+        &["order_id", "user_id", "points", "granted_at"],
+    ),
+    ("svc_points.accounts", &["user_id", "total", "version"]),
+];
 const BROKER_SCHEMA: &str = crate::payments::BROKER_SCHEMA;
 /// Points per paid order.
 pub const POINTS_PER_ORDER: i64 = 30;
@@ -27,15 +37,15 @@ const SETUP: &str = "
 BEGIN;
 SET LOCAL client_min_messages = warning;
 SELECT pg_advisory_xact_lock(hashtext('points-service-setup'));
-CREATE SCHEMA IF NOT EXISTS points;
-CREATE TABLE IF NOT EXISTS points.ledger (
+CREATE SCHEMA IF NOT EXISTS svc_points;
+CREATE TABLE IF NOT EXISTS svc_points.ledger (
     order_id bigint PRIMARY KEY,
     user_id bigint NOT NULL,
     points bigint NOT NULL,
     granted_at timestamptz NOT NULL DEFAULT now()
 );
-CREATE INDEX IF NOT EXISTS ledger_user ON points.ledger (user_id);
-CREATE TABLE IF NOT EXISTS points.accounts (
+CREATE INDEX IF NOT EXISTS ledger_user ON svc_points.ledger (user_id);
+CREATE TABLE IF NOT EXISTS svc_points.accounts (
     user_id bigint PRIMARY KEY,
     total bigint NOT NULL,
     version bigint NOT NULL
@@ -44,16 +54,16 @@ COMMIT;
 ";
 
 const INSERT_LEDGER: &str =
-    "INSERT INTO points.ledger (order_id, user_id, points) VALUES ($1, $2, $3)";
+    "INSERT INTO svc_points.ledger (order_id, user_id, points) VALUES ($1, $2, $3)";
 /// The total moves only by this statement, under the row lock of the upsert; the version
 /// counts the grants (equal to the ledger rows of the user).
-const ADD_TO_TOTAL: &str = "INSERT INTO points.accounts AS a (user_id, total, version) VALUES ($1, $2, 1) \
+const ADD_TO_TOTAL: &str = "INSERT INTO svc_points.accounts AS a (user_id, total, version) VALUES ($1, $2, 1) \
      ON CONFLICT (user_id) DO UPDATE SET total = a.total + EXCLUDED.total, version = a.version + 1";
-const USER_POINTS: &str = "SELECT coalesce((SELECT total FROM points.accounts WHERE user_id = $1), 0), \
+const USER_POINTS: &str = "SELECT coalesce((SELECT total FROM svc_points.accounts WHERE user_id = $1), 0), \
      (SELECT coalesce(jsonb_agg(jsonb_build_object('order_id', order_id, 'points', points, \
         'granted_at', granted_at) ORDER BY order_id), '[]'::jsonb) \
-      FROM points.ledger WHERE user_id = $1)";
-const STATS: &str = "SELECT count(*), coalesce(sum(points), 0)::bigint FROM points.ledger";
+      FROM svc_points.ledger WHERE user_id = $1)";
+const STATS: &str = "SELECT count(*), coalesce(sum(points), 0)::bigint FROM svc_points.ledger";
 
 pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
     let addr = args
@@ -61,9 +71,20 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| "127.0.0.1:8082".parse().expect("address"));
     let metrics = service::install_metrics()?;
     let pool = args.connect().await?;
+    crate::demo_db::ensure_schemas(&pool, &[SCHEMA, PGBOX_SCHEMA]).await?;
+    for (table, columns) in TABLES {
+        crate::demo_db::check_layout(
+            &pool,
+            "examples/payment_services (its points service)",
+            table,
+            columns,
+        )
+        .await?;
+    }
     sqlx::raw_sql(SETUP).execute(&pool).await?;
     Migrator::new().schema(PGBOX_SCHEMA)?.run(&pool).await?;
     if args.transport == TransportKind::Postgres {
+        crate::demo_db::ensure_schemas(&pool, &[BROKER_SCHEMA]).await?;
         Migrator::new().schema(BROKER_SCHEMA)?.run(&pool).await?;
     }
     let shutdown = CancellationToken::new();

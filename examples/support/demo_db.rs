@@ -108,6 +108,74 @@ pub async fn reset_schemas(pool: &PgPool, schemas: &[&str]) -> anyhow::Result<()
     Ok(())
 }
 
+/// Creates those of `schemas` that are missing, marked as the examples' own (so that a demo
+/// may reset them later); schemas that exist are left as they are.
+pub async fn ensure_schemas(pool: &PgPool, schemas: &[&str]) -> anyhow::Result<()> {
+    for schema in schemas {
+        let quoted = quote_ident(schema)?;
+        let exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
+                .bind(schema)
+                .fetch_one(pool)
+                .await?;
+        if exists {
+            continue;
+        }
+        // One implicit transaction (no BEGIN: a failure leaves no block open on the pooled
+        // connection). Two services starting at once: one creates, the other finds it taken
+        // (42P06, or 23505 from the catalog's unique index).
+        let created = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "CREATE SCHEMA {quoted}; COMMENT ON SCHEMA {quoted} IS '{MARK}'"
+        )))
+        .execute(pool)
+        .await;
+        match created {
+            Ok(_) => {}
+            Err(sqlx::Error::Database(e))
+                if matches!(e.code().as_deref(), Some("42P06" | "23505")) => {}
+            Err(e) => return Err(e).context(format!("create the schema {schema:?}")),
+        }
+    }
+    Ok(())
+}
+
+/// Stops with a message naming the owner when `table` (`schema.table`) exists without every
+/// one of `columns`: a table of the same name made by another example (or an older version
+/// of this one), whose layout every statement would trip over with a raw SQL error.
+pub async fn check_layout(
+    pool: &PgPool,
+    example: &str,
+    table: &str,
+    columns: &[&str],
+) -> anyhow::Result<()> {
+    let (schema, name) = table
+        .split_once('.')
+        .with_context(|| format!("{table:?} is not schema.table"))?;
+    let found: Vec<String> = sqlx::query_scalar(
+        "SELECT column_name::text FROM information_schema.columns \
+         WHERE table_schema = $1 AND table_name = $2",
+    )
+    .bind(schema)
+    .bind(name)
+    .fetch_all(pool)
+    .await?;
+    let missing: Vec<&str> = columns
+        .iter()
+        .copied()
+        .filter(|c| !found.iter().any(|f| f == c))
+        .collect();
+    if !found.is_empty() && !missing.is_empty() {
+        bail!(
+            "the table {table} belongs to {example}, but the one in this database has another \
+             layout (no column {}): another program, or an older version of the example, made \
+             it. Drop the schema if it is a leftover (`DROP SCHEMA {schema} CASCADE`), or run \
+             the example in a database of its own (DATABASE_URL)",
+            missing.join(", ")
+        );
+    }
+    Ok(())
+}
+
 /// A lower-case name as a quoted identifier; anything else is refused.
 fn quote_ident(name: &str) -> anyhow::Result<String> {
     let valid = !name.is_empty()

@@ -212,6 +212,13 @@ mod sealed {
 /// Sealed: every [`Acquire`] of sqlx's for PostgreSQL lends one of these two, so a caller
 /// that names a concrete type never sees this bound; code generic over `Acquire` adds
 /// `A::Connection: BeginsItsOwn<'c>` beside `A: Acquire<'c, Database = Postgres>`.
+#[diagnostic::on_unimplemented(
+    message = "pgbox cannot begin its own transaction on `{Self}`",
+    label = "`process_and_commit` and the other `*_and_commit` calls take a pool or a connection",
+    note = "pass the pool (`inbox.process_and_commit(&pool, ...)`), a `&mut PgConnection` or a `&mut PoolConnection`",
+    note = "inside a transaction of your own (`pool.begin()`), call `process(&mut tx, ...)` instead",
+    note = "a pool or connection of another sqlx version than pgbox's does not fit either: `cargo tree -i sqlx` lists the versions"
+)]
 pub trait BeginsItsOwn<'c>: sealed::Sealed + Send {
     /// Begins the transaction of a `*_and_commit` call on this connection.
     #[doc(hidden)]

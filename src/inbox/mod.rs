@@ -535,6 +535,48 @@ impl Inbox {
     /// - Invalid keys are refused before any SQL runs; the transaction stays usable.
     /// - Under REPEATABLE READ or SERIALIZABLE, losing a race to a concurrent claim surfaces
     ///   as an error whose [`Error::is_retryable`] is true: retry the transaction.
+    ///
+    /// # Passing a pool?
+    ///
+    /// `process` runs inside a transaction you own, so it takes `&mut Transaction`, not a
+    /// `&PgPool` (`inbox.process(&pool, ...)` does not compile: "expected `&mut
+    /// Transaction<'_, Postgres>`, found `&Pool<Postgres>`"). Either begin one and commit it
+    /// yourself, with whatever else belongs in it:
+    ///
+    /// ```no_run
+    /// # async fn f(pool: sqlx::PgPool) -> Result<(), pgbox::Error> {
+    /// let inbox = pgbox::Inbox::new("points")?;
+    /// let mut tx = pool.begin().await?;
+    /// let outcome = inbox
+    ///     .process(&mut tx, "order-42", async |conn| {
+    ///         sqlx::query("UPDATE accounts SET points = points + 10 WHERE id = 7")
+    ///             .execute(&mut *conn)
+    ///             .await?;
+    ///         Ok::<_, pgbox::Error>(())
+    ///     })
+    ///     .await?;
+    /// tx.commit().await?; // then ack the message
+    /// # let _ = outcome; Ok(())
+    /// # }
+    /// ```
+    ///
+    /// or let pgbox begin and commit it: [`process_and_commit(&pool, ...)`](Self::process_and_commit)
+    /// takes the pool (or a connection) and is the same call in one step.
+    ///
+    /// ```compile_fail
+    /// # async fn f(pool: sqlx::PgPool) -> Result<(), pgbox::Error> {
+    /// let inbox = pgbox::Inbox::new("points")?;
+    /// inbox.process(&pool, "order-42", async |_conn| Ok::<_, pgbox::Error>(())).await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// If the compiler insists that a `Transaction` you pass is not a `Transaction`
+    /// ("expected `Transaction<'_, Postgres>`, found a different `Transaction<'_,
+    /// Postgres>`", with a note that there are multiple different versions of crate
+    /// `sqlx_core` in the dependency graph), your application builds another sqlx version
+    /// than pgbox's: `cargo tree -i sqlx` lists both. Depend on the version pgbox uses, or
+    /// use the one it re-exports, [`pgbox::sqlx`](crate::sqlx).
     pub async fn process<T, E, F>(
         &self,
         tx: &mut Transaction<'_, Postgres>,
