@@ -87,9 +87,14 @@ impl TestDatabase {
         let mut admin = PgConnection::connect(&admin_url)
             .await
             .map_err(|e| failed(format!("connect to the server: {e}")))?;
-        let created = sqlx::query(AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
-            .execute(&mut admin)
-            .await;
+        // From template0: a test database holds nothing of what template1 may have been
+        // given, and a session connected to template1 (the kit's own, when the URL names
+        // it) cannot make the copy fail.
+        let created = sqlx::query(AssertSqlSafe(format!(
+            "CREATE DATABASE \"{name}\" TEMPLATE template0"
+        )))
+        .execute(&mut admin)
+        .await;
         let _ = admin.close().await;
         created.map_err(|e| failed(format!("CREATE DATABASE: {e}")))?;
         // From here on the database is ours: drop it on every way out.
@@ -104,12 +109,39 @@ impl TestDatabase {
             admin_url,
             closed: false,
         };
-        if let Some(migrator) = migrator
-            && let Err(e) = migrator.run(&db.pool).await
-        {
+        // The pool must reach the database just made, and nothing else, before anything
+        // (the migrations first) runs there: a URL can name a database other ways than its
+        // path.
+        let failed = |reason: String| TestError::Database {
+            name: db.name.clone(),
+            reason,
+        };
+        let reached: Result<String, TestError> =
+            match sqlx::query_scalar("SELECT pg_catalog.current_database()")
+                .fetch_one(&db.pool)
+                .await
+            {
+                Ok(current) if current == db.name => Ok(current),
+                Ok(current) => Err(failed(format!(
+                    "the test database's URL reaches database {current:?}, not the test \
+                     database: remove what names a database from the server's URL"
+                ))),
+                Err(e) => Err(failed(format!("connect to the test database: {e}"))),
+            };
+        let migrated = match (reached, migrator) {
+            (Err(e), _) => Err(e),
+            (Ok(_), Some(migrator)) => migrator
+                .run(&db.pool)
+                .await
+                .map(|_| ())
+                .map_err(TestError::from),
+            (Ok(_), None) => Ok(()),
+        };
+        if let Err(e) = migrated {
             db.closed = true;
+            db.pool.close().await;
             let _ = db.drop_database().await;
-            return Err(e.into());
+            return Err(e);
         }
         Ok(db)
     }
@@ -214,7 +246,8 @@ fn check_name(name: &str) -> Result<(), TestError> {
     }
 }
 
-/// `url` with its database (the path) replaced by `database`; the query string is kept.
+/// `url` with its database (the path) replaced by `database`; the query string is kept but
+/// for a `dbname` parameter, which would name the database in the path's place.
 fn with_database(url: &str, database: &str) -> Result<String, String> {
     let scheme_end = url
         .find("://")
@@ -224,11 +257,48 @@ fn with_database(url: &str, database: &str) -> Result<String, String> {
     let rest = &url[scheme_end..];
     let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(authority_end);
-    let query = tail.find('?').map_or("", |at| &tail[at..]);
+    let query = tail.find('?').map_or("", |at| &tail[at + 1..]);
+    let kept: Vec<&str> = query
+        .split('&')
+        .filter(|pair| {
+            let key = pair.split('=').next().unwrap_or_default();
+            !pair.is_empty() && percent_decoded(key) != "dbname"
+        })
+        .collect();
+    let query = if kept.is_empty() {
+        String::new()
+    } else {
+        format!("?{}", kept.join("&"))
+    };
     Ok(format!(
         "{}{authority}/{database}{query}",
         &url[..scheme_end]
     ))
+}
+
+/// A query string's key decoded as the URL parser will (`%XX` escapes, `+` a space), so that
+/// `db%6Eame` is recognised for the `dbname` it is.
+fn percent_decoded(key: &str) -> String {
+    let bytes = key.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match bytes[i] {
+            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                (Some(h), Some(l)) => {
+                    out.push((h * 16 + l) as u8);
+                    i += 3;
+                    continue;
+                }
+                _ => out.push(b'%'),
+            },
+            b'+' => out.push(b' '),
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]
@@ -260,6 +330,20 @@ mod tests {
             );
         }
         assert!(with_database("host=h dbname=d", "pgbox_test_1").is_err());
+        // A `dbname` parameter would name the database in the path's place: dropped,
+        // however it is spelled.
+        for url in [
+            "postgres://h/postgres?dbname=app",
+            "postgres://h/postgres?db%6Eame=app",
+            "postgres://h/postgres?sslmode=disable&dbname=app",
+        ] {
+            let replaced = with_database(url, "pgbox_test_1").unwrap();
+            assert!(
+                replaced == "postgres://h/pgbox_test_1"
+                    || replaced == "postgres://h/pgbox_test_1?sslmode=disable",
+                "{url}: {replaced}"
+            );
+        }
     }
 
     #[test]

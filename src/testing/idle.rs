@@ -126,38 +126,92 @@ async fn watch<P: Publisher>(
     );
     let faults = FaultPoints::current();
     let mut report = IdleReport::default();
-    let mut left: i64 = 0;
+    // What kept it from idle at the last look, for the error at the deadline.
+    let mut pending = Pending::Nothing;
     loop {
         if consumer_ended.is_cancelled() {
             // The run ended on its own, with an error that the caller gets.
             return Ok(report);
         }
+        let not_idle = |pending: &Pending, report: &IdleReport| TestError::NotIdle {
+            waited: started.elapsed(),
+            state: pending.describe(consumer.topic(), report),
+        };
         if Instant::now() >= deadline {
-            return Err(TestError::NotIdle {
-                waited: started.elapsed(),
-                state: format!(
-                    "{left} message(s) of topic {:?} still in the queue (not yet acked or \
-                     dead-lettered)",
-                    consumer.topic()
-                ),
-            });
+            return Err(not_idle(&pending, &report));
         }
-        if drain(relay, faults.as_ref(), &mut report).await?.is_none() {
+        // A drain waits for every message it could not publish yet (a transport away, a
+        // publish failing until its last attempt): bounded by the deadline too.
+        let Ok(drained) =
+            tokio::time::timeout_at(deadline, drain(relay, faults.as_ref(), &mut report)).await
+        else {
+            return Err(not_idle(&Pending::RelayDraining, &report));
+        };
+        if drained?.is_none() {
+            pending = Pending::RelayFaulted;
             continue;
         }
-        left = sqlx::query_scalar(AssertSqlSafe(count.clone()))
+        let left: i64 = sqlx::query_scalar(AssertSqlSafe(count.clone()))
             .bind(consumer.topic())
             .fetch_one(queue.pool())
             .await?;
+        pending = Pending::InQueue(left);
         if left == 0 {
             // Every delivery was settled before that look, so whatever its handler enqueued
             // had committed by then: a drain that finds nothing now means nothing is left.
-            if drain(relay, faults.as_ref(), &mut report).await? == Some(0) {
-                return Ok(report);
+            let Ok(drained) =
+                tokio::time::timeout_at(deadline, drain(relay, faults.as_ref(), &mut report)).await
+            else {
+                return Err(not_idle(&Pending::RelayDraining, &report));
+            };
+            match drained? {
+                Some(0) => return Ok(report),
+                Some(_) => pending = Pending::HandlersEnqueueing,
+                None => pending = Pending::RelayFaulted,
             }
             continue;
         }
         tokio::time::sleep(LOOK_EVERY).await;
+    }
+}
+
+/// What was not idle yet at the last look, for [`TestError::NotIdle`]'s state.
+enum Pending {
+    /// Nothing looked at yet.
+    Nothing,
+    /// The relay's last round failed at an armed fault point.
+    RelayFaulted,
+    /// The relay's drain had not finished at the deadline.
+    RelayDraining,
+    /// Messages of the consumer's topic left in the queue.
+    InQueue(i64),
+    /// The queue was empty, but the relay found more to publish (what handlers enqueued).
+    HandlersEnqueueing,
+}
+
+impl Pending {
+    fn describe(&self, topic: &str, report: &IdleReport) -> String {
+        match self {
+            Pending::Nothing => "nothing was looked at before the limit".into(),
+            Pending::RelayFaulted => format!(
+                "the relay's rounds kept failing at the armed fault point {} ({} so far): \
+                 their messages are still in the outbox",
+                FaultPoint::RelayAfterPublishBeforeMark,
+                report.relay_faults
+            ),
+            Pending::RelayDraining => "the relay was still draining its outbox (a message it \
+                 could not publish yet: a transport away, a publish failing until its last \
+                 attempt, or another relay holding its messages)"
+                .into(),
+            Pending::InQueue(left) => format!(
+                "{left} message(s) of topic {topic:?} still in the queue (not yet acked or \
+                 dead-lettered)"
+            ),
+            Pending::HandlersEnqueueing => format!(
+                "the queue of topic {topic:?} was empty, but the relay kept finding more to \
+                 publish (handlers enqueueing as fast as it relays?)"
+            ),
+        }
     }
 }
 
