@@ -537,3 +537,134 @@ async fn fault_points_act_only_when_armed_in_scope_and_lose_nothing() {
     assert_eq!(in_queue, ["a", "b", "c", "d"], "each once, none lost");
     db.close().await.unwrap();
 }
+
+// ---------------------------------------------------------------------------------------
+// Cleanup: close and drop with connections in hand, panics, runtimes shut down
+// ---------------------------------------------------------------------------------------
+
+async fn database_exists(pool: &PgPool, name: &str) -> bool {
+    sqlx::query_scalar("SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)")
+        .bind(name)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// `close()` while the test still holds a connection of the pool (an open transaction, a
+/// consumer task it did not stop): the docs say connections still open are ended; it must
+/// not wait for them, which is forever. (The bound only tells a hang from an answer.)
+#[tokio::test]
+async fn finding_close_waits_forever_for_a_connection_the_test_still_holds() {
+    let watcher = TestDatabase::unmigrated().await.unwrap();
+    let db = TestDatabase::new().await.unwrap();
+    let name = db.name().to_owned();
+    let mut tx = db.pool().begin().await.unwrap();
+    sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+    let closed = tokio::time::timeout(Duration::from_secs(20), db.close()).await;
+    let Ok(closed) = closed else {
+        drop_by_hand(&watcher, &name).await;
+        panic!("close() still waits for the transaction the test holds");
+    };
+    closed.unwrap();
+    assert!(!database_exists(watcher.pool(), &name).await);
+    assert!(tx.commit().await.is_err(), "its connection was ended");
+    watcher.close().await.unwrap();
+}
+
+/// Drops a test database this test made, by hand, when the kit left it: so that a failing
+/// finding leaves nothing behind on the server.
+async fn drop_by_hand(watcher: &TestDatabase, name: &str) {
+    assert!(name.starts_with("pgbox_test_") && name.bytes().all(|b| b != b'"'));
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"
+    )))
+    .execute(watcher.pool())
+    .await
+    .unwrap();
+}
+
+/// A `close()` cut short (its future dropped: a `timeout` or `select!` around it, a test
+/// that ends while it runs) must still leave the database to be dropped, as an unclosed one
+/// is. (A zero timeout drops it after its first poll, which cannot finish a `DROP
+/// DATABASE`.)
+#[tokio::test]
+async fn finding_a_close_cut_short_leaves_the_database_behind() {
+    let watcher = TestDatabase::unmigrated().await.unwrap();
+    let db = TestDatabase::new().await.unwrap();
+    let name = db.name().to_owned();
+    let cut = tokio::time::timeout(Duration::ZERO, db.close()).await;
+    assert!(cut.is_err(), "cut short");
+    let left = database_exists(watcher.pool(), &name).await;
+    drop_by_hand(&watcher, &name).await;
+    assert!(!left, "{name} was left behind");
+    watcher.close().await.unwrap();
+}
+
+/// Dropped (not closed) while a transaction of its pool is open, on the test's
+/// current-thread runtime: no deadlock, and the database is gone when `drop` returns.
+#[tokio::test]
+async fn a_drop_with_a_transaction_open_on_a_current_thread_runtime_removes_the_database() {
+    let watcher = TestDatabase::unmigrated().await.unwrap();
+    let db = TestDatabase::new().await.unwrap();
+    let name = db.name().to_owned();
+    let mut tx = db.pool().begin().await.unwrap();
+    sqlx::query("SELECT 1").execute(&mut *tx).await.unwrap();
+    drop(db);
+    assert!(!database_exists(watcher.pool(), &name).await);
+    drop(tx);
+    watcher.close().await.unwrap();
+}
+
+/// A test that panics, and a runtime shut down with a test database alive in one of its
+/// tasks: both drop the database.
+#[tokio::test]
+async fn a_panicking_test_and_a_runtime_shut_down_drop_their_databases() {
+    let watcher = TestDatabase::unmigrated().await.unwrap();
+    let (names, mut named) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let sender = names.clone();
+    let panicked = tokio::spawn(async move {
+        let db = TestDatabase::new().await.unwrap();
+        sender.send(db.name().to_owned()).unwrap();
+        panic!("the test under test fails");
+    })
+    .await;
+    assert!(panicked.unwrap_err().is_panic());
+    let first = named.recv().await.unwrap();
+
+    let sender = names.clone();
+    std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let (ready, made) = std::sync::mpsc::channel();
+        runtime.spawn(async move {
+            let db = TestDatabase::new().await.unwrap();
+            sender.send(db.name().to_owned()).unwrap();
+            ready.send(()).unwrap();
+            std::future::pending::<()>().await;
+            drop(db);
+        });
+        runtime.block_on(async {
+            for _ in 0..600 {
+                if made.try_recv().is_ok() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            panic!("the task made no database");
+        });
+        // Shut down with the task (and its database) still alive.
+        drop(runtime);
+    })
+    .join()
+    .unwrap();
+    let second = named.recv().await.unwrap();
+    for name in [first, second] {
+        assert!(
+            !database_exists(watcher.pool(), &name).await,
+            "{name} was dropped"
+        );
+    }
+    watcher.close().await.unwrap();
+}

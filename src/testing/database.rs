@@ -163,12 +163,25 @@ impl TestDatabase {
     }
 
     /// Closes the pool and drops the database (`WITH (FORCE)`: connections still open to it
-    /// elsewhere are ended). Prefer it to letting the value drop: an error is returned here,
-    /// while a drop can only log it.
+    /// are ended, elsewhere or still checked out of this pool, not waited for). Prefer it to
+    /// letting the value drop: an error is returned here, while a drop can only log it. A
+    /// `close` cut short (its future dropped) leaves the database to the drop.
     pub async fn close(mut self) -> Result<(), TestError> {
+        // The pool is closed to new work the moment `close` is called. Its idle connections
+        // are closed gracefully, but one still checked out (a transaction the test holds, a
+        // task it did not stop) is not waited for, which would be forever: the drop's
+        // `FORCE` ends it.
+        let closing = self.pool.close();
+        if self.pool.num_idle() == self.pool.size() as usize {
+            closing.await;
+        } else {
+            drop(closing);
+        }
+        let dropped = self.drop_database().await;
+        // Only now: a close cut short (its future dropped before this point) leaves the
+        // database to `Drop`, as an unclosed one.
         self.closed = true;
-        self.pool.close().await;
-        self.drop_database().await
+        dropped
     }
 
     async fn drop_database(&self) -> Result<(), TestError> {

@@ -145,7 +145,7 @@ async fn watch<P: Publisher>(
         let Ok(drained) =
             tokio::time::timeout_at(deadline, drain(relay, faults.as_ref(), &mut report)).await
         else {
-            return Err(not_idle(&Pending::RelayDraining, &report));
+            return Err(not_idle(&pending.cut_in_drain(), &report));
         };
         if drained?.is_none() {
             pending = Pending::RelayFaulted;
@@ -162,7 +162,7 @@ async fn watch<P: Publisher>(
             let Ok(drained) =
                 tokio::time::timeout_at(deadline, drain(relay, faults.as_ref(), &mut report)).await
             else {
-                return Err(not_idle(&Pending::RelayDraining, &report));
+                return Err(not_idle(&pending.cut_in_drain(), &report));
             };
             match drained? {
                 Some(0) => return Ok(report),
@@ -176,6 +176,7 @@ async fn watch<P: Publisher>(
 }
 
 /// What was not idle yet at the last look, for [`TestError::NotIdle`]'s state.
+#[derive(Debug, Clone, Copy)]
 enum Pending {
     /// Nothing looked at yet.
     Nothing,
@@ -190,6 +191,15 @@ enum Pending {
 }
 
 impl Pending {
+    /// What to say when the deadline came during a drain: messages seen in the queue at the
+    /// last look are the news; otherwise the drain itself is what did not end.
+    fn cut_in_drain(self) -> Pending {
+        match self {
+            Pending::InQueue(left) if left > 0 => self,
+            _ => Pending::RelayDraining,
+        }
+    }
+
     fn describe(&self, topic: &str, report: &IdleReport) -> String {
         match self {
             Pending::Nothing => "nothing was looked at before the limit".into(),
