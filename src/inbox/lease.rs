@@ -290,13 +290,13 @@ impl Inbox {
                         tracing::warn!(
                             token = %lease.token,
                             previous_token = %previous,
-                            expires_at = %lease.expires_at,
+                            expires_at = %super::rfc3339(lease.expires_at),
                             "pgbox expired lease taken over; the previous holder's completion will be refused"
                         )
                     }
                     None => tracing::info!(
                         token = %lease.token,
-                        expires_at = %lease.expires_at,
+                        expires_at = %super::rfc3339(lease.expires_at),
                         "pgbox lease taken"
                     ),
                 }
@@ -312,7 +312,7 @@ impl Inbox {
                     rejection: row.try_get(8)?,
                 };
                 tracing::info!(
-                    first_processed_at = %duplicate.first_processed_at,
+                    first_processed_at = %super::rfc3339(duplicate.first_processed_at),
                     rejected = duplicate.was_rejected(),
                     "pgbox duplicate skipped (lease mode)"
                 );

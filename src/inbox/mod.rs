@@ -700,7 +700,7 @@ impl Inbox {
         tracing::info!(
             consumer = %self.inner.consumer,
             key = %key.as_str(),
-            first_processed_at = %duplicate.first_processed_at,
+            first_processed_at = %rfc3339(duplicate.first_processed_at),
             rejected = duplicate.was_rejected(),
             "pgbox duplicate found by lookup"
         );
@@ -860,7 +860,7 @@ impl Inbox {
         }
         let duplicate = duplicate_from_row(row)?;
         tracing::info!(
-            first_processed_at = %duplicate.first_processed_at,
+            first_processed_at = %rfc3339(duplicate.first_processed_at),
             first_message_id = duplicate.message_id.as_deref(),
             rejected = duplicate.was_rejected(),
             "pgbox duplicate skipped"
@@ -1193,4 +1193,11 @@ async fn abort_transaction(conn: &mut PgConnection) {
     .execute(conn)
     .await;
     debug_assert!(result.is_err(), "the abort statement always raises");
+}
+
+/// A timestamp for logs, in RFC 3339 (`2026-11-27T10:27:40.97081Z`), not `time`'s own
+/// `Display` (`2026-11-27 10:27:40.97081 +00:00:00`).
+pub(crate) fn rfc3339(t: time::OffsetDateTime) -> String {
+    t.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_else(|_| t.to_string())
 }
