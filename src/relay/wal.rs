@@ -155,6 +155,9 @@ const READER_LOCK_CLASS: i32 = 0x7062_6f77; // "pbow"
 
 /// How a slot error says that another session reads the slot (SQLSTATE 55006).
 const SLOT_IN_USE: &str = "another session reads it";
+/// How a replication connection refused for want of a free walsender (SQLSTATE 53300) is
+/// reported; often this relay's own previous sessions, not yet exited, hold them.
+const NO_FREE_WALSENDER: &str = "no walsender is free";
 
 /// What one [`WalRelay::relay_once`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -766,7 +769,8 @@ impl<P: Publisher> WalRelay<P> {
         if reader.stream.is_none() {
             // This relay holds the reader's lock, so a session that still has the slot is
             // almost surely this relay's own previous one (a round cancelled, a session
-            // ended), whose walsender has not exited yet: wait for it, briefly.
+            // ended), whose walsender has not exited yet: wait for it, briefly. The same for
+            // walsenders all taken: cancelled sessions of this relay may still hold them.
             let mut tries = 0;
             let mut stream = loop {
                 match stream::Stream::open(
@@ -779,6 +783,12 @@ impl<P: Publisher> WalRelay<P> {
                 {
                     Err(Error::WalSlot { reason, .. })
                         if tries < 50 && reason.starts_with(SLOT_IN_USE) =>
+                    {
+                        tries += 1;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    Err(Error::WalStream { reason, .. })
+                        if tries < 50 && reason.starts_with(NO_FREE_WALSENDER) =>
                     {
                         tries += 1;
                         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -564,7 +564,7 @@ pub(super) fn stream_error(slot: &str, e: PgWireError) -> Error {
                 Some("28P01") => problem(WalStreamProblem::Authentication, m.to_owned()),
                 Some("53300") => problem(
                     WalStreamProblem::Refused,
-                    format!("no walsender is free ({m}): raise max_wal_senders"),
+                    format!("{} ({m}): raise max_wal_senders", super::NO_FREE_WALSENDER),
                 ),
                 Some(c) if c.starts_with("57") || c.starts_with("08") => {
                     problem(WalStreamProblem::Lost, m.to_owned())
