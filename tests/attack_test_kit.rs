@@ -668,3 +668,45 @@ async fn a_panicking_test_and_a_runtime_shut_down_drop_their_databases() {
     }
     watcher.close().await.unwrap();
 }
+
+// ---------------------------------------------------------------------------------------
+// The probe's assertions with messages near the limits
+// ---------------------------------------------------------------------------------------
+
+/// A topic of the longest allowed size, a key of newlines and quotes, a payload that is
+/// not UTF-8: found as they are, and a failed assertion lists them, escaped.
+#[tokio::test]
+async fn the_probe_finds_and_lists_messages_at_the_limits() {
+    let db = TestDatabase::new().await.unwrap();
+    let pool = db.pool().clone();
+    let topic = "t".repeat(pgbox::MAX_TOPIC_BYTES);
+    let key = "line\nbreak \"quoted\" ✓";
+    let probe = OutboxProbe::start(&pool).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    Outbox::new()
+        .enqueue(
+            &mut tx,
+            Message::bytes(topic.as_str(), vec![0xff, 0xfe, 0x00]).ordering_key(key),
+        )
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let seen = probe.enqueued().await.unwrap();
+    let found = seen.assert_enqueued(&topic, Some(key));
+    assert_eq!(found.payload, [0xff, 0xfe, 0x00]);
+    assert!(found.json::<serde_json::Value>().is_err());
+    let listed = std::panic::catch_unwind(|| seen.assert_enqueued(&topic, None))
+        .err()
+        .and_then(|p| p.downcast::<String>().ok())
+        .expect("a panic with a message");
+    assert!(
+        listed.contains("\\n") && listed.contains(&topic),
+        "{listed}"
+    );
+    let listed = std::panic::catch_unwind(|| seen.assert_nothing_enqueued())
+        .err()
+        .and_then(|p| p.downcast::<String>().ok())
+        .expect("a panic with a message");
+    assert!(listed.contains("3 bytes"), "{listed}");
+    db.close().await.unwrap();
+}
