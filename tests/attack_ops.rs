@@ -576,8 +576,8 @@ async fn finding_a_dead_relay_process_raises_no_alert() {
     assert!(description.contains("payments"), "{description}");
 }
 
-/// Both services on the built-in queue, under load, each SIGKILLed and restarted on its
-/// address (as the demo does): counters start again at 0, gauges go stale and come back.
+/// Both services on the built-in queue (points in two replicas), under load, each SIGKILLed
+/// and restarted on its address (as the demo does): counters start again at 0, gauges go stale and come back.
 /// While this happens, every message is processed and no pgbox alert fires (every `for:`
 /// but PgboxProcessDown's set to 0s, so that a condition true for one evaluation shows).
 /// Then, on the services' real label values, the dashboard's variables list them and its
@@ -586,12 +586,19 @@ async fn finding_a_dead_relay_process_raises_no_alert() {
 async fn healthy_services_killed_and_restarted_raise_no_alert_and_fill_the_dashboard() {
     let db = TestDb::empty().await;
     let topic = format!("attack-ops-{}", uuid::Uuid::now_v7().simple());
-    let (payments_addr, points_addr) = (free_port(), free_port());
+    let (payments_addr, points_addr, replica_addr) = (free_port(), free_port(), free_port());
     let mut points = Service::start("points", points_addr, &db.url(), &topic).await;
+    // A second replica of points: its counters and its copies of the gauges are scraped
+    // separately, under the same job.
+    let _replica = Service::start("points", replica_addr, &db.url(), &topic).await;
     let mut payments = Service::start("payments", payments_addr, &db.url(), &topic).await;
+    let config = format!(
+        "points\n    static_configs:\n      - targets: ['{points_addr}', '{replica_addr}']\n  \
+         - job_name: payments"
+    );
     let prometheus = Prometheus::start(
         &rules_without_for(&["PgboxProcessDown"]),
-        &[("payments", payments_addr), ("points", points_addr)],
+        &[(config.as_str(), payments_addr)],
     )
     .await;
 
@@ -773,6 +780,77 @@ async fn healthy_services_killed_and_restarted_raise_no_alert_and_fill_the_dashb
         }
     }
     assert!(empty.is_empty(), "{}", empty.join("\n"));
+}
+
+/// The points service's handler hangs (a test session holds an exclusive lock on the ledger
+/// it writes) while a payment waits in the built-in queue: the consumer processes nothing
+/// and reports no error. PgboxQueueMessagesWaitingTooLong fires once the message has waited
+/// over 5 minutes (its `for:` set to 0s) and resolves when the handler is released and the
+/// message is processed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_handler_fires_queue_waiting_too_long_and_resolves() {
+    let db = TestDb::empty().await;
+    let topic = format!("attack-ops-{}", uuid::Uuid::now_v7().simple());
+    let points = Service::start("points", free_port(), &db.url(), &topic).await;
+    let payments = Service::start("payments", free_port(), &db.url(), &topic).await;
+    let prometheus = Prometheus::start(
+        &rules_without_for(&["PgboxProcessDown"]),
+        &[("payments", payments.addr), ("points", points.addr)],
+    )
+    .await;
+    let labels = |a: &Value| {
+        a["labels"]["alertname"] == "PgboxQueueMessagesWaitingTooLong"
+            && a["labels"]["schema"] == "broker"
+            && a["labels"]["topic"] == topic.as_str()
+    };
+
+    let mut lock = db.connect().await;
+    sqlx::query("BEGIN").execute(&mut lock).await.unwrap();
+    sqlx::query("LOCK TABLE svc_points.ledger IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut lock)
+        .await
+        .unwrap();
+    let hung_at = Instant::now();
+    payments.pay_an_order().await;
+
+    // 5 minutes of waiting, then an evaluation or two: at most 7 minutes.
+    let limit = Duration::from_secs(420);
+    loop {
+        let active = prometheus.active().await;
+        if active.iter().any(|a| labels(a) && a["state"] == "firing") {
+            break;
+        }
+        assert!(
+            hung_at.elapsed() < limit,
+            "the handler has hung for {limit:?} with a message waiting and \
+             PgboxQueueMessagesWaitingTooLong did not fire; active: {active:?}"
+        );
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    assert!(
+        hung_at.elapsed() >= Duration::from_secs(300),
+        "fired after {:?}, before the message had waited 5 minutes",
+        hung_at.elapsed()
+    );
+
+    sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
+    let start = Instant::now();
+    loop {
+        let active = prometheus.active().await;
+        if !active.iter().any(labels) {
+            break;
+        }
+        assert!(
+            start.elapsed() < LIMIT,
+            "still active {LIMIT:?} after the handler was released: {active:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let (n,): (i64,) = sqlx::query_as("SELECT count(*) FROM svc_points.ledger")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(n, 1, "the waiting payment was processed once released");
 }
 
 /// `s` as a literal inside a Prometheus regex (Grafana escapes a picked value the same way).
