@@ -29,10 +29,11 @@ async fn main() -> anyhow::Result<()> {
 
     // 1. Once per service start: pgbox's tables, in their own schema.
     pgbox::migrate(&pool).await?;
+    // The example's own table, in a schema it made (a `quickstart` schema of anyone else's
+    // stops it, untouched).
+    demo_db::reset_schemas(&pool, &["quickstart"]).await?;
     sqlx::raw_sql(
-        "CREATE SCHEMA IF NOT EXISTS quickstart;
-         DROP TABLE IF EXISTS quickstart.points;
-         CREATE TABLE quickstart.points (user_id bigint PRIMARY KEY, total bigint NOT NULL);
+        "CREATE TABLE quickstart.points (user_id bigint PRIMARY KEY, total bigint NOT NULL);
          INSERT INTO quickstart.points VALUES (7, 100);
          DELETE FROM pgbox.inbox WHERE consumer = 'quickstart-points';",
     )

@@ -319,8 +319,9 @@ pub enum Error {
         reason: String,
     },
 
-    /// Applying migrations failed.
-    #[error("migration failed: {0}")]
+    /// Applying migrations failed. A schema whose history holds a migration this pgbox does
+    /// not have (a newer pgbox migrated it) is refused, and the message says so.
+    #[error("migration failed: {}", migration_message(.0))]
     Migration(#[source] Box<refinery_core::Error>),
 
     /// A message broker (RabbitMQ, NATS) refused an operation or could not be reached.
@@ -428,39 +429,78 @@ const PGBOX_OBJECTS: &[&str] = &[
     "sequence_watermarks",
 ];
 
+/// Columns that a later migration added to a table of pgbox's (V7: the leases): a schema an
+/// older pgbox migrated lacks them. A migration that adds a column adds it here (a unit test
+/// reads the migrations' `ADD COLUMN`s).
+const PGBOX_ADDED_COLUMNS: &[&str] = &["lease_expires_at", "lease_token"];
+
 /// [`MIGRATE_HINT`] when `db` says an object of pgbox's is missing: an undefined table
-/// (42P01) or function (42883) of one of pgbox's names, a column missing from one of pgbox's
-/// tables (42703: a newer migration adds it), or an undefined schema (3F000, which names no
-/// object to check). The SQLSTATE decides; the message is read only for the object's name.
+/// (42P01, schema-qualified as pgbox always writes it: an unqualified name found through the
+/// `search_path` is the application's) or function (42883) of one of pgbox's names, a column
+/// that a later migration of pgbox's added (42703, with or without the relation the server
+/// names), or an undefined schema (3F000, which names no object to check). The SQLSTATE
+/// decides; the message is read only for the object's name.
 fn missing_object_hint(db: &dyn sqlx::error::DatabaseError) -> Option<&'static str> {
     let code = db.code()?;
     let message = db.message();
-    // The name as the server quotes it, `"schema.table"` or `"table"`, without the schema.
-    let quoted = |after: &str| -> Option<String> {
+    // The name as the server quotes it after `after`, `"schema.table"` or `"table"`.
+    let quoted = |after: &str| -> Option<&str> {
         let start = message.find(after)? + after.len();
         let rest = message[start..].strip_prefix('"')?;
-        let name = &rest[..rest.find('"')?];
-        Some(name.rsplit('.').next().unwrap_or(name).to_owned())
+        Some(&rest[..rest.find('"')?])
     };
-    let ours = |name: Option<String>| name.is_some_and(|n| PGBOX_OBJECTS.contains(&n.as_str()));
+    let ours = |name: &str| PGBOX_OBJECTS.contains(&name.rsplit('.').next().unwrap_or(name));
     let missing = match code.as_ref() {
         "3F000" => true,
-        "42P01" => ours(quoted("relation ")),
-        "42703" => ours(quoted("of relation ")),
+        "42P01" => quoted("relation ").is_some_and(|n| n.contains('.') && ours(n)),
+        // `column "x" of relation "inbox" does not exist` (INSERT, UPDATE), `column "x" does
+        // not exist` or `column i.x does not exist` (SELECT: no relation named).
+        "42703" => {
+            let column = message
+                .strip_prefix("column ")
+                .map(|rest| match rest.strip_prefix('"') {
+                    Some(q) => q.split('"').next().unwrap_or(q),
+                    None => {
+                        let name = rest.split(' ').next().unwrap_or(rest);
+                        name.rsplit('.').next().unwrap_or(name)
+                    }
+                });
+            column.is_some_and(|c| PGBOX_ADDED_COLUMNS.contains(&c))
+                && quoted("of relation ").is_none_or(ours)
+        }
         // `function pgbox.inbox_lease(text, text) does not exist`: no quotes.
-        "42883" => ours(message.strip_prefix("function ").and_then(|rest| {
-            let name = &rest[..rest.find('(')?];
-            Some(
-                name.rsplit('.')
-                    .next()
-                    .unwrap_or(name)
-                    .trim_matches('"')
-                    .to_owned(),
-            )
-        })),
+        "42883" => message
+            .strip_prefix("function ")
+            .and_then(|rest| rest.find('(').map(|end| &rest[..end]))
+            .is_some_and(|name| ours(name.rsplit('.').next().unwrap_or(name).trim_matches('"'))),
         _ => false,
     };
     missing.then_some(MIGRATE_HINT)
+}
+
+/// A refused migration history in words: a migration this pgbox does not have, newer than
+/// its newest, means a newer pgbox migrated the schema (pgbox never migrates back).
+fn migration_message(e: &refinery_core::Error) -> String {
+    if let refinery_core::error::Kind::MissingVersion(m) = e.kind() {
+        let newest = crate::migrate::embedded::migrations::runner()
+            .get_migrations()
+            .iter()
+            .map(|m| m.version())
+            .max()
+            .unwrap_or(0);
+        if i64::from(m.version()) > i64::from(newest) {
+            return format!(
+                "the schema was migrated by a newer pgbox: its history holds {m}, and this \
+                 pgbox's newest migration is V{newest}. Run the newer pgbox (a schema is never \
+                 migrated back), or restore the schema from before that migration"
+            );
+        }
+        return format!(
+            "the schema's history holds {m}, which this pgbox does not have (a migration \
+             of another program, or of another pgbox build, under pgbox's history table)"
+        );
+    }
+    e.to_string()
 }
 
 fn sqlx_message(e: &sqlx::Error) -> String {
@@ -670,6 +710,32 @@ mod tests {
         for (code, kind, retryable) in cases {
             assert_eq!(DbErrorKind::from_sqlstate(code), kind, "{code}");
             assert_eq!(kind.is_retryable(), retryable, "{code}");
+        }
+    }
+
+    #[test]
+    fn every_column_a_migration_adds_is_known_to_the_hint() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/migrations");
+        let mut added = Vec::new();
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let sql = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+            let upper = sql.to_uppercase();
+            for (at, _) in upper.match_indices("ADD COLUMN ") {
+                let rest = sql[at + "ADD COLUMN ".len()..].trim_start();
+                let rest = rest.strip_prefix("IF NOT EXISTS ").unwrap_or(rest);
+                let name: String = rest
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                    .collect();
+                added.push(name);
+            }
+        }
+        assert!(!added.is_empty(), "no ADD COLUMN found in {dir}");
+        for name in &added {
+            assert!(
+                PGBOX_ADDED_COLUMNS.contains(&name.as_str()),
+                "{name} (added by a migration) is missing from PGBOX_ADDED_COLUMNS"
+            );
         }
     }
 

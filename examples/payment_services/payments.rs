@@ -146,10 +146,12 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
     args.check_fault_rates()?;
     let metrics = service::install_metrics()?;
     let pool = args.connect().await?;
-    crate::demo_db::ensure_schemas(&pool, &[SCHEMA, PGBOX_SCHEMA]).await?;
+    // A table of ours with another layout first (named with its owner), then whose the
+    // schemas are.
     for (table, columns) in TABLES {
         crate::demo_db::check_layout(&pool, OWNER, table, columns).await?;
     }
+    crate::demo_db::ensure_schemas(&pool, &[SCHEMA, PGBOX_SCHEMA]).await?;
     sqlx::raw_sql(SETUP).execute(&pool).await?;
     Migrator::new().schema(PGBOX_SCHEMA)?.run(&pool).await?;
     if args.transport == TransportKind::Postgres {

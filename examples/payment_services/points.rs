@@ -71,7 +71,8 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
         .unwrap_or_else(|| "127.0.0.1:8082".parse().expect("address"));
     let metrics = service::install_metrics()?;
     let pool = args.connect().await?;
-    crate::demo_db::ensure_schemas(&pool, &[SCHEMA, PGBOX_SCHEMA]).await?;
+    // A table of ours with another layout first (named with its owner), then whose the
+    // schemas are.
     for (table, columns) in TABLES {
         crate::demo_db::check_layout(
             &pool,
@@ -81,6 +82,7 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
         )
         .await?;
     }
+    crate::demo_db::ensure_schemas(&pool, &[SCHEMA, PGBOX_SCHEMA]).await?;
     sqlx::raw_sql(SETUP).execute(&pool).await?;
     Migrator::new().schema(PGBOX_SCHEMA)?.run(&pool).await?;
     if args.transport == TransportKind::Postgres {

@@ -109,17 +109,26 @@ pub async fn reset_schemas(pool: &PgPool, schemas: &[&str]) -> anyhow::Result<()
 }
 
 /// Creates those of `schemas` that are missing, marked as the examples' own (so that a demo
-/// may reset them later); schemas that exist are left as they are.
+/// may reset them later); schemas of the examples that exist are left as they are. A schema
+/// of one of these names made by anyone else is an error: the example does not move its
+/// tables (or pgbox's) into it.
 pub async fn ensure_schemas(pool: &PgPool, schemas: &[&str]) -> anyhow::Result<()> {
     for schema in schemas {
         let quoted = quote_ident(schema)?;
-        let exists: bool =
-            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = $1)")
-                .bind(schema)
-                .fetch_one(pool)
-                .await?;
-        if exists {
-            continue;
+        let comment: Option<Option<String>> = sqlx::query_scalar(
+            "SELECT obj_description(oid, 'pg_namespace') FROM pg_namespace WHERE nspname = $1",
+        )
+        .bind(schema)
+        .fetch_optional(pool)
+        .await?;
+        match comment {
+            Some(Some(c)) if c == MARK => continue,
+            Some(_) => bail!(
+                "the schema {schema:?} exists in this database and was not created by pgbox's \
+                 examples: refusing to use it. Run the example in a database of its own (an \
+                 empty database in DATABASE_URL, or the demo's pgbox_demo)"
+            ),
+            None => {}
         }
         // One implicit transaction (no BEGIN: a failure leaves no block open on the pooled
         // connection). Two services starting at once: one creates, the other finds it taken
