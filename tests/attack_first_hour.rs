@@ -654,3 +654,55 @@ async fn the_examples_run_in_any_order_in_one_database() {
     .unwrap();
     assert!(stray.is_empty(), "tables in public: {stray:?}");
 }
+
+/// A user's own view and foreign key over the simulation's tables (in the user's own
+/// schema): the next simulation run resets its schemas with `DROP SCHEMA ... CASCADE`, which
+/// must not take the user's objects with it. Refused, untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_a_demo_reset_cascades_into_the_users_own_objects() {
+    let db = TestDb::empty().await;
+    let url = db.url();
+    let first = run_example("payment_points", &["--orders", "20"], &url).await;
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    sqlx::raw_sql(
+        "CREATE SCHEMA mine; \
+         CREATE VIEW mine.points_report AS SELECT user_id, sum(points) AS points \
+           FROM points.ledger GROUP BY user_id; \
+         CREATE TABLE mine.refunds (order_id bigint REFERENCES payments.orders (id), note text); \
+         INSERT INTO mine.refunds VALUES (1, 'the user''s row')",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let again = run_example("payment_points", &["--orders", "20"], &url).await;
+    let err = String::from_utf8_lossy(&again.stderr).into_owned();
+    eprintln!("second run: {:?}\n{err}", again.status.code());
+    let view: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_catalog.pg_views \
+         WHERE schemaname = 'mine' AND viewname = 'points_report'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let fk: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_catalog.pg_constraint \
+         WHERE conrelid = 'mine.refunds'::regclass AND contype = 'f'",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        (view, fk),
+        (1, 1),
+        "the reset dropped the user's view or foreign key (view, fk)"
+    );
+    assert!(!again.status.success(), "ran over the user's objects");
+    assert!(
+        err.contains("mine."),
+        "the refusal names no object of the user's: {err}"
+    );
+}

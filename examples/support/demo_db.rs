@@ -90,6 +90,21 @@ pub async fn reset_schemas(pool: &PgPool, schemas: &[&str]) -> anyhow::Result<()
             );
         }
     }
+    // `DROP SCHEMA ... CASCADE` also drops what others built on these schemas' objects
+    // elsewhere (a view, a foreign key, a column of one of their types): refused, named.
+    let outside: Vec<String> = sqlx::query_scalar(DEPENDENTS_OUTSIDE)
+        .bind(&existing)
+        .fetch_all(pool)
+        .await?;
+    if !outside.is_empty() {
+        bail!(
+            "objects outside the examples' schemas depend on them, and resetting {} would \
+             drop them too: {}. Drop those yourself if they are leftovers, or run the example \
+             in a database of its own (DATABASE_URL)",
+            existing.join(", "),
+            outside.join("; ")
+        );
+    }
     for schema in schemas {
         let quoted = quote_ident(schema)?;
         // Only what exists is dropped: no "does not exist, skipping" notices on a first run.
@@ -107,6 +122,44 @@ pub async fn reset_schemas(pool: &PgPool, schemas: &[&str]) -> anyhow::Result<()
     }
     Ok(())
 }
+
+/// What depends on an object of the schemas `$1` (a relation, a type, a function, the schema
+/// itself) from outside them: the objects `DROP SCHEMA ... CASCADE` would take with it. A
+/// view's rule, a trigger, a default and a policy belong to their table's schema; an object
+/// of no schema counts as outside.
+const DEPENDENTS_OUTSIDE: &str = "
+WITH ours AS (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = ANY($1::text[])),
+dependents AS (
+  SELECT o.identity,
+    CASE d.classid
+      WHEN 'pg_catalog.pg_rewrite'::regclass THEN (SELECT c.relnamespace
+        FROM pg_catalog.pg_rewrite r JOIN pg_catalog.pg_class c ON c.oid = r.ev_class
+        WHERE r.oid = d.objid)
+      WHEN 'pg_catalog.pg_trigger'::regclass THEN (SELECT c.relnamespace
+        FROM pg_catalog.pg_trigger t JOIN pg_catalog.pg_class c ON c.oid = t.tgrelid
+        WHERE t.oid = d.objid)
+      WHEN 'pg_catalog.pg_attrdef'::regclass THEN (SELECT c.relnamespace
+        FROM pg_catalog.pg_attrdef a JOIN pg_catalog.pg_class c ON c.oid = a.adrelid
+        WHERE a.oid = d.objid)
+      WHEN 'pg_catalog.pg_policy'::regclass THEN (SELECT c.relnamespace
+        FROM pg_catalog.pg_policy p JOIN pg_catalog.pg_class c ON c.oid = p.polrelid
+        WHERE p.oid = d.objid)
+      ELSE (SELECT n.oid FROM pg_catalog.pg_namespace n WHERE n.nspname = o.schema)
+    END AS nsp
+  FROM pg_catalog.pg_depend d
+  CROSS JOIN LATERAL pg_catalog.pg_identify_object(d.classid, d.objid, d.objsubid) o
+  -- Internal dependencies (a table's TOAST table, a view's rule on its view) are part of it.
+  WHERE d.deptype <> 'i' AND ((d.refclassid = 'pg_catalog.pg_class'::regclass AND d.refobjid IN
+          (SELECT oid FROM pg_catalog.pg_class WHERE relnamespace IN (SELECT oid FROM ours)))
+     OR (d.refclassid = 'pg_catalog.pg_type'::regclass AND d.refobjid IN
+          (SELECT oid FROM pg_catalog.pg_type WHERE typnamespace IN (SELECT oid FROM ours)))
+     OR (d.refclassid = 'pg_catalog.pg_proc'::regclass AND d.refobjid IN
+          (SELECT oid FROM pg_catalog.pg_proc WHERE pronamespace IN (SELECT oid FROM ours)))
+     OR (d.refclassid = 'pg_catalog.pg_namespace'::regclass AND d.refobjid IN (SELECT oid FROM ours)))
+)
+SELECT DISTINCT identity FROM dependents
+WHERE nsp IS NULL OR nsp NOT IN (SELECT oid FROM ours)
+ORDER BY identity";
 
 /// Creates those of `schemas` that are missing, marked as the examples' own (so that a demo
 /// may reset them later); schemas of the examples that exist are left as they are. A schema
