@@ -706,3 +706,42 @@ async fn finding_a_demo_reset_cascades_into_the_users_own_objects() {
         "the refusal names no object of the user's: {err}"
     );
 }
+
+/// The relay publishes into the built-in queue of a schema that was never migrated (the
+/// broker's schema forgotten): the queue's missing table is not the message's failure, yet
+/// each round counts an attempt, and after `max_attempts` good messages are dead-lettered.
+#[tokio::test]
+async fn finding_relay_dead_letters_good_messages_when_the_queue_is_not_migrated() {
+    let db = TestDb::migrated().await;
+    let mut tx = db.pool.begin().await.unwrap();
+    Outbox::new()
+        .enqueue(&mut tx, Message::bytes("orders", "good"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let queue = PgQueue::with_schema(db.pool.clone(), "broker_never_migrated").unwrap();
+    let relay = Relay::builder(db.pool.clone(), queue)
+        .max_attempts(2)
+        .backoff(
+            RetryPolicy::new()
+                .base_delay(Duration::from_millis(1))
+                .max_delay(Duration::from_millis(1)),
+        )
+        .build()
+        .unwrap();
+    let mut last = None;
+    for _ in 0..20 {
+        last = Some(format!("{:?}", relay.relay_once().await));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    eprintln!("last round: {last:?}");
+    let dead: Vec<(String, Option<String>)> =
+        sqlx::query_as("SELECT topic, last_error FROM pgbox.outbox_dead_letters")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert!(
+        dead.is_empty(),
+        "a good message was dead-lettered because the queue's schema is not migrated: {dead:?}"
+    );
+}
