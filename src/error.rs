@@ -449,9 +449,18 @@ fn missing_object_hint(db: &dyn sqlx::error::DatabaseError) -> Option<&'static s
         let rest = message[start..].strip_prefix('"')?;
         Some(&rest[..rest.find('"')?])
     };
-    let ours = |name: &str| PGBOX_OBJECTS.contains(&name.rsplit('.').next().unwrap_or(name));
+    // One of pgbox's names, and, when qualified, in a schema this process uses for pgbox.
+    let ours = |name: &str| {
+        let (schema, object) = match name.rsplit_once('.') {
+            Some((schema, object)) => (Some(schema.trim_matches('"')), object),
+            None => (None, name),
+        };
+        PGBOX_OBJECTS.contains(&object.trim_matches('"'))
+            && schema.is_none_or(crate::ident::is_pgbox_schema)
+    };
     let missing = match code.as_ref() {
-        "3F000" => true,
+        // `schema "billing" does not exist`: only a schema used for pgbox's tables.
+        "3F000" => quoted("schema ").is_some_and(crate::ident::is_pgbox_schema),
         "42P01" => quoted("relation ").is_some_and(|n| n.contains('.') && ours(n)),
         // `column "x" of relation "inbox" does not exist` (INSERT, UPDATE), `column "x" does
         // not exist` or `column i.x does not exist` (SELECT: no relation named).
@@ -472,7 +481,7 @@ fn missing_object_hint(db: &dyn sqlx::error::DatabaseError) -> Option<&'static s
         "42883" => message
             .strip_prefix("function ")
             .and_then(|rest| rest.find('(').map(|end| &rest[..end]))
-            .is_some_and(|name| ours(name.rsplit('.').next().unwrap_or(name).trim_matches('"'))),
+            .is_some_and(ours),
         _ => false,
     };
     missing.then_some(MIGRATE_HINT)
@@ -527,6 +536,19 @@ impl Error {
                 problem: WalStreamProblem::Lost | WalStreamProblem::Silent,
                 ..
             } => true,
+            _ => false,
+        }
+    }
+
+    /// Whether this is the server saying one of pgbox's own objects is missing (the schema
+    /// was never migrated, or by an older pgbox): not a message's fault, and not a passing
+    /// outage either; it lasts until someone runs the migrations.
+    pub(crate) fn needs_migration(&self) -> bool {
+        match self {
+            Error::Database {
+                source: sqlx::Error::Database(db),
+                ..
+            } => missing_object_hint(db.as_ref()).is_some(),
             _ => false,
         }
     }

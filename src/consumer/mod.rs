@@ -849,7 +849,12 @@ impl<S: Subscriber> Consumer<S> {
             true,
         );
         let delay = self.backoff.delay_after(attempt.max(1) as u32);
-        tracing::debug!(error = %error, delivery = attempt, "pgbox inbox database unavailable; redelivering later");
+        if error.needs_migration() {
+            // Lasts until someone acts: say so where an operator looks.
+            tracing::warn!(error = %error, delivery = attempt, "pgbox inbox tables missing; redelivering later");
+        } else {
+            tracing::debug!(error = %error, delivery = attempt, "pgbox inbox database unavailable; redelivering later");
+        }
         match self.source.nack(delivery, delay, &error.to_string()).await {
             Ok(_) => Settled::Retried,
             Err(e) => {
@@ -958,11 +963,13 @@ impl<E: fmt::Display> fmt::Display for Failure<E> {
 /// The inbox's database cannot take the delivery now, whatever the message: the connection
 /// was lost (a restart, a failover, a network cut), no connection could be had, or the
 /// server only allows reads (a standby). A retry later may succeed.
+/// The database is away, or pgbox's tables in it are missing (not migrated yet): the
+/// delivery waits, uncounted, instead of using up its deliveries while no handler ran.
 fn database_away(e: &Error) -> bool {
     matches!(
         e.db_kind(),
         Some(DbErrorKind::ConnectionLost | DbErrorKind::PoolTimedOut | DbErrorKind::ReadOnly)
-    )
+    ) || e.needs_migration()
 }
 
 fn count_all(stats: &mut ConsumerStats, settled: Vec<Settled>, metrics: &RunMetrics) {

@@ -476,7 +476,7 @@ fn publish_error(e: &Error) -> PublishError {
         }
         Error::Connect { .. } => true,
         _ => false,
-    };
+    } || e.needs_migration(); // the queue's schema not migrated (yet): no message's fault
     if unavailable {
         PublishError::unavailable(e.to_string())
     } else {
