@@ -135,6 +135,33 @@ impl fmt::Display for TableRef {
     }
 }
 
+/// The schemas this process has named as holding pgbox's tables (any pgbox value built
+/// with a schema: an inbox, an outbox, a queue, a relay, the migrator...). An error about a
+/// missing object says "run the migrations" only in one of these: an application's own
+/// schema with a table named like pgbox's (`orders.inbox`) gets no such advice.
+static PGBOX_SCHEMAS: std::sync::Mutex<std::collections::BTreeSet<String>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// At most this many names are remembered (a process that builds values for many tenants
+/// keeps the first ones; the hint then also checks the object's name).
+const REMEMBERED_SCHEMAS_CAP: usize = 4096;
+
+fn remember_pgbox_schema(name: &str) {
+    let mut known = PGBOX_SCHEMAS.lock().unwrap_or_else(|p| p.into_inner());
+    if known.len() < REMEMBERED_SCHEMAS_CAP && !known.contains(name) {
+        known.insert(name.to_owned());
+    }
+}
+
+/// Whether `name` is [`DEFAULT_SCHEMA`] or a schema this process has used for pgbox's tables.
+pub(crate) fn is_pgbox_schema(name: &str) -> bool {
+    name == DEFAULT_SCHEMA
+        || PGBOX_SCHEMAS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains(name)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -177,31 +204,4 @@ mod tests {
             );
         }
     }
-}
-
-/// The schemas this process has named as holding pgbox's tables (any pgbox value built
-/// with a schema: an inbox, an outbox, a queue, a relay, the migrator...). An error about a
-/// missing object says "run the migrations" only in one of these: an application's own
-/// schema with a table named like pgbox's (`orders.inbox`) gets no such advice.
-static PGBOX_SCHEMAS: std::sync::Mutex<std::collections::BTreeSet<String>> =
-    std::sync::Mutex::new(std::collections::BTreeSet::new());
-
-/// At most this many names are remembered (a process that builds values for many tenants
-/// keeps the first ones; the hint then also checks the object's name).
-const REMEMBERED_SCHEMAS_CAP: usize = 4096;
-
-fn remember_pgbox_schema(name: &str) {
-    let mut known = PGBOX_SCHEMAS.lock().unwrap_or_else(|p| p.into_inner());
-    if known.len() < REMEMBERED_SCHEMAS_CAP && !known.contains(name) {
-        known.insert(name.to_owned());
-    }
-}
-
-/// Whether `name` is [`DEFAULT_SCHEMA`] or a schema this process has used for pgbox's tables.
-pub(crate) fn is_pgbox_schema(name: &str) -> bool {
-    name == DEFAULT_SCHEMA
-        || PGBOX_SCHEMAS
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .contains(name)
 }
