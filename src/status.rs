@@ -11,15 +11,19 @@ use crate::ident::Identifier;
 /// the snapshot cheap when they are not).
 pub const DEAD_LETTER_COUNT_CAP: i64 = 10_000;
 
+/// Backlogs are counted exactly up to this many per topic, then estimated from sequence
+/// numbers (a count past it would read every pending message).
+const BACKLOG_COUNT_CAP: i64 = 10_000;
+
 /// One topic's state.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TopicStatus {
     /// The topic.
     pub topic: String,
-    /// Outbox messages not yet published, estimated from the first and last pending
-    /// sequence numbers (an upper bound: numbers of already-published messages in between
-    /// are counted).
+    /// Outbox messages not yet published: counted exactly up to 10,000; past that,
+    /// estimated from the first and last pending sequence numbers (an upper bound: numbers
+    /// of other messages in between, of this topic or another, are counted).
     pub outbox_backlog_estimate: i64,
     /// When the oldest pending outbox message was enqueued.
     pub outbox_oldest_pending: Option<OffsetDateTime>,
@@ -68,10 +72,14 @@ pub async fn status(pool: &PgPool, schema: &str) -> Result<Status> {
         .await?;
     let per_topic = format!(
         "SELECT \
-           (SELECT pg_catalog.max(seq) - pg_catalog.min(seq) + 1 FROM {s}.outbox WHERE topic = $1 AND published_at IS NULL), \
+           (SELECT CASE WHEN pg_catalog.count(*) < $3 THEN pg_catalog.count(*) ELSE \
+              (SELECT pg_catalog.max(seq) - pg_catalog.min(seq) + 1 FROM {s}.outbox WHERE topic = $1 AND published_at IS NULL) END \
+            FROM (SELECT 1 FROM {s}.outbox WHERE topic = $1 AND published_at IS NULL LIMIT $3) b), \
            (SELECT created_at FROM {s}.outbox WHERE topic = $1 AND published_at IS NULL ORDER BY seq LIMIT 1), \
            (SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {s}.outbox_dead_letters WHERE topic = $1 LIMIT $2) d), \
-           (SELECT pg_catalog.max(seq) - pg_catalog.min(seq) + 1 FROM {s}.queue WHERE topic = $1), \
+           (SELECT CASE WHEN pg_catalog.count(*) < $3 THEN pg_catalog.count(*) ELSE \
+              (SELECT pg_catalog.max(seq) - pg_catalog.min(seq) + 1 FROM {s}.queue WHERE topic = $1) END \
+            FROM (SELECT 1 FROM {s}.queue WHERE topic = $1 LIMIT $3) b), \
            (SELECT enqueued_at FROM {s}.queue WHERE topic = $1 ORDER BY seq LIMIT 1), \
            (SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {s}.queue_dead_letters WHERE topic = $1 LIMIT $2) d), \
            pg_catalog.now()"
@@ -82,6 +90,7 @@ pub async fn status(pool: &PgPool, schema: &str) -> Result<Status> {
         let row = sqlx::query(AssertSqlSafe(per_topic.clone()))
             .bind(&topic)
             .bind(DEAD_LETTER_COUNT_CAP)
+            .bind(BACKLOG_COUNT_CAP)
             .fetch_one(pool)
             .await?;
         taken_at = Some(row.try_get(6)?);

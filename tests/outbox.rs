@@ -665,3 +665,29 @@ async fn a_handler_enqueues_through_its_connection_in_the_inbox_transaction() {
         2
     );
 }
+
+/// Another topic's traffic between two pending messages of a topic is not that topic's
+/// backlog (found by the attack on the alert rules: 2 pending messages around 5,000 of
+/// another topic were reported as a backlog of 5,002, and the backlog alert advised scaling
+/// the relay).
+#[tokio::test]
+async fn status_counts_a_topics_backlog_not_the_traffic_of_others_between() {
+    let db = TestDb::migrated().await;
+    enqueue(&db.pool, vec![Message::bytes("slow", "first")]).await;
+    enqueue(
+        &db.pool,
+        (0..2_000)
+            .map(|i| Message::bytes("busy", format!("b{i}")))
+            .collect(),
+    )
+    .await;
+    enqueue(&db.pool, vec![Message::bytes("slow", "second")]).await;
+    // The busy topic's messages are published (a relay that serves it keeps up).
+    sqlx::query("UPDATE pgbox.outbox SET published_at = now() WHERE topic = 'busy'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let status = pgbox::status(&db.pool, "pgbox").await.unwrap();
+    let slow = status.topics.iter().find(|t| t.topic == "slow").unwrap();
+    assert_eq!(slow.outbox_backlog_estimate, 2, "{status:?}");
+}
