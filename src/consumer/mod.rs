@@ -224,6 +224,32 @@ pub struct ConsumerStats {
 /// Every run records its counts, its handler durations and its receive lag as metrics
 /// labelled with the consumer and the topic (see [`telemetry`](crate::telemetry)); install
 /// the recorder before starting the run.
+///
+/// ```no_run
+/// use pgbox::transport::PgQueue;
+/// use pgbox::{CancellationToken, Consumer, Envelope, HandlerConnection, Inbox};
+/// # async fn f(pool: sqlx::PgPool) -> pgbox::Result<()> {
+/// let queue = PgQueue::new(pool.clone());
+/// let consumer = Consumer::builder(pool.clone(), queue, "payments", Inbox::new("points")?)
+///     .concurrency(4)
+///     .build()?;
+/// let stats = consumer
+///     .run(
+///         async |message: &Envelope, conn: &mut HandlerConnection<'_>| {
+///             let body: serde_json::Value = message.json()?;
+///             // Commits with the inbox row: once per message, however often it is delivered.
+///             sqlx::query("INSERT INTO points (order_id, points) VALUES ($1, 30)")
+///                 .bind(body["order"].as_i64())
+///                 .execute(&mut *conn)
+///                 .await?;
+///             Ok::<(), pgbox::Error>(())
+///         },
+///         CancellationToken::new(),
+///     )
+///     .await?;
+/// println!("{} processed, {} duplicates absorbed", stats.processed, stats.duplicates);
+/// # Ok(()) }
+/// ```
 pub struct Consumer<S> {
     pool: PgPool,
     source: S,

@@ -243,6 +243,23 @@ impl Outbox {
     /// `tx` is a [`Transaction`], or, inside an inbox handler, the handler's
     /// [`HandlerConnection`](crate::HandlerConnection): consume a message and produce the
     /// next in one transaction, with no savepoint.
+    ///
+    /// ```no_run
+    /// use pgbox::{Message, Outbox};
+    /// # async fn f(pool: sqlx::PgPool) -> pgbox::Result<()> {
+    /// let outbox = Outbox::new();
+    /// let mut tx = pool.begin().await?;
+    /// sqlx::query("UPDATE orders SET status = 'paid' WHERE id = 42")
+    ///     .execute(&mut *tx)
+    ///     .await?;
+    /// // Published (by a relay) if and only if this transaction commits; the ordering key
+    /// // keeps this order's messages in order.
+    /// let paid = Message::json("payments", &serde_json::json!({ "order": 42 }))?
+    ///     .ordering_key("order-42");
+    /// outbox.enqueue(&mut tx, paid).await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
     pub async fn enqueue(&self, tx: &mut impl InTransaction, message: Message) -> Result<Uuid> {
         message.validate(self.max_message_bytes)?;
         let id = message.id;

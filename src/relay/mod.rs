@@ -429,6 +429,21 @@ pub struct RoundReport {
 }
 
 /// Publishes outbox messages. Build with [`Relay::builder`]; run with [`Relay::run`].
+///
+/// Committed messages are published at least once, in order per ordering key; a transport
+/// that is away holds them (no attempt counted) until it is back.
+///
+/// ```no_run
+/// use pgbox::transport::PgQueue;
+/// use pgbox::{CancellationToken, Relay};
+/// # async fn f(pool: sqlx::PgPool) -> pgbox::Result<()> {
+/// // Into the built-in Postgres queue (here in the same database; any `Publisher` works).
+/// let relay = Relay::builder(pool.clone(), PgQueue::new(pool.clone())).build()?;
+/// let shutdown = CancellationToken::new();
+/// // Woken by each commit's NOTIFY, polling as a fallback, until `shutdown` is cancelled.
+/// relay.run(shutdown).await?;
+/// # Ok(()) }
+/// ```
 #[derive(Debug)]
 pub struct Relay<P> {
     pool: PgPool,
