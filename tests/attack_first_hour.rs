@@ -7,7 +7,6 @@
 
 mod support;
 
-use std::path::PathBuf;
 use std::process::{Command, Output};
 use std::time::Duration;
 
@@ -16,7 +15,7 @@ use pgbox::{
     CancellationToken, Consumer, DbErrorKind, DeadLetters, Error, Inbox, Message, Outbox, Outcome,
     Relay, RetryPolicy,
 };
-use support::TestDb;
+use support::{TestDb, example_path};
 
 /// The three ways to migrate that the hint names.
 const MIGRATE_WORDS: [&str; 3] = ["pgbox::migrate(&pool)", "Migrator", "pgbox migrate"];
@@ -384,23 +383,6 @@ async fn cli_status_on_an_older_schema_works_or_says_migrate() {
 // ---------------------------------------------------------------------------------------
 // The examples, over a user's own schemas of the same names, and after each other.
 // ---------------------------------------------------------------------------------------
-
-/// `<target>/debug/examples/<name>`, next to this test binary's directory.
-fn example_path(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        path.exists(),
-        "{path:?} not built: cargo build --example {name}"
-    );
-    path
-}
 
 async fn run_example(name: &'static str, args: &[&str], url: &str) -> Output {
     let path = example_path(name);

@@ -11,64 +11,24 @@
 //!   of 15 minutes). The series have the shapes the real services export (a counter created
 //!   at 0 at start, labels `job`/`instance` from the scrape).
 //!
-//! Prometheus and promtool must be on PATH (Debian's `prometheus` package;
-//! tests/ops_alerts.rs installs it when run as root).
+//! Prometheus and promtool come from PATH, else from Debian's `prometheus` package when the
+//! tests run as root (tests/support/prometheus.rs).
 
 mod support;
 
-#[allow(dead_code)]
-#[path = "../examples/payment_services/http.rs"]
-mod http;
-
 use std::collections::BTreeSet;
-use std::fs::File;
-use std::net::{SocketAddr, TcpListener};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::net::SocketAddr;
+use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use serde_json::{Value, json};
-use support::TestDb;
-
-const RULES: &str = "ops/prometheus/pgbox-alerts.yml";
-const DASHBOARD: &str = "ops/grafana/pgbox-dashboard.json";
-
-/// The longest wait for anything to happen: a scrape, an alert, a service start.
-const LIMIT: Duration = Duration::from_secs(90);
-const HTTP_TIMEOUT: Duration = Duration::from_secs(10);
-const PRIVATE_DIR_PREFIX: &str = "pgbox-attack-ops-";
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
-}
-
-fn read(path: &str) -> String {
-    std::fs::read_to_string(repo(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
-}
-
-fn tool(program: &str) -> PathBuf {
-    std::env::var_os("PATH")
-        .and_then(|path| {
-            std::env::split_paths(&path)
-                .map(|dir| dir.join(program))
-                .find(|p| p.is_file())
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "{program} is not on PATH: `apt-get install prometheus` (Debian's package, \
-                 2.42 or later), or run tests/ops_alerts.rs as root once"
-            )
-        })
-}
-
-fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
+use serde_json::Value;
+use support::prometheus::{
+    DASHBOARD, HTTP_TIMEOUT, LIMIT, PRIVATE_DIR_PREFIX, Prometheus, RULES, Service, free_port,
+    read, rules_without_for, tools,
+};
+use support::{TestDb, http};
 
 // --- promtool: the rule engine over series written out --------------------------------------
 
@@ -111,7 +71,7 @@ fn promtool_cases(tests: &str) -> Result<(), String> {
         format!("rule_files:\n- rules.yml\nevaluation_interval: 1m\ntests:\n{tests}"),
     )
     .unwrap();
-    let out = Command::new(tool("promtool"))
+    let out = Command::new(&tools().promtool)
         .args(["test", "rules", "cases.yml"])
         .current_dir(&dir)
         .output()
@@ -239,294 +199,11 @@ fn finding_another_schemas_relay_hides_a_stalled_relay() {
 
 // --- a real Prometheus ----------------------------------------------------------------------
 
-/// A Prometheus of one test: its own data directory, a free port, scraping and evaluating
-/// every second. Killed, and its directory removed, when dropped.
-struct Prometheus {
-    child: Child,
-    addr: SocketAddr,
-    dir: PathBuf,
-}
-
-impl Prometheus {
-    async fn start(rules: &str, targets: &[(&str, SocketAddr)]) -> Prometheus {
-        let dir = std::env::temp_dir().join(format!(
-            "{PRIVATE_DIR_PREFIX}{}",
-            uuid::Uuid::now_v7().simple()
-        ));
-        std::fs::create_dir_all(dir.join("data")).unwrap();
-        std::fs::write(dir.join("rules.yml"), rules).unwrap();
-        let mut config = format!(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n\
-             rule_files:\n  - {}\nscrape_configs:\n",
-            dir.join("rules.yml").display()
-        );
-        for (job, target) in targets {
-            config.push_str(&format!(
-                "  - job_name: {job}\n    static_configs:\n      - targets: ['{target}']\n"
-            ));
-        }
-        std::fs::write(dir.join("prometheus.yml"), config).unwrap();
-        let addr = free_port();
-        let log = File::create(dir.join("prometheus.log")).unwrap();
-        let child = Command::new(tool("prometheus"))
-            .arg(format!(
-                "--config.file={}",
-                dir.join("prometheus.yml").display()
-            ))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.join("data").display()
-            ))
-            .arg(format!("--web.listen-address={addr}"))
-            .arg("--storage.tsdb.retention.time=1h")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap();
-        let mut prometheus = Prometheus { child, addr, dir };
-        let start = Instant::now();
-        loop {
-            if let Some(status) = prometheus.child.try_wait().unwrap() {
-                panic!("prometheus exited ({status}):\n{}", prometheus.log());
-            }
-            if let Ok(r) = http::request(addr, "GET", "/-/ready", &[], None, HTTP_TIMEOUT).await
-                && r.status == 200
-            {
-                return prometheus;
-            }
-            assert!(start.elapsed() < LIMIT, "prometheus not ready");
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("prometheus.log")).unwrap_or_default()
-    }
-
-    async fn get(&self, path: &str) -> Value {
-        let r = http::request(self.addr, "GET", path, &[], None, HTTP_TIMEOUT)
-            .await
-            .unwrap_or_else(|e| panic!("prometheus GET {path}: {e}"));
-        assert_eq!(r.status, 200, "GET {path}: {}", r.text());
-        r.json().unwrap()
-    }
-
-    async fn query(&self, expr: &str) -> Result<Vec<Value>, String> {
-        let q: String = url::form_urlencoded::byte_serialize(expr.as_bytes()).collect();
-        let r = http::request(
-            self.addr,
-            "GET",
-            &format!("/api/v1/query?query={q}"),
-            &[],
-            None,
-            HTTP_TIMEOUT,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("prometheus query {expr}: {e}"));
-        let body: Value = r.json().unwrap();
-        if r.status == 200 && body["status"] == "success" {
-            Ok(body["data"]["result"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default())
-        } else {
-            Err(format!("{}: {}", r.status, body["error"]))
-        }
-    }
-
-    /// Every active (pending or firing) pgbox alert.
-    async fn active(&self) -> Vec<Value> {
-        self.get("/api/v1/alerts").await["data"]["alerts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|a| {
-                a["labels"]["alertname"]
-                    .as_str()
-                    .is_some_and(|n| n.starts_with("Pgbox"))
-            })
-            .cloned()
-            .collect()
-    }
-
-    /// Waits (at most `limit`) until `expr` has a sample of at least `min`.
-    async fn reaches(&self, expr: &str, min: f64, limit: Duration) {
-        let start = Instant::now();
-        loop {
-            let result = self.query(expr).await.unwrap();
-            let top = result
-                .iter()
-                .filter_map(|s| s["value"][1].as_str()?.parse::<f64>().ok())
-                .fold(f64::NEG_INFINITY, f64::max);
-            if top >= min {
-                return;
-            }
-            assert!(
-                start.elapsed() < limit,
-                "{expr} below {min} after {limit:?}: {result:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-}
-
-impl Drop for Prometheus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("--- prometheus log ---\n{}", self.log());
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// The shipped rules with every `for:` set to 0s except those of `keep`: an alert fires at
-/// the first evaluation its expression holds, so a test sees in seconds what would fire
-/// minutes later; the expressions are unchanged.
-fn rules_without_for(keep: &[&str]) -> String {
-    let mut current = String::new();
-    let mut changed = 0;
-    let text: Vec<String> = read(RULES)
-        .lines()
-        .map(|line| {
-            if let Some(name) = line.trim().strip_prefix("- alert: ") {
-                current = name.trim().to_owned();
-            }
-            match line.trim_start().strip_prefix("for: ") {
-                Some(_) if !keep.contains(&current.as_str()) => {
-                    changed += 1;
-                    let indent = &line[..line.len() - line.trim_start().len()];
-                    format!("{indent}for: 0s")
-                }
-                _ => line.to_owned(),
-            }
-        })
-        .collect();
-    assert!(changed > 0, "no `for:` found in {RULES}");
-    text.join("\n") + "\n"
-}
-
-// --- the example's services -------------------------------------------------------------------
-
-fn example_path(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        path.exists(),
-        "{path:?} not built (cargo build --example {name})"
-    );
-    path
-}
-
-/// One of the example's services, SIGKILLed when dropped.
-struct Service {
-    child: Child,
-    addr: SocketAddr,
-    log: PathBuf,
-}
-
-impl Service {
-    /// `payment_services <which> --listen <addr> --transport postgres --topic <topic>` on
-    /// `database_url`; returns once `/health/ready` answers 200.
-    async fn start(which: &str, addr: SocketAddr, database_url: &str, topic: &str) -> Service {
-        let log = std::env::temp_dir().join(format!(
-            "{PRIVATE_DIR_PREFIX}{which}-{}.log",
-            uuid::Uuid::now_v7().simple()
-        ));
-        let file = File::create(&log).unwrap();
-        let child = Command::new(example_path("payment_services"))
-            .arg(which)
-            .args(["--listen", &addr.to_string()])
-            .args(["--transport", "postgres", "--topic", topic])
-            .env("DATABASE_URL", database_url)
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(file.try_clone().unwrap())
-            .stderr(file)
-            .spawn()
-            .unwrap();
-        let mut service = Service { child, addr, log };
-        let start = Instant::now();
-        loop {
-            if let Some(status) = service.child.try_wait().unwrap() {
-                panic!("{which} exited ({status}):\n{}", service.log());
-            }
-            if let Ok(r) =
-                http::request(addr, "GET", "/health/ready", &[], None, HTTP_TIMEOUT).await
-                && r.status == 200
-            {
-                return service;
-            }
-            assert!(
-                start.elapsed() < LIMIT,
-                "{which} not ready after {LIMIT:?}:\n{}",
-                service.log()
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// SIGKILL, as the demo does.
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    async fn post(&self, path: &str, key: &str, body: Option<&Value>) -> Value {
-        let r = http::request(
-            self.addr,
-            "POST",
-            path,
-            &[("Idempotency-Key", key)],
-            body,
-            HTTP_TIMEOUT,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("POST {path}: {e}"));
-        assert!(
-            (200..300).contains(&r.status),
-            "POST {path}: {} {}",
-            r.status,
-            r.text()
-        );
-        r.json().unwrap()
-    }
-
-    async fn pay_an_order(&self) {
-        let key = uuid::Uuid::now_v7().to_string();
-        let order = self
-            .post(
-                "/orders",
-                &format!("create-{key}"),
-                Some(&json!({"user_id": 1, "amount": 100})),
-            )
-            .await;
-        let id = order["id"].as_i64().unwrap_or_else(|| panic!("{order}"));
-        self.post(&format!("/orders/{id}/pay"), &format!("pay-{key}"), None)
-            .await;
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        self.kill();
-        if std::thread::panicking() {
-            eprintln!("--- service log ---\n{}", self.log());
-        }
-        let _ = std::fs::remove_file(&self.log);
-    }
+/// `payment_services <which>` on `addr`, on the built-in queue (`--transport postgres`) and
+/// `topic`; returns once it is ready.
+async fn on_queue(which: &str, addr: SocketAddr, database_url: &str, topic: &str) -> Service {
+    let args = ["--transport", "postgres", "--topic", topic];
+    Service::start(which, addr, database_url, &args).await
 }
 
 /// The payments service (orders API, outbox, relay, and the gauges of its schemas) is
@@ -538,7 +215,7 @@ impl Drop for Service {
 async fn finding_a_dead_relay_process_raises_no_alert() {
     let db = TestDb::empty().await;
     let topic = format!("attack-ops-{}", uuid::Uuid::now_v7().simple());
-    let mut payments = Service::start("payments", free_port(), &db.url(), &topic).await;
+    let mut payments = on_queue("payments", free_port(), &db.url(), &topic).await;
     let prometheus =
         Prometheus::start(&rules_without_for(&[]), &[("payments", payments.addr)]).await;
     payments.pay_an_order().await;
@@ -546,7 +223,6 @@ async fn finding_a_dead_relay_process_raises_no_alert() {
         .reaches(
             &format!("pgbox_relay_messages_published_total{{topic=\"{topic}\"}}"),
             1.0,
-            LIMIT,
         )
         .await;
     let before = prometheus.active().await;
@@ -587,11 +263,11 @@ async fn healthy_services_killed_and_restarted_raise_no_alert_and_fill_the_dashb
     let db = TestDb::empty().await;
     let topic = format!("attack-ops-{}", uuid::Uuid::now_v7().simple());
     let (payments_addr, points_addr, replica_addr) = (free_port(), free_port(), free_port());
-    let mut points = Service::start("points", points_addr, &db.url(), &topic).await;
+    let mut points = on_queue("points", points_addr, &db.url(), &topic).await;
     // A second replica of points: its counters and its copies of the gauges are scraped
     // separately, under the same job.
-    let _replica = Service::start("points", replica_addr, &db.url(), &topic).await;
-    let mut payments = Service::start("payments", payments_addr, &db.url(), &topic).await;
+    let _replica = on_queue("points", replica_addr, &db.url(), &topic).await;
+    let mut payments = on_queue("payments", payments_addr, &db.url(), &topic).await;
     let config = format!(
         "points\n    static_configs:\n      - targets: ['{points_addr}', '{replica_addr}']\n  \
          - job_name: payments"
@@ -641,11 +317,11 @@ async fn healthy_services_killed_and_restarted_raise_no_alert_and_fill_the_dashb
         match round {
             0 => {
                 points.kill();
-                points = Service::start("points", points_addr, &db.url(), &topic).await;
+                points = on_queue("points", points_addr, &db.url(), &topic).await;
             }
             1 => {
                 payments.kill();
-                payments = Service::start("payments", payments_addr, &db.url(), &topic).await;
+                payments = on_queue("payments", payments_addr, &db.url(), &topic).await;
             }
             _ => {}
         }
@@ -671,7 +347,6 @@ async fn healthy_services_killed_and_restarted_raise_no_alert_and_fill_the_dashb
         .reaches(
             &format!("sum(pgbox_consumer_messages_processed_total{{topic=\"{topic}\"}})"),
             1.0,
-            LIMIT,
         )
         .await;
     tokio::time::sleep(Duration::from_secs(10)).await;
@@ -791,8 +466,8 @@ async fn healthy_services_killed_and_restarted_raise_no_alert_and_fill_the_dashb
 async fn a_hung_handler_fires_queue_waiting_too_long_and_resolves() {
     let db = TestDb::empty().await;
     let topic = format!("attack-ops-{}", uuid::Uuid::now_v7().simple());
-    let points = Service::start("points", free_port(), &db.url(), &topic).await;
-    let payments = Service::start("payments", free_port(), &db.url(), &topic).await;
+    let points = on_queue("points", free_port(), &db.url(), &topic).await;
+    let payments = on_queue("payments", free_port(), &db.url(), &topic).await;
     let prometheus = Prometheus::start(
         &rules_without_for(&["PgboxProcessDown"]),
         &[("payments", payments.addr), ("points", points.addr)],

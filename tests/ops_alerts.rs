@@ -11,134 +11,22 @@
 
 mod support;
 
-#[allow(dead_code)]
-#[path = "../examples/payment_services/http.rs"]
-mod http;
-
 use std::collections::{BTreeMap, BTreeSet};
-use std::fs::File;
-use std::net::{SocketAddr, TcpListener};
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use pgbox::Envelope;
 use pgbox::transport::{PgQueue, Publisher};
-use serde_json::{Value, json};
+use serde_json::Value;
+use support::TestDb;
 use support::brokers::{self, Proxy};
-use support::{TestDb, local_pg};
+use support::prometheus::{
+    DASHBOARD, LIMIT, Prometheus, RULES, Service, free_port, read, repo, rules_without_for, tools,
+};
 
-const RULES: &str = "ops/prometheus/pgbox-alerts.yml";
 const RULE_TESTS: &str = "ops/prometheus/pgbox-alerts.test.yml";
-const DASHBOARD: &str = "ops/grafana/pgbox-dashboard.json";
 
-/// The longest wait for anything to happen: a scrape, an alert, a service start.
-const LIMIT: Duration = Duration::from_secs(90);
-const HTTP_TIMEOUT: Duration = Duration::from_secs(10);
-
-fn repo(path: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join(path)
-}
-
-fn read(path: &str) -> String {
-    std::fs::read_to_string(repo(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
-}
-
-// --- the tools -------------------------------------------------------------------------------
-
-struct Tools {
-    prometheus: PathBuf,
-    promtool: PathBuf,
-}
-
-fn on_path(program: &str) -> Option<PathBuf> {
-    std::env::split_paths(&std::env::var_os("PATH")?)
-        .map(|dir| dir.join(program))
-        .find(|p| p.is_file())
-}
-
-/// Prometheus and promtool: from PATH, else installed from Debian's `prometheus` package when
-/// running as root; panics with what to do otherwise.
-fn tools() -> &'static Tools {
-    static TOOLS: OnceLock<Tools> = OnceLock::new();
-    TOOLS.get_or_init(|| {
-        if on_path("prometheus").is_none() || on_path("promtool").is_none() {
-            install_prometheus();
-        }
-        let find = |program| {
-            on_path(program).unwrap_or_else(|| {
-                panic!("{program} is still not on PATH after installing the prometheus package")
-            })
-        };
-        Tools {
-            prometheus: find("prometheus"),
-            promtool: find("promtool"),
-        }
-    })
-}
-
-/// PIDs of running `/usr/bin/prometheus` processes that are not one of these tests' own.
-fn packaged_prometheus_pids() -> BTreeSet<u32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else {
-        return BTreeSet::new();
-    };
-    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let exe = std::fs::read_link(format!("/proc/{pid}/exe")).ok();
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            exe.is_some_and(|e| e == Path::new("/usr/bin/prometheus"))
-                && !String::from_utf8_lossy(&cmdline).contains(PRIVATE_DIR_PREFIX)
-        })
-        .collect()
-}
-
-fn install_prometheus() {
-    assert!(
-        local_pg::is_root(),
-        "prometheus and promtool are not on PATH and only root can install them: \
-         `apt-get install prometheus` (Debian's package, 2.42 or later), or put both on PATH"
-    );
-    // One apt at a time across test binaries (the lock the other installers take).
-    let lock = File::create(std::env::temp_dir().join("pgbox-apt.lock")).unwrap();
-    lock.lock().unwrap();
-    if on_path("prometheus").is_some() && on_path("promtool").is_some() {
-        return;
-    }
-    let before = packaged_prometheus_pids();
-    eprintln!("pgbox tests: installing Debian's prometheus package with apt-get");
-    let install = |update: bool| {
-        if update {
-            let _ = local_pg::run(Command::new("apt-get").args(["update", "-q"]));
-        }
-        local_pg::run(
-            Command::new("apt-get")
-                .env("DEBIAN_FRONTEND", "noninteractive")
-                .args([
-                    "install",
-                    "-y",
-                    "-q",
-                    "--no-install-recommends",
-                    "prometheus",
-                ]),
-        )
-    };
-    install(false)
-        .or_else(|_| install(true))
-        .unwrap_or_else(|e| panic!("apt-get install prometheus: {e}"));
-    // The package enables a service on :9090 and may have started it: the tests run their
-    // own. Disabled where an init system manages it; a process the install started is
-    // stopped, and nothing else.
-    if Path::new("/run/systemd/system").exists() {
-        let _ = local_pg::run(Command::new("systemctl").args(["disable", "--now", "prometheus"]));
-    } else if on_path("update-rc.d").is_some() {
-        let _ = local_pg::run(Command::new("update-rc.d").args(["prometheus", "disable"]));
-    }
-    for pid in packaged_prometheus_pids().difference(&before) {
-        eprintln!("pgbox tests: stopping the prometheus (pid {pid}) the package started");
-        let _ = Command::new("kill").arg(pid.to_string()).status();
-    }
-}
+// --- promtool --------------------------------------------------------------------------------
 
 fn promtool(args: &[&str]) -> String {
     let out = Command::new(&tools().promtool)
@@ -153,217 +41,6 @@ fn promtool(args: &[&str]) -> String {
     );
     assert!(out.status.success(), "promtool {args:?} failed:\n{text}");
     text
-}
-
-// --- a private Prometheus ------------------------------------------------------------------
-
-const PRIVATE_DIR_PREFIX: &str = "pgbox-ops-alerts-";
-
-fn free_port() -> SocketAddr {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-}
-
-/// A Prometheus of one test: its own data directory, a free port, scraping and evaluating
-/// every second. Killed, and its directory removed, when dropped.
-struct Prometheus {
-    child: Child,
-    addr: SocketAddr,
-    dir: PathBuf,
-}
-
-impl Prometheus {
-    /// Starts Prometheus with `rules` (the text of a rules file) and a job per
-    /// `(name, address)` in `targets`; returns once it is ready.
-    async fn start(rules: &str, targets: &[(&str, SocketAddr)]) -> Prometheus {
-        let dir = std::env::temp_dir().join(format!(
-            "{PRIVATE_DIR_PREFIX}{}",
-            uuid::Uuid::now_v7().simple()
-        ));
-        std::fs::create_dir_all(dir.join("data")).unwrap();
-        std::fs::write(dir.join("rules.yml"), rules).unwrap();
-        let mut config = format!(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n\
-             rule_files:\n  - {}\nscrape_configs:\n",
-            dir.join("rules.yml").display()
-        );
-        for (job, target) in targets {
-            config.push_str(&format!(
-                "  - job_name: {job}\n    static_configs:\n      - targets: ['{target}']\n"
-            ));
-        }
-        std::fs::write(dir.join("prometheus.yml"), config).unwrap();
-        let addr = free_port();
-        let log = File::create(dir.join("prometheus.log")).unwrap();
-        let child = Command::new(&tools().prometheus)
-            .arg(format!(
-                "--config.file={}",
-                dir.join("prometheus.yml").display()
-            ))
-            .arg(format!(
-                "--storage.tsdb.path={}",
-                dir.join("data").display()
-            ))
-            .arg(format!("--web.listen-address={addr}"))
-            .arg("--storage.tsdb.retention.time=1h")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().unwrap())
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| panic!("start {:?}: {e}", tools().prometheus));
-        let mut prometheus = Prometheus { child, addr, dir };
-        let start = Instant::now();
-        loop {
-            if let Some(status) = prometheus.child.try_wait().unwrap() {
-                panic!(
-                    "prometheus exited at start ({status}):\n{}",
-                    prometheus.log()
-                );
-            }
-            if let Ok(r) = http::request(addr, "GET", "/-/ready", &[], None, HTTP_TIMEOUT).await
-                && r.status == 200
-            {
-                return prometheus;
-            }
-            assert!(
-                start.elapsed() < LIMIT,
-                "prometheus not ready after {LIMIT:?}:\n{}",
-                prometheus.log()
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("prometheus.log")).unwrap_or_default()
-    }
-
-    /// `GET path` of the HTTP API: the HTTP status and the JSON body.
-    async fn get(&self, path: &str) -> (u16, Value) {
-        let r = http::request(self.addr, "GET", path, &[], None, HTTP_TIMEOUT)
-            .await
-            .unwrap_or_else(|e| panic!("prometheus GET {path}: {e}"));
-        let body = r
-            .json()
-            .unwrap_or_else(|e| panic!("prometheus GET {path}: {e}: {}", r.text()));
-        (r.status, body)
-    }
-
-    /// An instant query: the result vector, or Prometheus's error (status and message).
-    async fn query(&self, expr: &str) -> Result<Vec<Value>, String> {
-        let q: String = url::form_urlencoded::byte_serialize(expr.as_bytes()).collect();
-        let (status, body) = self.get(&format!("/api/v1/query?query={q}")).await;
-        if status == 200 && body["status"] == "success" {
-            Ok(body["data"]["result"]
-                .as_array()
-                .cloned()
-                .unwrap_or_default())
-        } else {
-            Err(format!("{status}: {}", body["error"]))
-        }
-    }
-
-    /// The active (pending or firing) alerts named `name` whose labels include `labels`.
-    async fn alerts(&self, name: &str, labels: &[(&str, &str)]) -> Vec<Value> {
-        let (status, body) = self.get("/api/v1/alerts").await;
-        assert_eq!(status, 200, "{body}");
-        body["data"]["alerts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|a| {
-                a["labels"]["alertname"] == name
-                    && labels.iter().all(|(k, v)| a["labels"][*k] == *v)
-            })
-            .cloned()
-            .collect()
-    }
-
-    /// Waits (at most [`LIMIT`]) until an alert `name` with `labels` is firing; returns it.
-    async fn firing(&self, name: &str, labels: &[(&str, &str)]) -> Value {
-        let start = Instant::now();
-        loop {
-            let alerts = self.alerts(name, labels).await;
-            if let Some(a) = alerts.iter().find(|a| a["state"] == "firing") {
-                return a.clone();
-            }
-            assert!(
-                start.elapsed() < LIMIT,
-                "{name} {labels:?} not firing after {LIMIT:?}; active: {alerts:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-
-    /// Waits (at most [`LIMIT`]) until no alert `name` with `labels` is active.
-    async fn resolved(&self, name: &str, labels: &[(&str, &str)]) {
-        let start = Instant::now();
-        loop {
-            let alerts = self.alerts(name, labels).await;
-            if alerts.is_empty() {
-                return;
-            }
-            assert!(
-                start.elapsed() < LIMIT,
-                "{name} {labels:?} still active after {LIMIT:?}: {alerts:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-
-    /// Waits (at most [`LIMIT`]) until `expr` has a sample of at least `min`.
-    async fn reaches(&self, expr: &str, min: f64) {
-        let start = Instant::now();
-        loop {
-            let result = self.query(expr).await.unwrap();
-            let top = result
-                .iter()
-                .filter_map(|s| s["value"][1].as_str()?.parse::<f64>().ok())
-                .fold(f64::NEG_INFINITY, f64::max);
-            if top >= min {
-                return;
-            }
-            assert!(
-                start.elapsed() < LIMIT,
-                "{expr} below {min} after {LIMIT:?}: {result:?}\n{}",
-                self.log()
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        }
-    }
-}
-
-impl Drop for Prometheus {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("--- prometheus log ---\n{}", self.log());
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// The shipped rules with every `for:` set to 0s, so that an alert fires at the first
-/// evaluation its expression holds: the expressions, labels and annotations are unchanged.
-fn rules_without_for() -> String {
-    let shipped = read(RULES);
-    let mut changed = 0;
-    let text: Vec<String> = shipped
-        .lines()
-        .map(|line| match line.trim_start().strip_prefix("for: ") {
-            Some(_) => {
-                changed += 1;
-                let indent = &line[..line.len() - line.trim_start().len()];
-                format!("{indent}for: 0s")
-            }
-            None => line.to_owned(),
-        })
-        .collect();
-    assert!(changed > 0, "no `for:` found in {RULES}");
-    text.join("\n") + "\n"
 }
 
 // --- what pgbox exports ------------------------------------------------------------------------
@@ -632,123 +309,6 @@ async fn every_dashboard_query_parses_on_a_real_prometheus() {
 
 // --- alerts firing for real --------------------------------------------------------------------
 
-/// target/debug/examples/<name>, next to this test binary's directory.
-fn example_path(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        path.exists(),
-        "{path:?} not built (cargo test builds examples; or cargo build --example {name})"
-    );
-    path
-}
-
-/// One of the example's services, killed when dropped (its log printed if the test failed).
-struct Service {
-    child: Child,
-    addr: SocketAddr,
-    log: PathBuf,
-}
-
-impl Service {
-    /// Starts `payment_services <which> --listen <free port> <args>` on `database_url` and
-    /// waits until `/health/ready` answers 200.
-    async fn start(which: &str, database_url: &str, args: &[&str]) -> Service {
-        let addr = free_port();
-        let log = std::env::temp_dir().join(format!(
-            "{PRIVATE_DIR_PREFIX}{which}-{}.log",
-            uuid::Uuid::now_v7().simple()
-        ));
-        let file = File::create(&log).unwrap();
-        let child = Command::new(example_path("payment_services"))
-            .arg(which)
-            .args(["--listen", &addr.to_string()])
-            .args(args)
-            .env("DATABASE_URL", database_url)
-            .env("NO_COLOR", "1")
-            .stdin(Stdio::null())
-            .stdout(file.try_clone().unwrap())
-            .stderr(file)
-            .spawn()
-            .unwrap();
-        let mut service = Service { child, addr, log };
-        let start = Instant::now();
-        loop {
-            if let Some(status) = service.child.try_wait().unwrap() {
-                panic!("{which} exited ({status}):\n{}", service.log());
-            }
-            if let Ok(r) =
-                http::request(addr, "GET", "/health/ready", &[], None, HTTP_TIMEOUT).await
-                && r.status == 200
-            {
-                return service;
-            }
-            assert!(
-                start.elapsed() < LIMIT,
-                "{which} not ready after {LIMIT:?}:\n{}",
-                service.log()
-            );
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    async fn post(&self, path: &str, key: &str, body: Option<&Value>) -> Value {
-        let r = http::request(
-            self.addr,
-            "POST",
-            path,
-            &[("Idempotency-Key", key)],
-            body,
-            HTTP_TIMEOUT,
-        )
-        .await
-        .unwrap_or_else(|e| panic!("POST {path}: {e}"));
-        assert!(
-            (200..300).contains(&r.status),
-            "POST {path}: {} {}",
-            r.status,
-            r.text()
-        );
-        r.json().unwrap()
-    }
-
-    /// Creates an order and pays it: a `PaymentSucceeded` in the outbox.
-    async fn pay_an_order(&self) {
-        let key = uuid::Uuid::now_v7().to_string();
-        let order = self
-            .post(
-                "/orders",
-                &format!("create-{key}"),
-                Some(&json!({"user_id": 1, "amount": 100})),
-            )
-            .await;
-        let id = order["id"].as_i64().unwrap_or_else(|| panic!("{order}"));
-        self.post(&format!("/orders/{id}/pay"), &format!("pay-{key}"), None)
-            .await;
-    }
-}
-
-impl Drop for Service {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        if std::thread::panicking() {
-            eprintln!("--- service log ---\n{}", self.log());
-        }
-        let _ = std::fs::remove_file(&self.log);
-    }
-}
-
 /// The payments service relays to RabbitMQ through a proxy; the proxy stops forwarding (a
 /// broker outage as the relay sees it) and PgboxRelayTransportUnavailable fires for the
 /// topic; the proxy forwards again and the alert resolves.
@@ -762,6 +322,7 @@ async fn a_broker_outage_behind_the_relay_fires_transport_unavailable() {
     let topic = format!("ops-alerts-{}", uuid::Uuid::now_v7().simple());
     let payments = Service::start(
         "payments",
+        free_port(),
         &db.url(),
         &[
             "--transport",
@@ -776,7 +337,8 @@ async fn a_broker_outage_behind_the_relay_fires_transport_unavailable() {
         ],
     )
     .await;
-    let prometheus = Prometheus::start(&rules_without_for(), &[("payments", payments.addr)]).await;
+    let prometheus =
+        Prometheus::start(&rules_without_for(&[]), &[("payments", payments.addr)]).await;
     let labels = [("job", "payments"), ("topic", topic.as_str())];
 
     // While the broker answers: published, and no alert.
@@ -833,11 +395,12 @@ async fn a_poison_message_fires_the_dead_letter_alerts() {
     let topic = format!("ops-alerts-{}", uuid::Uuid::now_v7().simple());
     let points = Service::start(
         "points",
+        free_port(),
         &db.url(),
         &["--transport", "postgres", "--topic", &topic],
     )
     .await;
-    let prometheus = Prometheus::start(&rules_without_for(), &[("points", points.addr)]).await;
+    let prometheus = Prometheus::start(&rules_without_for(&[]), &[("points", points.addr)]).await;
     let consumer = [
         ("job", "points"),
         ("consumer", "points-service"),

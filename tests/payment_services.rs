@@ -3,34 +3,12 @@
 
 mod support;
 
-#[allow(dead_code)]
-#[path = "../examples/payment_services/http.rs"]
-mod http;
-
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use support::TestDb;
-
-/// target/debug/examples/<name>, next to this test binary's directory.
-fn example_path(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().unwrap();
-    let path = exe
-        .parent()
-        .unwrap()
-        .parent()
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        path.exists(),
-        "{path:?} not built (cargo test builds examples; or cargo build --example {name})"
-    );
-    path
-}
+use support::{TestDb, example_path, http};
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 

@@ -3,13 +3,18 @@
 
 pub mod brokers;
 pub mod cluster;
+#[path = "../../examples/payment_services/http.rs"]
+pub mod http;
 pub mod local_pg;
 #[cfg(feature = "nats")]
 pub mod nats_cluster;
 pub mod pg_binaries;
 pub mod pooler;
+pub mod prometheus;
 pub mod wal;
 
+use std::path::PathBuf;
+use std::process::Command;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -247,4 +252,49 @@ pub async fn enqueue_and_relay(pool: &PgPool, topic: &str, payloads: &[String]) 
         }
     }
     panic!("relayed {relayed} of {} messages", payloads.len());
+}
+
+/// `<target>/debug/examples/<name>`, next to this test binary's directory; panics unless it
+/// is built.
+pub fn example_path(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let path = exe
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name);
+    assert!(
+        path.exists(),
+        "{path:?} not built (cargo test builds examples; or cargo build --example {name})"
+    );
+    path
+}
+
+/// Installs Debian's `package` with apt-get (running `apt-get update` first only when the
+/// plain install fails), one apt at a time across test binaries. Does nothing when
+/// `present()` holds once the lock is taken: another test binary installed it meanwhile.
+/// Returns whether apt-get ran; panics when the install fails.
+pub fn apt_install(package: &str, present: impl Fn() -> bool) -> bool {
+    let lock = std::fs::File::create(std::env::temp_dir().join("pgbox-apt.lock")).unwrap();
+    lock.lock().unwrap();
+    if present() {
+        return false;
+    }
+    eprintln!("pgbox tests: installing Debian's {package} package with apt-get");
+    let install = |update: bool| {
+        if update {
+            let _ = local_pg::run(Command::new("apt-get").args(["update", "-q"]));
+        }
+        local_pg::run(
+            Command::new("apt-get")
+                .env("DEBIAN_FRONTEND", "noninteractive")
+                .args(["install", "-y", "-q", "--no-install-recommends", package]),
+        )
+    };
+    install(false)
+        .or_else(|_| install(true))
+        .unwrap_or_else(|e| panic!("apt-get install {package}: {e}"));
+    true
 }
