@@ -987,10 +987,9 @@ impl<E: fmt::Display> fmt::Display for Failure<E> {
 }
 
 /// The inbox's database cannot take the delivery now, whatever the message: the connection
-/// was lost (a restart, a failover, a network cut), no connection could be had, or the
-/// server only allows reads (a standby). A retry later may succeed.
-/// The database is away, or pgbox's tables in it are missing (not migrated yet): the
-/// delivery waits, uncounted, instead of using up its deliveries while no handler ran.
+/// was lost (a restart, a failover, a network cut), no connection could be had, the server
+/// only allows reads (a standby), or pgbox's tables there are missing (not migrated yet).
+/// The delivery waits, uncounted, instead of using up its deliveries while no handler ran.
 fn database_away(e: &Error) -> bool {
     matches!(
         e.db_kind(),

@@ -159,6 +159,16 @@ const SLOT_IN_USE: &str = "another session reads it";
 /// reported; often this relay's own previous sessions, not yet exited, hold them.
 const NO_FREE_WALSENDER: &str = "no walsender is free";
 
+/// Whether opening a stream failed only because a session that is likely this relay's own
+/// earlier one, not yet exited, still holds the slot or a walsender.
+fn held_by_an_exiting_session(e: &Error) -> bool {
+    match e {
+        Error::WalSlot { reason, .. } => reason.starts_with(SLOT_IN_USE),
+        Error::WalStream { reason, .. } => reason.starts_with(NO_FREE_WALSENDER),
+        _ => false,
+    }
+}
+
 /// What one [`WalRelay::relay_once`] did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
@@ -781,15 +791,7 @@ impl<P: Publisher> WalRelay<P> {
                 )
                 .await
                 {
-                    Err(Error::WalSlot { reason, .. })
-                        if tries < 50 && reason.starts_with(SLOT_IN_USE) =>
-                    {
-                        tries += 1;
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                    }
-                    Err(Error::WalStream { reason, .. })
-                        if tries < 50 && reason.starts_with(NO_FREE_WALSENDER) =>
-                    {
+                    Err(e) if tries < 50 && held_by_an_exiting_session(&e) => {
                         tries += 1;
                         tokio::time::sleep(Duration::from_millis(100)).await;
                     }
