@@ -333,6 +333,84 @@ pub enum Error {
         /// What went wrong, with the client's error.
         message: String,
     },
+
+    /// A TLS session with a server (PostgreSQL or a broker) could not be set up, or the
+    /// configuration asks for TLS this build cannot give. Not retried by
+    /// [`connect`](crate::connect): a certificate that does not verify will not verify on
+    /// the next attempt. See [`TlsProblem`].
+    #[error("TLS with {target}: {reason}")]
+    Tls {
+        /// Where: `user@host:port/database` for PostgreSQL, `rabbitmq at host:port`, ...
+        /// Never a password.
+        target: String,
+        /// Which problem it is.
+        problem: TlsProblem,
+        /// What is wrong, and what to do.
+        reason: String,
+    },
+
+    /// The server refused the credentials: a wrong password, an unknown user, a client
+    /// certificate it does not accept for that user, an authentication method the client
+    /// lacks. Not retried: the same credentials will be refused again.
+    #[error("authentication with {target} failed: {reason}")]
+    Authentication {
+        /// Where: as in [`Error::Tls`]. Never a password.
+        target: String,
+        /// What the server said (never the credentials).
+        reason: String,
+    },
+
+    /// The configuration would send credentials (a password, a token) in clear text to an
+    /// address that is not loopback. Refused unless the configuration says so explicitly
+    /// (the named setting).
+    #[error("{transport}: credentials would cross the network in clear text: {reason}")]
+    InsecureCredentials {
+        /// The transport or component: "postgres", "rabbitmq", "nats", "kafka".
+        transport: &'static str,
+        /// The setting that allows it on purpose, or the one that turns TLS on.
+        setting: &'static str,
+        /// Where, and what to change.
+        reason: String,
+    },
+}
+
+/// Why a TLS session could not be set up ([`Error::Tls`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TlsProblem {
+    /// TLS was asked for, and this build of pgbox has none: enable the `tls` feature.
+    NotBuilt,
+    /// TLS was required and the server does not offer it (PostgreSQL answered `N` to
+    /// `SSLRequest`, or a broker's port speaks plain text).
+    NotOffered,
+    /// The server's certificate is not signed by a trusted certificate authority (the one in
+    /// the configured root-certificate file, or the system's).
+    UnknownIssuer,
+    /// The server's certificate does not name the host that was dialled (`verify-full`).
+    HostnameMismatch,
+    /// The server's certificate has expired or is not valid yet.
+    Expired,
+    /// The server refused this client's certificate, or asked for one that was not given.
+    ClientCertificate,
+    /// A root-certificate, certificate or key file cannot be read or parsed.
+    BadFile,
+    /// Another TLS failure; the reason says which.
+    Other,
+}
+
+impl std::fmt::Display for TlsProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            TlsProblem::NotBuilt => "TLS not built (the `tls` feature is off)",
+            TlsProblem::NotOffered => "the server offers no TLS",
+            TlsProblem::UnknownIssuer => "certificate signed by an unknown authority",
+            TlsProblem::HostnameMismatch => "certificate not valid for the host name",
+            TlsProblem::Expired => "certificate expired or not yet valid",
+            TlsProblem::ClientCertificate => "client certificate refused or missing",
+            TlsProblem::BadFile => "certificate or key file unreadable",
+            TlsProblem::Other => "TLS failure",
+        })
+    }
 }
 
 /// Why the WAL relay's streaming reader has no replication session ([`Error::WalStream`]).

@@ -33,6 +33,7 @@ mod status;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod tls;
 mod traceparent;
 pub mod transport;
 mod version;
@@ -50,7 +51,7 @@ pub use crate::consumer::{
     Consumer, ConsumerBuilder, ConsumerStats, MAX_BATCH_SIZE, MAX_VISIBILITY_TIMEOUT,
     MIN_VISIBILITY_TIMEOUT,
 };
-pub use crate::error::{DbErrorKind, Error, Result, WalStreamProblem};
+pub use crate::error::{DbErrorKind, Error, Result, TlsProblem, WalStreamProblem};
 #[cfg(feature = "axum")]
 pub use crate::idempotency::{Finality, IdempotencyLayer, IdempotencyTx};
 pub use crate::ident::{Identifier, MAX_IDENTIFIER_BYTES, MAX_PGBOX_SCHEMA_BYTES};
