@@ -2,6 +2,7 @@
 #![allow(dead_code)]
 
 pub mod brokers;
+pub mod certs;
 pub mod cluster;
 #[path = "../../examples/payment_services/http.rs"]
 pub mod http;
