@@ -28,6 +28,7 @@ mod outbox;
 mod pooler;
 mod relay;
 mod retry;
+mod secret;
 mod state;
 mod status;
 pub mod telemetry;
@@ -74,6 +75,7 @@ pub use crate::relay::{
     WalRelay, WalRelayBuilder, WalRoundReport, WalSlot, WalSlotInvalidation, WalSlotStatus,
 };
 pub use crate::retry::{RetryPolicy, Retryable};
+pub use crate::secret::Secret;
 pub use crate::state::{StateMachine, StateTable, Transition};
 pub use crate::status::{
     ConsumerInbox, DEAD_LETTER_COUNT_CAP, INBOX_COUNT_CAP, LEASE_COUNT_CAP, Status, TopicStatus,

@@ -9,6 +9,7 @@ use crate::error::TlsProblem;
 /// Whether `host` names this machine: `localhost` (and `*.localhost`), a loopback address
 /// (127.0.0.0/8, `::1`, IPv4-mapped loopback), or a Unix-domain socket path. A name that
 /// only resolves to loopback through DNS or `/etc/hosts` is not trusted to stay there.
+#[allow(dead_code)]
 pub(crate) fn is_loopback(host: &str) -> bool {
     let host = host.trim();
     if host.starts_with('/') || host.starts_with('@') {
@@ -36,6 +37,7 @@ pub(crate) fn is_loopback(host: &str) -> bool {
 ///
 /// Text rather than types: the clients (sqlx, lapin, async-nats, librdkafka, the replication
 /// client) wrap rustls's errors in their own, some as strings only.
+#[allow(dead_code)]
 pub(crate) fn classify(error: &(dyn std::error::Error + 'static)) -> Option<TlsProblem> {
     let mut text = String::new();
     let mut current: Option<&(dyn std::error::Error + 'static)> = Some(error);
@@ -52,6 +54,7 @@ pub(crate) fn classify(error: &(dyn std::error::Error + 'static)) -> Option<TlsP
 }
 
 /// [`classify`] on a message alone (clients whose errors are strings).
+#[allow(dead_code)]
 pub(crate) fn classify_text(text: &str) -> Option<TlsProblem> {
     let t = text.to_ascii_lowercase();
     let any = |needles: &[&str]| needles.iter().any(|n| t.contains(n));

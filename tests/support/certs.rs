@@ -38,7 +38,10 @@ pub enum Validity {
 
 fn openssl(args: &[&str], cwd: &Path) {
     super::apt_install("openssl", || {
-        Command::new("openssl").arg("version").output().is_ok_and(|o| o.status.success())
+        Command::new("openssl")
+            .arg("version")
+            .output()
+            .is_ok_and(|o| o.status.success())
     });
     let out = Command::new("openssl")
         .args(args)
@@ -118,7 +121,12 @@ impl Pki {
         let ext = format!(
             "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\nsubjectAltName={san}\n"
         );
-        self.issue(file_stem, names.first().copied().unwrap_or("server"), &ext, validity)
+        self.issue(
+            file_stem,
+            names.first().copied().unwrap_or("server"),
+            &ext,
+            validity,
+        )
     }
 
     /// A client certificate whose common name is `common_name` (PostgreSQL's `cert`
