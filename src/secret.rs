@@ -96,14 +96,60 @@ pub(crate) fn redact_url(url: &str) -> String {
     // The authority ends at the first '/', '?' or '#'; its user-info at the last '@'.
     let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(end);
-    let Some(at) = authority.rfind('@') else {
-        return url.to_owned();
+    let authority = match authority.rfind('@') {
+        Some(at) => {
+            let (userinfo, host) = authority.split_at(at);
+            match userinfo.split_once(':') {
+                Some((user, _password)) => format!("{user}:***{host}"),
+                None => authority.to_owned(),
+            }
+        }
+        None => authority.to_owned(),
     };
-    let (userinfo, host) = authority.split_at(at);
-    match userinfo.split_once(':') {
-        Some((user, _password)) => format!("{scheme}://{user}:***{host}{tail}"),
-        None => url.to_owned(),
+    format!("{scheme}://{authority}{}", redact_query(tail))
+}
+
+/// `tail` (a URL's path, query and fragment) with the value of every query parameter whose
+/// name says it holds a secret (`password`, `sasl.password`, `token`, ...) replaced by `***`.
+fn redact_query(tail: &str) -> String {
+    let Some((path, rest)) = tail.split_once('?') else {
+        return tail.to_owned();
+    };
+    let (query, fragment) = match rest.split_once('#') {
+        Some((q, f)) => (q, Some(f)),
+        None => (rest, None),
+    };
+    let pairs: Vec<String> = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _)) if is_secret_name(name) => format!("{name}=***"),
+            _ => pair.to_owned(),
+        })
+        .collect();
+    let mut out = format!("{path}?{}", pairs.join("&"));
+    if let Some(f) = fragment {
+        out.push('#');
+        out.push_str(f);
     }
+    out
+}
+
+/// Whether a setting's name says its value is a secret.
+#[allow(dead_code)]
+pub(crate) fn is_secret_name(name: &str) -> bool {
+    let n = name.to_ascii_lowercase();
+    [
+        "password",
+        "passwd",
+        "secret",
+        "token",
+        "nkey",
+        "seed",
+        "sslpassword",
+        "private",
+    ]
+    .iter()
+    .any(|w| n.contains(w))
 }
 
 #[cfg(test)]
@@ -120,6 +166,14 @@ mod tests {
         assert_eq!(redact_url("nats://h:4222"), "nats://h:4222");
         assert_eq!(redact_url("nats://token@h:4222"), "nats://token@h:4222");
         assert_eq!(redact_url("h:4222"), "h:4222");
+        assert_eq!(
+            redact_url("postgres://h/db?user=a&password=s3cret&sslmode=require#x"),
+            "postgres://h/db?user=a&password=***&sslmode=require#x"
+        );
+        assert_eq!(
+            redact_url("kafka://h?sasl.password=p&x=1"),
+            "kafka://h?sasl.password=***&x=1"
+        );
         assert_eq!(
             redact_url("postgres://u:pw@h/db?x=a@b"),
             "postgres://u:***@h/db?x=a@b"
