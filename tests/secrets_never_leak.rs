@@ -148,6 +148,10 @@ fn pgbox_cli(home: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     command.output().expect("run the pgbox command")
 }
 
+/// A command line expected to fail: what it tries, its arguments, its environment, the exit
+/// code it must end with.
+type FailingRun<'a> = (&'a str, Vec<&'a str>, Vec<(&'a str, &'a str)>, i32);
+
 fn code(out: &Output) -> Option<i32> {
     out.status.code()
 }
@@ -305,7 +309,7 @@ fn no_secret_appears_in_logs_errors_debug_output_metrics_or_the_cli() {
     }
 
     // Failing command lines.
-    let failing: Vec<(&str, Vec<&str>, Vec<(&str, &str)>, i32)> = vec![
+    let failing: Vec<FailingRun> = vec![
         (
             "wrong password in the URL",
             vec!["--database-url", &wrong_url, "status"],
