@@ -152,6 +152,51 @@ fn pgbox_cli(home: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
 /// code it must end with.
 type FailingRun<'a> = (&'a str, Vec<&'a str>, Vec<(&'a str, &'a str)>, i32);
 
+/// Runs `program` with `args` and `env` (and `RUST_LOG=trace`), its output in files under
+/// `dir`; kills it if it is still running after 60 s (and fails). Whether it succeeded, its
+/// stdout and stderr.
+fn run_bounded(
+    program: &Path,
+    dir: &Path,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (bool, String, String) {
+    let (out_path, err_path) = (dir.join("stdout"), dir.join("stderr"));
+    let mut command = Command::new(program);
+    command
+        .args(args)
+        .env("RUST_LOG", "trace")
+        .env("HOME", dir)
+        .env_remove("DATABASE_URL")
+        .env_remove("PGPASSWORD")
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let mut child = command.spawn().expect("start the example");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{program:?} {args:?} still ran after 60 s: {}",
+                std::fs::read_to_string(&err_path).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (
+        status.success(),
+        std::fs::read_to_string(&out_path).unwrap(),
+        std::fs::read_to_string(&err_path).unwrap(),
+    )
+}
+
 fn code(out: &Output) -> Option<i32> {
     out.status.code()
 }
@@ -371,6 +416,50 @@ fn no_secret_appears_in_logs_errors_debug_output_metrics_or_the_cli() {
             );
             seen.add_output(&format!("`pgbox` with {what} (json: {json})"), &out);
         }
+    }
+
+    // The payment services example: its --help with the URLs in the environment, a start
+    // with a refused database password, and one whose broker settings it must refuse.
+    let services = support::example_path("payment_services");
+    for (what, args, env, must_succeed) in [
+        (
+            "--help",
+            &["payments", "--help"][..],
+            vec![
+                ("DATABASE_URL", url.as_str()),
+                ("BROKER_URL", rabbit_url.as_str()),
+            ],
+            true,
+        ),
+        (
+            "a wrong database password",
+            &["payments"],
+            vec![
+                ("DATABASE_URL", wrong_url.as_str()),
+                ("LISTEN", "127.0.0.1:0"),
+            ],
+            false,
+        ),
+        (
+            "broker TLS settings it cannot apply",
+            &["points"],
+            vec![
+                ("DATABASE_URL", url.as_str()),
+                ("LISTEN", "127.0.0.1:0"),
+                ("TRANSPORT", "rabbitmq"),
+                ("BROKER_URL", rabbit_url.as_str()),
+                ("PGBOX_BROKER_CA_FILE", "/nonexistent/ca.pem"),
+            ],
+            false,
+        ),
+    ] {
+        let (status, stdout, stderr) = run_bounded(&services, &home, args, &env);
+        assert_eq!(
+            status, must_succeed,
+            "payment_services with {what}: {stderr}"
+        );
+        seen.add(format!("payment_services with {what}: stdout"), stdout);
+        seen.add(format!("payment_services with {what}: stderr"), stderr);
     }
     std::fs::remove_dir_all(&home).unwrap();
 
