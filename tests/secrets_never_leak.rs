@@ -275,12 +275,25 @@ fn no_secret_appears_in_logs_errors_debug_output_metrics_or_the_cli() {
         .enable_all()
         .build()
         .unwrap();
+    // The password as a query parameter, which sqlx also takes.
+    let wrong_in_query = format!("{bare_url}?password={}", url_encoded(&wrong_password));
+    let bad_sslmode_in_query = format!(
+        "{bare_url}?password={}&sslmode=sometimes",
+        url_encoded(&password)
+    );
     runtime.block_on(library_session(
         &mut seen,
         &url,
-        &wrong_url,
-        &unreachable_url,
-        &bad_sslmode_url,
+        &[
+            ("a wrong password", wrong_url.as_str()),
+            ("a wrong password in the query", wrong_in_query.as_str()),
+            ("an unreachable server", unreachable_url.as_str()),
+            ("a bad sslmode", bad_sslmode_url.as_str()),
+            (
+                "a bad sslmode, the password in the query",
+                bad_sslmode_in_query.as_str(),
+            ),
+        ],
         &rabbit_url,
         &token,
     ));
@@ -499,9 +512,7 @@ fn no_secret_appears_in_logs_errors_debug_output_metrics_or_the_cli() {
 async fn library_session(
     seen: &mut Haystack,
     url: &str,
-    wrong_url: &str,
-    unreachable_url: &str,
-    bad_sslmode_url: &str,
+    failing: &[(&str, &str)],
     rabbit_url: &str,
     token: &str,
 ) {
@@ -644,11 +655,7 @@ async fn library_session(
     );
 
     // Failures.
-    for (what, bad) in [
-        ("a wrong password", wrong_url),
-        ("an unreachable server", unreachable_url),
-        ("a bad sslmode", bad_sslmode_url),
-    ] {
+    for (what, bad) in failing {
         let e = pgbox::connect(bad, options())
             .await
             .expect_err("must not connect");
