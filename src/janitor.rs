@@ -352,7 +352,6 @@ impl JanitorBuilder {
 ///
 /// Dropping a janitor closes its lock connection, which releases the lock;
 /// [`release`](Self::release) does it at once and cleanly.
-#[derive(Debug)]
 pub struct Janitor {
     pool: PgPool,
     connect: PgConnectOptions,
@@ -374,6 +373,48 @@ pub struct Janitor {
     session: Mutex<Option<Session>>,
     /// The warning that this role cannot expire partitions was logged.
     expiry_warned: std::sync::atomic::AtomicBool,
+}
+
+/// Everything but the lock connection's options, which hold the database password (sqlx's
+/// `PgConnectOptions` shows it in its own `Debug`): the server is named without it.
+impl std::fmt::Debug for Janitor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Janitor")
+            .field("pool", &self.pool)
+            .field(
+                "server",
+                &format_args!(
+                    "{}@{}:{}/{}",
+                    self.connect.get_username(),
+                    self.connect.get_host(),
+                    self.connect.get_port(),
+                    self.connect.get_database().unwrap_or_default()
+                ),
+            )
+            .field("schema", &self.schema)
+            .field("instance", &self.instance)
+            .field("key", &self.key)
+            .field("interval", &self.interval)
+            .field("batch_size", &self.batch_size)
+            .field("max_batches_per_pass", &self.max_batches_per_pass)
+            .field("batch_pause", &self.batch_pause)
+            .field("statement_timeout", &self.statement_timeout)
+            .field("inbox_retention", &self.inbox_retention)
+            .field("consumer_retention", &self.consumer_retention)
+            .field("published_retention", &self.published_retention)
+            .field(
+                "outbox_dead_letter_retention",
+                &self.outbox_dead_letter_retention,
+            )
+            .field(
+                "queue_dead_letter_retention",
+                &self.queue_dead_letter_retention,
+            )
+            .field("refresh_gauges", &self.refresh_gauges)
+            .field("sql", &self.sql)
+            .field("session", &self.session)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Whether this instance holds the janitor lock, as a pass found it.

@@ -9,14 +9,15 @@ use clap::{Parser, Subcommand};
 use crate::{demo, payments, points, service};
 
 /// The payment/points services.
-#[derive(Parser, Debug)]
+// No `Debug` here: the services' arguments hold URLs with passwords.
+#[derive(Parser)]
 #[command(version, about, long_about = None)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
 }
 
-#[derive(Subcommand, Debug)]
+#[derive(Subcommand)]
 enum Command {
     /// The payments service: orders API, outbox and relay.
     Payments(service::ServiceArgs),

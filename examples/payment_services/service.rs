@@ -1,6 +1,7 @@
 //! What both services share: configuration, logs, metrics, health, shutdown.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -11,14 +12,17 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use pgbox::CancellationToken;
+use pgbox::{CancellationToken, Secret};
 use sqlx::PgPool;
 
-/// Configuration of one service, from flags or the environment.
-#[derive(clap::Args, Debug, Clone)]
+/// Configuration of one service, from flags or the environment. No `Debug`: the URLs may
+/// hold passwords.
+#[derive(clap::Args, Clone)]
 pub struct ServiceArgs {
-    /// The database (both services may share one; each keeps to its own schemas).
-    #[arg(long, env = "DATABASE_URL")]
+    /// The database (both services may share one; each keeps to its own schemas). Without a
+    /// password in it, PGPASSWORD or the password file (PGPASSFILE, else ~/.pgpass) gives it;
+    /// with the `tls` feature, `?sslmode=verify-full&sslrootcert=<CA file>` verifies the server.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// Where the HTTP API listens (default: 127.0.0.1:8081 for payments, :8082 for points).
     #[arg(long, env = "LISTEN")]
@@ -28,7 +32,7 @@ pub struct ServiceArgs {
     pub transport: TransportKind,
     /// The broker's URL for rabbitmq/nats/kafka (default: RABBITMQ_URL / NATS_URL /
     /// KAFKA_BOOTSTRAP, else the local standard port).
-    #[arg(long, env = "BROKER_URL")]
+    #[arg(long, env = "BROKER_URL", hide_env_values = true)]
     pub broker_url: Option<String>,
     /// The topic of PaymentSucceeded.
     #[arg(long, env = "TOPIC", default_value = "payment-succeeded")]
@@ -107,6 +111,7 @@ impl ServiceArgs {
     }
 
     pub fn rabbitmq(&self) -> anyhow::Result<pgbox::transport::rabbitmq::RabbitMq> {
+        BrokerSecurity::from_env()?.refuse_unapplied()?;
         let mut builder = pgbox::transport::rabbitmq::RabbitMq::builder(self.broker_url())
             .exchange("pgbox-services")
             .queue_prefix("pgbox-services.");
@@ -118,6 +123,7 @@ impl ServiceArgs {
 
     #[cfg(feature = "nats")]
     pub fn nats(&self) -> anyhow::Result<pgbox::transport::nats::Nats> {
+        BrokerSecurity::from_env()?.refuse_unapplied()?;
         let mut builder = pgbox::transport::nats::Nats::builder(self.broker_url())
             .stream("PGBOX_SERVICES")
             .subject_prefix("pgbox-services")
@@ -133,17 +139,22 @@ impl ServiceArgs {
 
     #[cfg(feature = "kafka")]
     pub fn kafka(&self) -> anyhow::Result<pgbox::transport::kafka::Kafka> {
+        BrokerSecurity::from_env()?.refuse_unapplied()?;
         let mut builder =
             pgbox::transport::kafka::Kafka::builder(self.broker_url()).group("points-service");
         if let Some(id) = &self.instance_id {
             builder = builder.instance_id(id);
         }
         // librdkafka settings, `name=value,name=value` (security, timeouts...).
+        // An entry without `=` is named by its position only: it may be part of a password.
         if let Ok(settings) = std::env::var("KAFKA_SETTINGS") {
-            for pair in settings.split(',').filter(|p| !p.trim().is_empty()) {
-                let (name, value) = pair
-                    .split_once('=')
-                    .ok_or_else(|| anyhow::anyhow!("KAFKA_SETTINGS: `{pair}` is not name=value"))?;
+            for (n, pair) in settings.split(',').enumerate() {
+                if pair.trim().is_empty() {
+                    continue;
+                }
+                let (name, value) = pair.split_once('=').ok_or_else(|| {
+                    anyhow::anyhow!("KAFKA_SETTINGS: entry {} is not name=value", n + 1)
+                })?;
                 builder = builder.set(name.trim(), value.trim());
             }
         }
@@ -169,6 +180,115 @@ impl ServiceArgs {
                 .acquire_timeout(Duration::from_secs(10)),
         )
         .await?)
+    }
+}
+
+/// The broker's TLS settings and credentials, from the environment, apart from the broker's
+/// URL (so that no password need sit in it, on a command line or in `ps`):
+///
+/// - `PGBOX_BROKER_CA_FILE`: the PEM file of the certificate authority that signed the
+///   broker's certificate (else the system's roots);
+/// - `PGBOX_BROKER_CERT_FILE` and `PGBOX_BROKER_KEY_FILE`: a client certificate and its key
+///   (PEM), both or neither;
+/// - `PGBOX_BROKER_USER` and `PGBOX_BROKER_PASSWORD_FILE`: a user and the file holding its
+///   password (a mounted secret), both or neither;
+/// - `PGBOX_BROKER_TOKEN_FILE` (NATS): the file holding a token;
+/// - `PGBOX_BROKER_CREDS_FILE` (NATS): a `.creds` file (a user JWT and its NKey seed);
+/// - `PGBOX_KAFKA_SASL_MECHANISM` (Kafka): `PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512`, for the
+///   user and password above.
+///
+/// Secrets are read when the service starts; their `Debug` shows `***`.
+#[derive(Debug, Default)]
+pub struct BrokerSecurity {
+    pub ca_file: Option<PathBuf>,
+    pub client_certificate: Option<(PathBuf, PathBuf)>,
+    pub credentials: Option<(String, Secret)>,
+    pub token: Option<Secret>,
+    pub creds_file: Option<PathBuf>,
+    pub kafka_sasl_mechanism: Option<String>,
+}
+
+impl BrokerSecurity {
+    /// The settings of the process's environment.
+    pub fn from_env() -> anyhow::Result<Self> {
+        Self::from_lookup(|name| std::env::var(name).ok().filter(|v| !v.is_empty()))
+    }
+
+    /// The settings `lookup` (a variable's name to its non-empty value) gives.
+    fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> anyhow::Result<Self> {
+        let both = |a: &str, b: &str| -> anyhow::Result<Option<(String, String)>> {
+            match (lookup(a), lookup(b)) {
+                (Some(x), Some(y)) => Ok(Some((x, y))),
+                (None, None) => Ok(None),
+                (Some(_), None) => anyhow::bail!("{a} is set without {b}"),
+                (None, Some(_)) => anyhow::bail!("{b} is set without {a}"),
+            }
+        };
+        let client_certificate = both("PGBOX_BROKER_CERT_FILE", "PGBOX_BROKER_KEY_FILE")?
+            .map(|(cert, key)| (PathBuf::from(cert), PathBuf::from(key)));
+        let credentials = match both("PGBOX_BROKER_USER", "PGBOX_BROKER_PASSWORD_FILE")? {
+            Some((user, file)) => Some((user, Secret::from_file(file)?)),
+            None => None,
+        };
+        let token = lookup("PGBOX_BROKER_TOKEN_FILE")
+            .map(Secret::from_file)
+            .transpose()?;
+        let kafka_sasl_mechanism = lookup("PGBOX_KAFKA_SASL_MECHANISM");
+        if let Some(mechanism) = &kafka_sasl_mechanism {
+            anyhow::ensure!(
+                ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"].contains(&mechanism.as_str()),
+                "PGBOX_KAFKA_SASL_MECHANISM is {mechanism:?}: PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512"
+            );
+            anyhow::ensure!(
+                credentials.is_some(),
+                "PGBOX_KAFKA_SASL_MECHANISM needs PGBOX_BROKER_USER and PGBOX_BROKER_PASSWORD_FILE"
+            );
+        }
+        Ok(BrokerSecurity {
+            ca_file: lookup("PGBOX_BROKER_CA_FILE").map(PathBuf::from),
+            client_certificate,
+            credentials,
+            token,
+            creds_file: lookup("PGBOX_BROKER_CREDS_FILE").map(PathBuf::from),
+            kafka_sasl_mechanism,
+        })
+    }
+
+    /// The names of the variables that are set.
+    pub fn set_variables(&self) -> Vec<&'static str> {
+        let mut set = Vec::new();
+        if self.ca_file.is_some() {
+            set.push("PGBOX_BROKER_CA_FILE");
+        }
+        if self.client_certificate.is_some() {
+            set.extend(["PGBOX_BROKER_CERT_FILE", "PGBOX_BROKER_KEY_FILE"]);
+        }
+        if self.credentials.is_some() {
+            set.extend(["PGBOX_BROKER_USER", "PGBOX_BROKER_PASSWORD_FILE"]);
+        }
+        if self.token.is_some() {
+            set.push("PGBOX_BROKER_TOKEN_FILE");
+        }
+        if self.creds_file.is_some() {
+            set.push("PGBOX_BROKER_CREDS_FILE");
+        }
+        if self.kafka_sasl_mechanism.is_some() {
+            set.push("PGBOX_KAFKA_SASL_MECHANISM");
+        }
+        set
+    }
+
+    /// Refuses settings this build does not pass to the transport yet, rather than connect
+    /// without the TLS or credentials they ask for.
+    pub fn refuse_unapplied(&self) -> anyhow::Result<()> {
+        let set = self.set_variables();
+        anyhow::ensure!(
+            set.is_empty(),
+            "{} set, but this build of the services does not apply broker TLS settings or \
+             credentials yet: give them in the broker URL, or unset these",
+            set.join(", ")
+        );
+        Ok(())
     }
 }
 
@@ -472,5 +592,76 @@ impl IntoResponse for AppError {
             axum::Json(error_body(format!("{:#}", self.0))),
         )
             .into_response()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::HashMap;
+
+    use super::BrokerSecurity;
+
+    fn security(vars: &[(&str, &str)]) -> anyhow::Result<BrokerSecurity> {
+        let vars: HashMap<String, String> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        BrokerSecurity::from_lookup(|name| vars.get(name).cloned())
+    }
+
+    #[test]
+    fn broker_settings_come_in_pairs_and_hide_their_secrets() {
+        let dir = std::env::temp_dir().join(format!("pgbox-broker-env-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let password = dir.join("password");
+        std::fs::write(&password, "s3cret-broker-pw\n").unwrap();
+        let password = password.to_str().unwrap();
+
+        let none = security(&[]).unwrap();
+        assert!(none.set_variables().is_empty());
+        none.refuse_unapplied().unwrap();
+
+        let all = security(&[
+            ("PGBOX_BROKER_CA_FILE", "/ca.pem"),
+            ("PGBOX_BROKER_CERT_FILE", "/client.pem"),
+            ("PGBOX_BROKER_KEY_FILE", "/client.key"),
+            ("PGBOX_BROKER_USER", "app"),
+            ("PGBOX_BROKER_PASSWORD_FILE", password),
+            ("PGBOX_KAFKA_SASL_MECHANISM", "SCRAM-SHA-512"),
+        ])
+        .unwrap();
+        let (user, secret) = all.credentials.as_ref().unwrap();
+        assert_eq!(
+            (user.as_str(), secret.expose()),
+            ("app", "s3cret-broker-pw")
+        );
+        let debug = format!("{all:?}");
+        assert!(!debug.contains("s3cret"), "{debug}");
+        let refused = all.refuse_unapplied().unwrap_err().to_string();
+        assert!(refused.contains("PGBOX_BROKER_CA_FILE"), "{refused}");
+        assert!(!refused.contains("s3cret"), "{refused}");
+
+        for (vars, expected) in [
+            (
+                &[("PGBOX_BROKER_CERT_FILE", "/client.pem")][..],
+                "without PGBOX_BROKER_KEY_FILE",
+            ),
+            (
+                &[("PGBOX_BROKER_PASSWORD_FILE", password)],
+                "without PGBOX_BROKER_USER",
+            ),
+            (
+                &[("PGBOX_KAFKA_SASL_MECHANISM", "GSSAPI")],
+                "SCRAM-SHA-256 or SCRAM-SHA-512",
+            ),
+            (
+                &[("PGBOX_KAFKA_SASL_MECHANISM", "PLAIN")],
+                "needs PGBOX_BROKER_USER",
+            ),
+        ] {
+            let err = security(vars).unwrap_err().to_string();
+            assert!(err.contains(expected), "{vars:?}: {err}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -20,14 +20,22 @@ use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use uuid::Uuid;
 
-#[derive(Parser, Debug)]
+// No `Debug`: the URL may hold the password.
+#[derive(Parser)]
 #[command(
     name = "pgbox",
     version,
-    about = "Operate pgbox: migrations, status, health checks, dead letters, retention."
+    about = "Operate pgbox: migrations, status, health checks, dead letters, retention.",
+    after_help = "The password: rather than in the URL (which `ps` shows to every user when it \
+                  is on the command line), give it as PostgreSQL's own clients take it: in the \
+                  PGPASSWORD environment variable, or in a password file (PGPASSFILE, else \
+                  ~/.pgpass; mode 0600; lines host:port:database:user:password). Either is \
+                  used when the URL has no password. pgbox never prints the password."
 )]
 struct Cli {
-    /// PostgreSQL connection URL.
+    /// PostgreSQL connection URL: postgres://user@host:port/database[?sslmode=...]. Without
+    /// a password in it, PGPASSWORD or the password file (PGPASSFILE, else ~/.pgpass) gives
+    /// it.
     #[arg(long, env = "DATABASE_URL", global = true, hide_env_values = true)]
     database_url: Option<String>,
     /// The pgbox schema.
