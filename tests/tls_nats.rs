@@ -204,7 +204,10 @@ async fn verified_tls_with_password_publishes_and_receives() {
     // The same credentials in the URL (percent-encoded) work too, and show in no Debug.
     let url = format!(
         "tls://alice:{}@localhost:{}",
-        PASSWORD.replace('%', "%25").replace(' ', "%20").replace('@', "%40"),
+        PASSWORD
+            .replace('%', "%25")
+            .replace(' ', "%20")
+            .replace('@', "%40"),
         server.port
     );
     let builder = Nats::builder(&url).tls_root_certificates(&pki.ca_cert);
@@ -253,11 +256,7 @@ async fn server_certificates_are_verified() {
         "good",
         &format!("{}{}", tls_block(&good, &pki.ca_cert, false), users_block()),
     );
-    let old = Server::start(
-        &dir.0,
-        "expired",
-        &tls_block(&expired, &pki.ca_cert, false),
-    );
+    let old = Server::start(&dir.0, "expired", &tls_block(&expired, &pki.ca_cert, false));
 
     // Another authority's CA: the server's certificate has an unknown issuer.
     let nats = connect_only(
@@ -398,15 +397,19 @@ fn clear_text_credentials_to_the_network_are_refused() {
             other => panic!("expected Error::InsecureCredentials, got {other:?}"),
         }
     };
-    let encoded = PASSWORD.replace('%', "%25").replace(' ', "%20").replace('@', "%40");
+    let encoded = PASSWORD
+        .replace('%', "%25")
+        .replace(' ', "%20")
+        .replace('@', "%40");
     refused(Nats::builder("nats://nats.invalid:4222").user_password("u", Secret::new(PASSWORD)));
     refused(Nats::builder("nats.invalid").token(Secret::new(TOKEN)));
-    refused(Nats::builder(format!("nats://u:{encoded}@nats.invalid:4222")));
+    refused(Nats::builder(format!(
+        "nats://u:{encoded}@nats.invalid:4222"
+    )));
     refused(Nats::builder(format!("nats://{TOKEN}@10.1.2.3:4222")));
     // One remote server among loopback ones is enough to refuse.
     refused(
-        Nats::builder("nats://127.0.0.1:4222,nats://nats.invalid:4222")
-            .token(Secret::new(TOKEN)),
+        Nats::builder("nats://127.0.0.1:4222,nats://nats.invalid:4222").token(Secret::new(TOKEN)),
     );
 
     let allowed = |builder: pgbox::transport::nats::NatsBuilder| {
@@ -435,7 +438,6 @@ fn clear_text_credentials_to_the_network_are_refused() {
         .token(Secret::new(TOKEN))
         .build();
     assert!(matches!(twice, Err(Error::InvalidConfig(_))), "{twice:?}");
-    let differ =
-        Nats::builder("tls://a:b@one.invalid:4222,tls://a:c@two.invalid:4222").build();
+    let differ = Nats::builder("tls://a:b@one.invalid:4222,tls://a:c@two.invalid:4222").build();
     assert!(matches!(differ, Err(Error::InvalidConfig(_))), "{differ:?}");
 }

@@ -291,10 +291,7 @@ impl NatsBuilder {
         for raw in self.url.split(',').map(str::trim) {
             let (bare, userinfo) = split_userinfo(raw);
             let addr: async_nats::ServerAddr = bare.parse().map_err(|e| {
-                Error::InvalidConfig(format!(
-                    "nats server URL {}: {e}",
-                    redact_urls(raw)
-                ))
+                Error::InvalidConfig(format!("nats server URL {}: {e}", redact_urls(raw)))
             })?;
             if addr.is_websocket() {
                 return Err(Error::InvalidConfig(format!(
@@ -485,7 +482,10 @@ impl fmt::Debug for NatsBuilder {
             .field("root_certificates", &self.root_certificates)
             .field("client_certificate", &self.client_certificate)
             .field("credentials", &self.credentials)
-            .field("allow_insecure_credentials", &self.allow_insecure_credentials)
+            .field(
+                "allow_insecure_credentials",
+                &self.allow_insecure_credentials,
+            )
             .field("stream", &self.stream)
             .field("subject_prefix", &self.subject_prefix)
             .field("durable", &self.durable)
@@ -1311,6 +1311,34 @@ mod tests {
         assert_eq!(reconnect_delay(1), Duration::ZERO);
         assert_eq!(reconnect_delay(2), Duration::from_millis(100));
         assert_eq!(reconnect_delay(100), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn url_credentials_are_split_decoded_and_redacted() {
+        assert_eq!(
+            split_userinfo("tls://u:p%40ss@h:4222"),
+            (
+                "tls://h:4222".to_owned(),
+                Some(("u".to_owned(), Some("p%40ss".to_owned())))
+            )
+        );
+        assert_eq!(
+            split_userinfo("tok@h"),
+            ("nats://h".to_owned(), Some(("tok".to_owned(), None)))
+        );
+        assert_eq!(
+            split_userinfo("nats://h:1"),
+            ("nats://h:1".to_owned(), None)
+        );
+        assert_eq!(
+            percent_decode("p%40ss%20w%zz%4").as_deref(),
+            Some("p@ss w%zz%4")
+        );
+        assert_eq!(percent_decode("%ff"), None);
+        assert_eq!(
+            redact_urls("nats://u:pw@a:1, tok@b:2,nats://c:3"),
+            "nats://u:***@a:1,nats://***@b:2,nats://c:3"
+        );
     }
 
     #[test]
