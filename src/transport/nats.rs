@@ -23,7 +23,7 @@
 //! elsewhere). The credentials never appear in a log line, an error or `Debug` output.
 //!
 //! A certificate the client does not accept, or a client certificate the server refuses, is
-//! [`Error::Tls`] with its [`TlsProblem`](crate::TlsProblem); credentials the server refuses
+//! [`Error::Tls`] with its [`TlsProblem`]; credentials the server refuses
 //! are [`Error::Authentication`]. Both are returned by the first connection attempt (one try
 //! per server, each bounded by a 10 s timeout), not retried in the background.
 //!
