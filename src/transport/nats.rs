@@ -4,6 +4,40 @@
 //! [`Consumer`](crate::Consumer) runner. Clone it freely: clones share one client, which
 //! reconnects by itself after the connection breaks.
 //!
+//! # TLS and credentials
+//!
+//! TLS is on when a URL says `tls://`, or with [`NatsBuilder::require_tls`], or when a CA file
+//! ([`NatsBuilder::tls_root_certificates`]) or a client certificate
+//! ([`NatsBuilder::tls_client_certificate`]) is given; the server's certificate is then always
+//! verified (against the given CA file, else the system's roots), host name included. A
+//! server that requires TLS also gets it from a `nats://` URL: the client upgrades when the
+//! server's greeting asks, before it sends anything else.
+//!
+//! Credentials: [`NatsBuilder::user_password`] or [`NatsBuilder::token`], each a
+//! [`Secret`], or in the URL (`nats://user:password@host`, `nats://token@host`, both
+//! percent-decoded). Either of them travels in the clear unless TLS is on, whatever the
+//! server's greeting says (a greeting is easy to forge), so [`NatsBuilder::build`] refuses
+//! them with [`Error::InsecureCredentials`] when TLS is off and a server is not on loopback,
+//! unless [`NatsBuilder::allow_insecure_credentials`] says so. With TLS off and credentials
+//! sent to loopback servers, the servers a cluster announces are not dialled (they may be
+//! elsewhere). The credentials never appear in a log line, an error or `Debug` output.
+//!
+//! A certificate the client does not accept, or a client certificate the server refuses, is
+//! [`Error::Tls`] with its [`TlsProblem`]; credentials the server refuses
+//! are [`Error::Authentication`]. Both are returned by the first connection attempt (one try
+//! per server, each bounded by a 10 s timeout), not retried in the background.
+//!
+//! ```no_run
+//! # async fn demo() -> pgbox::Result<()> {
+//! use pgbox::transport::nats::Nats;
+//!
+//! let nats = Nats::builder("tls://nats.internal:4222")
+//!     .tls_root_certificates("/etc/pgbox/nats-ca.pem")
+//!     .user_password("orders", pgbox::Secret::from_file("/run/secrets/nats-password")?)
+//!     .build()?;
+//! # let _ = nats; Ok(()) }
+//! ```
+//!
 //! # Streams and subjects
 //!
 //! A message of topic `T` is published on subject `<prefix>.<token(T)>` (default prefix
@@ -57,6 +91,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::Duration;
 
@@ -71,8 +106,9 @@ use tokio::sync::OnceCell;
 use uuid::Uuid;
 
 use super::{PublishError, Publisher, Subscriber, truncate};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TlsProblem};
 use crate::outbox::{Envelope, TRACEPARENT};
+use crate::secret::Secret;
 
 const TRANSPORT: &str = "nats";
 const META: &str = "Pgbox-Meta";
@@ -101,10 +137,330 @@ fn broker_error(what: &str, e: impl fmt::Display) -> Error {
     }
 }
 
-/// Builder for [`Nats`].
-#[derive(Debug, Clone)]
+/// How to connect, worked out (and checked) by [`NatsBuilder::build`].
+#[derive(Clone)]
+struct ConnectPlan {
+    /// The server URLs without their user-info.
+    servers: Vec<String>,
+    /// `nats at <servers>`: for errors and logs.
+    target: String,
+    /// TLS with every server, discovered ones included.
+    tls: bool,
+    credentials: Option<Credentials>,
+    /// Credentials go without TLS to loopback servers: dial no others.
+    ignore_discovered_servers: bool,
+    /// The client's TLS settings when a CA file is given (on the ring provider, named
+    /// explicitly: a build may hold two rustls providers, and then has no default).
+    tls_config: Option<async_nats::rustls::ClientConfig>,
+}
+
+/// A rustls configuration trusting the CA file `ca` alone, presenting `client` (certificate
+/// and key files) when given; [`TlsProblem::BadFile`] for a file without what it must hold.
+fn tls_config(
+    target: &str,
+    ca: &std::path::Path,
+    client: Option<&(PathBuf, PathBuf)>,
+) -> Result<async_nats::rustls::ClientConfig> {
+    use async_nats::rustls::pki_types::pem::PemObject;
+    use async_nats::rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use async_nats::rustls::{ClientConfig, RootCertStore, crypto::ring};
+    let bad = |path: &std::path::Path, what: String| Error::Tls {
+        target: target.to_owned(),
+        problem: TlsProblem::BadFile,
+        reason: format!("{}: {what}", path.display()),
+    };
+    let certificates = |path: &std::path::Path| {
+        CertificateDer::pem_file_iter(path)
+            .and_then(|certs| certs.collect::<std::result::Result<Vec<_>, _>>())
+            .map_err(|e| bad(path, format!("no PEM certificates read: {e}")))
+            .and_then(|certs| {
+                if certs.is_empty() {
+                    Err(bad(path, "no PEM certificate in the file".into()))
+                } else {
+                    Ok(certs)
+                }
+            })
+    };
+    let mut roots = RootCertStore::empty();
+    for cert in certificates(ca)? {
+        roots
+            .add(cert)
+            .map_err(|e| bad(ca, format!("not a CA certificate: {e}")))?;
+    }
+    let builder = ClientConfig::builder_with_provider(Arc::new(ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::Tls {
+            target: target.to_owned(),
+            problem: TlsProblem::Other,
+            reason: e.to_string(),
+        })?
+        .with_root_certificates(roots);
+    match client {
+        None => Ok(builder.with_no_client_auth()),
+        Some((cert, key)) => {
+            let chain = certificates(cert)?;
+            // The key's parse error names no key material.
+            let key_der = PrivateKeyDer::from_pem_file(key)
+                .map_err(|e| bad(key, format!("no PEM private key read: {e}")))?;
+            builder
+                .with_client_auth_cert(chain, key_der)
+                .map_err(|e| bad(cert, format!("certificate and key do not fit: {e}")))
+        }
+    }
+}
+
+/// Makes sure rustls has a process-wide provider (ring) when none is installed, for the TLS
+/// that async-nats sets up itself (system roots, or a server that asks for TLS): a build with
+/// two providers compiled in (ring, and aws-lc-rs from another dependency) has no default,
+/// and rustls would panic. A provider the application installed first is kept.
+fn ensure_crypto_provider() {
+    use async_nats::rustls::crypto::{CryptoProvider, ring};
+    if CryptoProvider::get_default().is_none() {
+        // Err: another thread installed one meanwhile; that one serves as well.
+        let _ = ring::default_provider().install_default();
+    }
+}
+
+/// `url` without its user-info, and the user-info's two parts (still percent-encoded).
+fn split_userinfo(url: &str) -> (String, Option<(String, Option<String>)>) {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return split_userinfo(&format!("nats://{url}"));
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    match authority.rfind('@') {
+        None => (url.to_owned(), None),
+        Some(at) => {
+            let userinfo = &authority[..at];
+            let host = &authority[at + 1..];
+            let parts = match userinfo.split_once(':') {
+                Some((user, password)) => (user.to_owned(), Some(password.to_owned())),
+                None => (userinfo.to_owned(), None),
+            };
+            (format!("{scheme}://{host}{tail}"), Some(parts))
+        }
+    }
+}
+
+/// Percent-decoding of a URL's user-info part; `None` when the result is not UTF-8.
+fn percent_decode(text: &str) -> Option<String> {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if bytes[i] == b'%'
+            && i + 2 < bytes.len()
+            && let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2]))
+        {
+            out.push((h * 16 + l) as u8);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+/// A comma-separated URL list with every user-info part replaced: `user:***@` for a user and
+/// password, `***@` for a token.
+fn redact_urls(urls: &str) -> String {
+    urls.split(',')
+        .map(|url| {
+            let url = url.trim();
+            match split_userinfo(url) {
+                (_, None) => url.to_owned(),
+                (bare, Some((user, Some(_)))) => {
+                    bare.replacen("://", &format!("://{user}:***@"), 1)
+                }
+                (bare, Some((_, None))) => bare.replacen("://", "://***@", 1),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+impl NatsBuilder {
+    /// Checks the URLs, files and credentials; see [`NatsBuilder::build`].
+    fn plan(&self) -> Result<ConnectPlan> {
+        let mut servers = Vec::new();
+        let mut hosts = Vec::new();
+        let mut from_urls: Option<Credentials> = None;
+        let mut any_tls_scheme = false;
+        for raw in self.url.split(',').map(str::trim) {
+            let (bare, userinfo) = split_userinfo(raw);
+            let addr: async_nats::ServerAddr = bare.parse().map_err(|e| {
+                Error::InvalidConfig(format!("nats server URL {}: {e}", redact_urls(raw)))
+            })?;
+            if addr.is_websocket() {
+                return Err(Error::InvalidConfig(format!(
+                    "nats server URL {}: WebSocket URLs are not supported",
+                    redact_urls(raw)
+                )));
+            }
+            any_tls_scheme |= addr.tls_required();
+            if let Some((user, password)) = userinfo {
+                let decode = |part: &str, what: &str| {
+                    percent_decode(part).ok_or_else(|| {
+                        Error::InvalidConfig(format!(
+                            "nats server URL {}: the {what} is not UTF-8 once percent-decoded",
+                            redact_urls(raw)
+                        ))
+                    })
+                };
+                let found = match password {
+                    Some(password) => Credentials::UserPassword {
+                        user: decode(&user, "user")?,
+                        password: Secret::new(decode(&password, "password")?),
+                    },
+                    None => Credentials::Token(Secret::new(decode(&user, "token")?)),
+                };
+                match &from_urls {
+                    Some(earlier) if *earlier != found => {
+                        return Err(Error::InvalidConfig(
+                            "nats server URLs carry different credentials: one client logs in \
+                             to every server alike"
+                                .into(),
+                        ));
+                    }
+                    _ => from_urls = Some(found),
+                }
+            }
+            hosts.push((addr.host().to_owned(), redact_urls(&bare)));
+            servers.push(bare);
+        }
+        let credentials = match (&self.credentials, from_urls) {
+            (Some(_), Some(_)) => {
+                return Err(Error::InvalidConfig(
+                    "nats credentials both in the URL and set on the builder: give them once"
+                        .into(),
+                ));
+            }
+            (Some(c), None) => Some(c.clone()),
+            (None, c) => c,
+        };
+        let target = format!("nats at {}", servers.join(","));
+        for path in self
+            .root_certificates
+            .iter()
+            .chain(self.client_certificate.iter().flat_map(|(c, k)| [c, k]))
+        {
+            if let Err(e) = std::fs::File::open(path) {
+                return Err(Error::Tls {
+                    target: target.clone(),
+                    problem: TlsProblem::BadFile,
+                    reason: format!("cannot read {}: {e}", path.display()),
+                });
+            }
+        }
+        let tls_config = match &self.root_certificates {
+            Some(ca) => Some(tls_config(&target, ca, self.client_certificate.as_ref())?),
+            None => None,
+        };
+        let tls = self.require_tls
+            || any_tls_scheme
+            || self.root_certificates.is_some()
+            || self.client_certificate.is_some();
+        let mut ignore_discovered_servers = false;
+        if credentials.is_some() && !tls && !self.allow_insecure_credentials {
+            if let Some((_, url)) = hosts
+                .iter()
+                .find(|(host, _)| !crate::tls::is_loopback(host))
+            {
+                return Err(Error::InsecureCredentials {
+                    transport: TRANSPORT,
+                    setting: "allow_insecure_credentials",
+                    reason: format!(
+                        "{url} is not on loopback and TLS is off: use a tls:// URL or \
+                         require_tls(true) (or allow_insecure_credentials(true) on a network \
+                         you trust)"
+                    ),
+                });
+            }
+            ignore_discovered_servers = true;
+        }
+        Ok(ConnectPlan {
+            servers,
+            target,
+            tls,
+            credentials,
+            ignore_discovered_servers,
+            tls_config,
+        })
+    }
+}
+
+/// A failed first connection, typed: refused credentials, a TLS failure, or else an outage.
+fn connect_error(target: &str, e: &async_nats::ConnectError) -> Error {
+    use async_nats::ConnectErrorKind as Kind;
+    match e.kind() {
+        Kind::AuthorizationViolation => Error::Authentication {
+            target: target.to_owned(),
+            reason: "the server refused the credentials (authorization violation): a wrong \
+                     user, password or token, or none where one is required"
+                .into(),
+        },
+        Kind::Authentication => Error::Authentication {
+            target: target.to_owned(),
+            reason: format!("the client could not authenticate: {e}"),
+        },
+        _ => match crate::tls::classify(e) {
+            Some(problem) => Error::Tls {
+                target: target.to_owned(),
+                problem,
+                reason: format!("{problem}: {}", error_chain(e)),
+            },
+            None => broker_error(&format!("connect to {target}"), error_chain(e)),
+        },
+    }
+}
+
+/// An error and its sources, `: `-separated (bounded), without repeats.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut current = e.source();
+    for _ in 0..8 {
+        let Some(source) = current else { break };
+        let text = source.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        current = source.source();
+    }
+    out
+}
+
+/// Credentials that travel to the server as they are (so only over TLS, or to loopback).
+#[derive(Clone, PartialEq, Eq)]
+enum Credentials {
+    UserPassword { user: String, password: Secret },
+    Token(Secret),
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Credentials::UserPassword { user, .. } => f
+                .debug_struct("UserPassword")
+                .field("user", user)
+                .field("password", &"***")
+                .finish(),
+            Credentials::Token(_) => f.write_str("Token(***)"),
+        }
+    }
+}
+
+/// Builder for [`Nats`]. Its `Debug` shows no credentials.
+#[derive(Clone)]
 pub struct NatsBuilder {
     url: String,
+    require_tls: bool,
+    root_certificates: Option<PathBuf>,
+    client_certificate: Option<(PathBuf, PathBuf)>,
+    credentials: Option<Credentials>,
+    allow_insecure_credentials: bool,
     stream: String,
     subject_prefix: String,
     durable: String,
@@ -118,7 +474,78 @@ pub struct NatsBuilder {
     inactive_threshold: Option<Duration>,
 }
 
+impl fmt::Debug for NatsBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NatsBuilder")
+            .field("url", &redact_urls(&self.url))
+            .field("require_tls", &self.require_tls)
+            .field("root_certificates", &self.root_certificates)
+            .field("client_certificate", &self.client_certificate)
+            .field("credentials", &self.credentials)
+            .field(
+                "allow_insecure_credentials",
+                &self.allow_insecure_credentials,
+            )
+            .field("stream", &self.stream)
+            .field("subject_prefix", &self.subject_prefix)
+            .field("durable", &self.durable)
+            .field("declare", &self.declare)
+            .finish_non_exhaustive()
+    }
+}
+
 impl NatsBuilder {
+    /// Use TLS with every server (default `false`, unless a URL says `tls://` or a CA file or
+    /// client certificate is given): a server without TLS is then an error, never a
+    /// clear-text fallback. The server's certificate is always verified.
+    pub fn require_tls(mut self, required: bool) -> Self {
+        self.require_tls = required;
+        self
+    }
+
+    /// Trust the certificate authorities in this PEM file (instead of the system's) for the
+    /// servers' certificates. Turns TLS on.
+    pub fn tls_root_certificates(mut self, path: impl Into<PathBuf>) -> Self {
+        self.root_certificates = Some(path.into());
+        self
+    }
+
+    /// Present this client certificate (PEM) with its private key (PEM) to servers that ask
+    /// for one (`verify: true` in the server's `tls` block). Turns TLS on.
+    pub fn tls_client_certificate(
+        mut self,
+        certificate: impl Into<PathBuf>,
+        key: impl Into<PathBuf>,
+    ) -> Self {
+        self.client_certificate = Some((certificate.into(), key.into()));
+        self
+    }
+
+    /// Log in as `user` with `password`. Sent as it is: see the [module docs](self) on when
+    /// it may go without TLS.
+    pub fn user_password(mut self, user: impl Into<String>, password: Secret) -> Self {
+        self.credentials = Some(Credentials::UserPassword {
+            user: user.into(),
+            password,
+        });
+        self
+    }
+
+    /// Log in with an authorization token. Sent as it is: see the [module docs](self) on
+    /// when it may go without TLS.
+    pub fn token(mut self, token: Secret) -> Self {
+        self.credentials = Some(Credentials::Token(token));
+        self
+    }
+
+    /// Send a password or token to servers that are not on loopback without TLS (default
+    /// `false`: [`build`](Self::build) refuses it with [`Error::InsecureCredentials`]).
+    /// For a network you trust; anyone on the path can read them.
+    pub fn allow_insecure_credentials(mut self, allow: bool) -> Self {
+        self.allow_insecure_credentials = allow;
+        self
+    }
+
     /// The stream's name (default `PGBOX`); the dead letters go to `<stream>_DEAD`.
     pub fn stream(mut self, name: impl Into<String>) -> Self {
         self.stream = name.into();
@@ -191,7 +618,13 @@ impl NatsBuilder {
     }
 
     /// Validates the settings. Connects lazily, on first use.
+    ///
+    /// Errors: [`Error::InvalidConfig`] for a malformed URL or setting,
+    /// [`Error::Tls`] ([`TlsProblem::BadFile`]) for an unreadable certificate or key file,
+    /// [`Error::InsecureCredentials`] for a password or token that would cross the network
+    /// in clear text (see the [module docs](self)). Nothing here touches the network.
     pub fn build(self) -> Result<Nats> {
+        let plan = self.plan()?;
         let name_ok = |s: &str| {
             !s.is_empty()
                 && s.chars()
@@ -225,6 +658,7 @@ impl NatsBuilder {
         }
         Ok(Nats {
             inner: Arc::new(Inner {
+                plan,
                 config: self,
                 client: OnceCell::new(),
                 consumers: StdMutex::new(HashMap::new()),
@@ -253,6 +687,7 @@ type PullConsumer = jetstream::consumer::Consumer<jetstream::consumer::pull::Con
 
 struct Inner {
     config: NatsBuilder,
+    plan: ConnectPlan,
     client: OnceCell<(async_nats::Client, Context)>,
     consumers: StdMutex<HashMap<String, PullConsumer>>,
     streams: OnceCell<()>,
@@ -332,6 +767,11 @@ impl Nats {
     pub fn builder(url: impl Into<String>) -> NatsBuilder {
         NatsBuilder {
             url: url.into(),
+            require_tls: false,
+            root_certificates: None,
+            client_certificate: None,
+            credentials: None,
+            allow_insecure_credentials: false,
             stream: "PGBOX".into(),
             subject_prefix: "pgbox".into(),
             durable: "pgbox".into(),
@@ -365,25 +805,45 @@ impl Nats {
             .inner
             .client
             .get_or_try_init(|| async {
-                let client = async_nats::ConnectOptions::new()
+                let plan = &self.inner.plan;
+                let mut options = async_nats::ConnectOptions::new()
                     .connection_timeout(Duration::from_secs(10))
                     // `attempts` counts the attempt about to be made, from 1: the first
                     // connect and the first try after a break go at once.
                     .reconnect_delay_callback(reconnect_delay)
                     .event_callback(|event| async move {
                         tracing::info!(%event, "pgbox nats connection event");
-                    })
-                    .connect(
-                        self.inner
-                            .config
-                            .url
-                            .split(',')
-                            .map(str::trim)
-                            .collect::<Vec<_>>(),
-                    )
+                    });
+                if plan.tls {
+                    options = options.require_tls(true);
+                }
+                match &plan.tls_config {
+                    Some(config) => options = options.tls_client_config(config.clone()),
+                    None => {
+                        ensure_crypto_provider();
+                        if let Some((cert, key)) = &self.inner.config.client_certificate {
+                            options = options.add_client_certificate(cert.clone(), key.clone());
+                        }
+                    }
+                }
+                match &plan.credentials {
+                    Some(Credentials::UserPassword { user, password }) => {
+                        options =
+                            options.user_and_password(user.clone(), password.expose().to_owned());
+                    }
+                    Some(Credentials::Token(token)) => {
+                        options = options.token(token.expose().to_owned());
+                    }
+                    None => {}
+                }
+                if plan.ignore_discovered_servers {
+                    options = options.ignore_discovered_servers();
+                }
+                let client = options
+                    .connect(plan.servers.clone())
                     .await
-                    .map_err(|e| broker_error("connect", e))?;
-                tracing::info!(url = %self.inner.config.url, "pgbox nats connected");
+                    .map_err(|e| connect_error(&plan.target, &e))?;
+                tracing::info!(target = %plan.target, tls = plan.tls, "pgbox nats connected");
                 let context = jetstream::new(client.clone());
                 Ok::<_, Error>((client, context))
             })
@@ -851,6 +1311,34 @@ mod tests {
         assert_eq!(reconnect_delay(1), Duration::ZERO);
         assert_eq!(reconnect_delay(2), Duration::from_millis(100));
         assert_eq!(reconnect_delay(100), Duration::from_secs(2));
+    }
+
+    #[test]
+    fn url_credentials_are_split_decoded_and_redacted() {
+        assert_eq!(
+            split_userinfo("tls://u:p%40ss@h:4222"),
+            (
+                "tls://h:4222".to_owned(),
+                Some(("u".to_owned(), Some("p%40ss".to_owned())))
+            )
+        );
+        assert_eq!(
+            split_userinfo("tok@h"),
+            ("nats://h".to_owned(), Some(("tok".to_owned(), None)))
+        );
+        assert_eq!(
+            split_userinfo("nats://h:1"),
+            ("nats://h:1".to_owned(), None)
+        );
+        assert_eq!(
+            percent_decode("p%40ss%20w%zz%4").as_deref(),
+            Some("p@ss w%zz%4")
+        );
+        assert_eq!(percent_decode("%ff"), None);
+        assert_eq!(
+            redact_urls("nats://u:pw@a:1, tok@b:2,nats://c:3"),
+            "nats://u:***@a:1,nats://***@b:2,nats://c:3"
+        );
     }
 
     #[test]
