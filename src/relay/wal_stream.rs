@@ -823,6 +823,64 @@ mod tests {
         ));
     }
 
+    #[test]
+    fn tls_failures_of_the_replication_connection_are_typed() {
+        let options = PgConnectOptions::new()
+            .host("db.internal")
+            .username("relay")
+            .password("pw-never-shown")
+            .database("orders");
+        for (message, expected) in [
+            (
+                "TLS handshake failed: invalid peer certificate: UnknownIssuer",
+                TlsProblem::UnknownIssuer,
+            ),
+            (
+                "TLS handshake failed: invalid peer certificate: certificate expired: \
+                 verification time 1795786155 (UNIX), but certificate is not valid after 1577923200",
+                TlsProblem::Expired,
+            ),
+            (
+                "server does not support TLS (SSLRequest rejected)",
+                TlsProblem::NotOffered,
+            ),
+        ] {
+            match open_error(&options, "s", PgWireError::Tls(message.into())) {
+                Error::Tls {
+                    problem, target, ..
+                } => {
+                    assert_eq!(problem, expected, "{message}");
+                    assert!(
+                        target.starts_with("relay@db.internal:5432/orders"),
+                        "{target}"
+                    );
+                    assert!(!target.contains("pw-never-shown"));
+                }
+                other => panic!("{message}: {other:?}"),
+            }
+        }
+        let refused = PgWireError::Server(
+            "FATAL: connection requires a valid client certificate (SQLSTATE 28000)".into(),
+        );
+        assert!(matches!(
+            open_error(&options, "s", refused),
+            Error::Tls {
+                problem: TlsProblem::ClientCertificate,
+                ..
+            }
+        ));
+        let wrong = PgWireError::Server(
+            "FATAL: password authentication failed for user \"relay\" (SQLSTATE 28P01)".into(),
+        );
+        assert!(matches!(
+            open_error(&options, "s", wrong),
+            Error::WalStream {
+                problem: WalStreamProblem::Authentication,
+                ..
+            }
+        ));
+    }
+
     fn sample(active_pid: Option<i32>, sent_lsn: u64, idle: bool) -> WalsenderSample {
         WalsenderSample {
             active_pid,
