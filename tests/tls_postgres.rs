@@ -319,7 +319,8 @@ async fn child_connects_with_the_environments_settings() {
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(user, "app");
+    let expected = std::env::var("PGBOX_TLS_CHILD_USER").expect("run by the parent test");
+    assert_eq!(user, expected);
     pool.close().await;
 }
 
@@ -339,22 +340,24 @@ async fn the_password_and_tls_settings_come_from_the_environment() {
         std::os::unix::fs::PermissionsExt::from_mode(0o600),
     )
     .unwrap();
-    let run = |password: (&str, &str)| {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
+    let run_as = |url: &str, user: &str, settings: &[(&str, &str)]| {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap());
+        child
             .args([
                 "--exact",
                 "child_connects_with_the_environments_settings",
                 "--ignored",
                 "--test-threads=1",
             ])
-            .env("PGBOX_TLS_CHILD_URL", &url)
+            .env("PGBOX_TLS_CHILD_URL", url)
+            .env("PGBOX_TLS_CHILD_USER", user)
             .env("PGSSLMODE", "verify-full")
-            .env("PGSSLROOTCERT", &server.ca)
-            .env_remove("PGPASSWORD")
-            .env_remove("PGPASSFILE")
-            .env(password.0, password.1)
-            .output()
-            .unwrap();
+            .env("PGSSLROOTCERT", &server.ca);
+        for name in ["PGPASSWORD", "PGPASSFILE", "PGSSLCERT", "PGSSLKEY"] {
+            child.env_remove(name);
+        }
+        child.envs(settings.iter().copied());
+        let out = child.output().unwrap();
         let text = format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),
@@ -362,6 +365,7 @@ async fn the_password_and_tls_settings_come_from_the_environment() {
         );
         (out.status.success() && text.contains("1 passed"), text)
     };
+    let run = |setting: (&str, &str)| run_as(&url, "app", &[setting]);
     let (ok, text) = run(("PGPASSWORD", APP_PASSWORD));
     assert!(ok, "PGPASSWORD: {text}");
     let (ok, text) = run(("PGPASSFILE", passfile.to_str().unwrap()));
@@ -370,6 +374,19 @@ async fn the_password_and_tls_settings_come_from_the_environment() {
     let (ok, text) = run(("PGPASSWORD", "wrong"));
     assert!(!ok, "{text}");
     assert!(text.contains("Authentication"), "{text}");
+    // The client certificate from PGSSLCERT and PGSSLKEY.
+    let cert_url = format!("postgres://certuser@localhost:{}/postgres", server.port());
+    let (ok, text) = run_as(
+        &cert_url,
+        "certuser",
+        &[
+            ("PGSSLCERT", server.client.cert.to_str().unwrap()),
+            ("PGSSLKEY", server.client.key.to_str().unwrap()),
+        ],
+    );
+    assert!(ok, "PGSSLCERT/PGSSLKEY: {text}");
+    let (ok, text) = run_as(&cert_url, "certuser", &[]);
+    assert!(!ok && text.contains("ClientCertificate"), "{text}");
 }
 
 /// An outbox message (WAL mode) read by the relay's streaming reader over a verify-full
