@@ -4,10 +4,10 @@
 
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
 use sqlx::{ConnectOptions, Connection, PgPool};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TlsProblem};
 
 /// How long the first connection may take before [`connect`] gives up (a server that accepts
 /// TCP but never answers, a firewall that drops packets).
@@ -29,7 +29,31 @@ pub const FIRST_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 /// - A refused login, a missing database and other server errors keep the server's message
 ///   and SQLSTATE, without the server's source-file position.
 ///
+/// - A login the server refuses (wrong password, no such role, no `pg_hba.conf` line:
+///   SQLSTATE 28P01, 28000) is [`Error::Authentication`]; a certificate that does not verify,
+///   a server without TLS when TLS is required, or a client certificate the server wants
+///   and did not get is [`Error::Tls`] with its [`TlsProblem`](crate::TlsProblem). Both are
+///   returned after the one attempt, never retried.
+///
 /// The password never appears in an error.
+///
+/// # TLS
+///
+/// The URL's `sslmode` (or `PGSSLMODE`) decides, as in libpq: `disable`, `allow` and `prefer`
+/// (the default: TLS when the server offers it), `require` (TLS, certificate not checked),
+/// `verify-ca` (signed by a trusted authority), `verify-full` (and issued for the host
+/// dialled, a DNS name or an IP address). `sslrootcert` (`PGSSLROOTCERT`) names a PEM file of
+/// authorities trusted in addition to the system's; `sslrootcert=system` means the
+/// system's alone and, as in libpq, makes `verify-full` the default and refuses weaker
+/// modes. `sslcert`/`sslkey` (`PGSSLCERT`/`PGSSLKEY`) give a client certificate. The
+/// password comes from the URL, `PGPASSWORD` or the `.pgpass` file (`PGPASSFILE`).
+///
+/// TLS needs the `tls` feature (rustls; the system's root certificates). Without it,
+/// `require`, `verify-ca` and `verify-full` are refused before any connection
+/// ([`Error::Tls`] with [`TlsProblem::NotBuilt`](crate::TlsProblem::NotBuilt)), and `prefer`
+/// connects in plain text. The pool's connections, and every connection pgbox makes from
+/// them (the relays' sessions and replication connection, LISTEN, the janitor), use the
+/// same settings.
 ///
 /// ```no_run
 /// # async fn f() -> Result<(), pgbox::Error> {
@@ -84,12 +108,124 @@ pub(crate) fn parse_url(url: &str) -> Result<PgConnectOptions> {
         }
     }
     refuse_failover_settings(url)?;
-    url.parse::<PgConnectOptions>().map_err(|e| {
+    let options = url.parse::<PgConnectOptions>().map_err(|e| {
         Error::InvalidConfig(format!(
             "the database URL cannot be read: {}",
             without_password(&e.to_string(), url)
         ))
-    })
+    })?;
+    let options = system_roots(url, options)?;
+    refuse_tls_not_built(&options)?;
+    Ok(options)
+}
+
+/// The URL's last value of `key` (percent-decoded), if it has one.
+fn query_value(url: &str, keys: &[&str]) -> Option<String> {
+    let query = url.split_once('?')?.1;
+    let query = query.split('#').next().unwrap_or(query);
+    query
+        .split('&')
+        .filter_map(|pair| {
+            let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+            keys.contains(&key).then_some(value)
+        })
+        .next_back()
+        .map(percent_decoded)
+}
+
+/// `%XX` escapes (and `+`) of a URL query value decoded.
+fn percent_decoded(value: &str) -> String {
+    let bytes = value.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = bytes
+            .get(i + 1..i + 3)
+            .filter(|h| h.iter().all(u8::is_ascii_hexdigit))
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (bytes[i], hex) {
+            (b'%', Some(b)) => {
+                out.push(b);
+                i += 3;
+            }
+            (b'+', _) => {
+                out.push(b' ');
+                i += 1;
+            }
+            (b, _) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// libpq's `sslrootcert=system` (URL or `PGSSLROOTCERT`): the system's roots alone, which sqlx
+/// would read as a file named `system`. Without an `sslmode` it means `verify-full`; a weaker
+/// one is refused, as libpq does.
+fn system_roots(url: &str, options: PgConnectOptions) -> Result<PgConnectOptions> {
+    let root_cert = query_value(url, &["sslrootcert", "ssl-root-cert", "ssl-ca"])
+        .or_else(|| std::env::var("PGSSLROOTCERT").ok());
+    if root_cert.as_deref() != Some("system") {
+        return Ok(options);
+    }
+    let mode_given = query_value(url, &["sslmode", "ssl-mode"]).is_some()
+        || std::env::var_os("PGSSLMODE").is_some();
+    // An empty PEM bundle: sqlx adds no authority to the system's.
+    let options = options.ssl_root_cert_from_pem(Vec::new());
+    if !mode_given {
+        return Ok(options.ssl_mode(PgSslMode::VerifyFull));
+    }
+    match options.get_ssl_mode() {
+        PgSslMode::VerifyFull => Ok(options),
+        weak => Err(Error::InvalidConfig(format!(
+            "the database URL sets sslrootcert=system with sslmode={}: the system's \
+             authorities vouch for any public name, so only verify-full is accepted with them \
+             (as in libpq); drop sslmode or set sslmode=verify-full",
+            ssl_mode_name(weak)
+        ))),
+    }
+}
+
+/// `mode` as written in a URL.
+pub(crate) fn ssl_mode_name(mode: PgSslMode) -> &'static str {
+    match mode {
+        PgSslMode::Disable => "disable",
+        PgSslMode::Allow => "allow",
+        PgSslMode::Prefer => "prefer",
+        PgSslMode::Require => "require",
+        PgSslMode::VerifyCa => "verify-ca",
+        PgSslMode::VerifyFull => "verify-full",
+    }
+}
+
+/// Without the `tls` feature, an `sslmode` that needs TLS is refused before any connection
+/// (sqlx would only find out on connecting).
+#[cfg(not(feature = "tls"))]
+fn refuse_tls_not_built(options: &PgConnectOptions) -> Result<()> {
+    let mode = options.get_ssl_mode();
+    if matches!(
+        mode,
+        PgSslMode::Require | PgSslMode::VerifyCa | PgSslMode::VerifyFull
+    ) {
+        return Err(Error::Tls {
+            target: describe(options),
+            problem: TlsProblem::NotBuilt,
+            reason: format!(
+                "sslmode={} needs TLS, and this build of pgbox has none: enable pgbox's `tls` \
+                 feature",
+                ssl_mode_name(mode)
+            ),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(feature = "tls")]
+fn refuse_tls_not_built(_options: &PgConnectOptions) -> Result<()> {
+    Ok(())
 }
 
 /// What sqlx would get wrong about libpq's multi-host failover: refused with what to do instead.
@@ -123,7 +259,7 @@ fn refuse_failover_settings(url: &str) -> Result<()> {
 }
 
 /// "user@host:port/database" (or the socket path), never the password.
-fn describe(options: &PgConnectOptions) -> String {
+pub(crate) fn describe(options: &PgConnectOptions) -> String {
     let place = match options.get_socket() {
         Some(socket) => format!("{}", socket.display()),
         None => format!("{}:{}", options.get_host(), options.get_port()),
@@ -133,6 +269,34 @@ fn describe(options: &PgConnectOptions) -> String {
 }
 
 fn connect_error(target: &str, e: sqlx::Error) -> Error {
+    if let sqlx::Error::Database(db) = &e {
+        let message = crate::error::database_message(db.as_ref());
+        let code = db.code();
+        match code.as_deref() {
+            // pg_hba's `cert` method (or `clientcert=verify-*`) without a valid client
+            // certificate.
+            Some("28000") if db.message().contains("certificate") => {
+                return Error::Tls {
+                    target: target.to_owned(),
+                    problem: TlsProblem::ClientCertificate,
+                    reason: message,
+                };
+            }
+            Some("28P01" | "28000") => {
+                return Error::Authentication {
+                    target: target.to_owned(),
+                    reason: message,
+                };
+            }
+            _ => {}
+        }
+    } else if let Some(problem) = crate::tls::classify(&e) {
+        return Error::Tls {
+            target: target.to_owned(),
+            problem,
+            reason: tls_reason(problem, &e),
+        };
+    }
     let reason = match &e {
         sqlx::Error::Io(io) => match io.kind() {
             std::io::ErrorKind::ConnectionRefused => {
@@ -150,6 +314,40 @@ fn connect_error(target: &str, e: sqlx::Error) -> Error {
         target: target.to_owned(),
         reason,
     }
+}
+
+/// The client's words for a TLS failure, with what to do about it.
+fn tls_reason(problem: TlsProblem, e: &sqlx::Error) -> String {
+    let advice = match problem {
+        TlsProblem::NotOffered => {
+            "; the server has ssl = off: turn it on, or connect with sslmode=prefer or disable"
+        }
+        TlsProblem::UnknownIssuer => {
+            "; trust the authority that signed the server's certificate with sslrootcert=<PEM file>"
+        }
+        TlsProblem::HostnameMismatch => {
+            "; dial a name the certificate lists (its subjectAltName), or use sslmode=verify-ca"
+        }
+        TlsProblem::Expired => "; the server's certificate must be renewed",
+        TlsProblem::ClientCertificate => "; give sslcert and sslkey the server accepts",
+        _ => "",
+    };
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    let mut depth = 0;
+    while let Some(s) = source {
+        let more = s.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = s.source();
+        depth += 1;
+        if depth > 8 {
+            break;
+        }
+    }
+    format!("{text}{advice}")
 }
 
 fn without_password(text: &str, url: &str) -> String {
@@ -219,5 +417,57 @@ mod tests {
     fn the_target_never_shows_the_password() {
         let options = parse_url("postgres://app:s3cret@db.internal:6543/orders").unwrap();
         assert_eq!(describe(&options), "app@db.internal:6543/orders");
+    }
+
+    #[cfg(not(feature = "tls"))]
+    #[test]
+    fn tls_sslmodes_without_the_feature_are_refused_before_connecting() {
+        for mode in ["require", "verify-ca", "verify-full"] {
+            // Port 1: a connection attempt would fail differently; parse_url never makes one.
+            let url = format!("postgres://app:s3cret@db.internal:1/orders?sslmode={mode}");
+            match parse_url(&url) {
+                Err(Error::Tls {
+                    problem: TlsProblem::NotBuilt,
+                    target,
+                    reason,
+                }) => {
+                    assert!(reason.contains("`tls` feature"), "{reason}");
+                    assert!(!reason.contains("s3cret") && !target.contains("s3cret"));
+                }
+                other => panic!("{mode}: {other:?}"),
+            }
+        }
+        for mode in ["disable", "allow", "prefer"] {
+            let url = format!("postgres://app@db/orders?sslmode={mode}");
+            assert!(parse_url(&url).is_ok(), "{mode}");
+        }
+    }
+
+    #[test]
+    fn sslrootcert_system_means_the_system_roots_and_verify_full() {
+        let options = parse_url("postgres://app@db/orders?sslrootcert=system");
+        #[cfg(feature = "tls")]
+        {
+            let options = options.unwrap();
+            assert!(matches!(options.get_ssl_mode(), PgSslMode::VerifyFull));
+            // Not a file named "system" any more.
+            assert!(!format!("{options:?}").contains("\"system\""));
+        }
+        #[cfg(not(feature = "tls"))]
+        assert!(matches!(
+            options,
+            Err(Error::Tls {
+                problem: TlsProblem::NotBuilt,
+                ..
+            })
+        ));
+        for weak in ["require", "verify-ca", "prefer"] {
+            let url = format!("postgres://app@db/orders?sslrootcert=system&sslmode={weak}");
+            match parse_url(&url) {
+                Err(Error::InvalidConfig(m)) => assert!(m.contains("verify-full"), "{m}"),
+                other => panic!("{weak}: {other:?}"),
+            }
+        }
+        assert_eq!(percent_decoded("a%2Fb+c%zz%4"), "a/b c%zz%4");
     }
 }

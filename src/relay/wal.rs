@@ -34,8 +34,9 @@
 //! free (free between calls). Past that bound they return anyway and log a warning; the next
 //! session then starts from the position the server kept, and what lies after it is offered
 //! again (at-least-once). It needs a role with `REPLICATION`, a free walsender (`max_wal_senders`), a direct
-//! connection (poolers do not pass the replication protocol) and no TLS (not built); each
-//! refusal is an [`Error::WalStream`].
+//! connection (poolers do not pass the replication protocol); it connects with the pool's
+//! TLS settings (`sslmode`, `sslrootcert`, `sslcert`, `sslkey`; the `tls` feature). Each
+//! refusal is an [`Error::WalStream`], a TLS failure an [`Error::Tls`].
 //!
 //! [`WalReader::SqlFunctions`] reads with the SQL slot functions
 //! (`pg_logical_slot_peek_binary_changes`) on one dedicated connection: a peek decodes whole
@@ -45,8 +46,7 @@
 //! found nothing moves it at most to the flush position taken before that read. Every peek
 //! decodes from the slot's restart position, which moves only at running-transactions
 //! records: after a large backlog each read is slow. It serves where replication connections
-//! are not available (a managed service without them, TLS-only access, a role without
-//! `REPLICATION`).
+//! are not available (a managed service without them, a role without `REPLICATION`).
 //!
 //! Either way, a crash anywhere re-reads from the last confirmed position: at-least-once,
 //! with the message ids of the enqueue, which consumers' inboxes absorb.
@@ -213,13 +213,14 @@ pub enum WalReader {
     /// change is decoded once, as it is flushed, and pushed to the relay. Needs a role with
     /// the `REPLICATION` attribute, a `pg_hba.conf` line that admits a replication
     /// connection to the database, a free walsender (`max_wal_senders`), and a direct
-    /// connection (a pooler does not pass the replication protocol). No TLS.
+    /// connection (a pooler does not pass the replication protocol). TLS as the pool's
+    /// settings say (with the `tls` feature).
     #[default]
     Stream,
     /// The SQL slot functions (`pg_logical_slot_peek_binary_changes`,
     /// `pg_replication_slot_advance`) on an ordinary connection: for a server that refuses
     /// replication connections (a managed service without them, a role without
-    /// `REPLICATION` but with `pg_use_replication_slots`-style grants, TLS-only access).
+    /// `REPLICATION` but with `pg_use_replication_slots`-style grants).
     /// Every read decodes the slot again from its restart position, which moves only at
     /// running-transactions records: after a large backlog, each read is slow.
     SqlFunctions,

@@ -10,9 +10,10 @@
 //! (`update_applied_lsn`), never one it made up. Its worker task answers the server's
 //! keepalives and sends a status update every status interval even while its event queue is
 //! full, so a slow publish or a long outage backoff never lets `wal_sender_timeout` end the
-//! session. Its TLS (rustls) is not built: pgbox's sqlx is built without TLS too, and a
-//! pool that asks for TLS (`sslmode` require, verify-ca, verify-full) is refused with
-//! [`WalStreamProblem::UnsupportedOption`] rather than connecting in plain text.
+//! session. With the `tls` feature its rustls TLS follows the pool's `sslmode`, `sslrootcert`,
+//! `sslcert` and `sslkey` (see `tls_config` for how they map, and where its roots come
+//! from); without it a pool that asks for TLS is refused ([`Error::Tls`],
+//! [`TlsProblem::NotBuilt`]) rather than connected in plain text.
 //!
 //! **What is held.** Decoded transactions wait in [`Stream::pending`] until the round that
 //! reads them settles them: the reader stops taking events once they hold
@@ -51,7 +52,9 @@ use pgwire_replication::{
 };
 use sqlx::postgres::{PgConnectOptions, PgSslMode};
 
-use crate::error::{Error, WalStreamProblem};
+use pgwire_replication::TlsConfig;
+
+use crate::error::{Error, TlsProblem, WalStreamProblem};
 
 use super::{SlotTransaction, TxAssembler};
 
@@ -178,10 +181,10 @@ impl Stream {
         let config = config(options, slot, from)?;
         let mut client = ReplicationClient::connect(config)
             .await
-            .map_err(|e| stream_error(slot, e))?;
+            .map_err(|e| open_error(options, slot, e))?;
         // From then on the slot's walsender is this session's (see `Liveness`).
         match tokio::time::timeout(START_WAIT, client.wait_started()).await {
-            Ok(started) => started.map_err(|e| stream_error(slot, e))?,
+            Ok(started) => started.map_err(|e| open_error(options, slot, e))?,
             Err(_) => {
                 client.abort();
                 return Err(Error::WalStream {
@@ -405,24 +408,9 @@ impl Drop for Stream {
 }
 
 /// The replication session's settings, from the pool's: host or socket, port, user,
-/// password, database, `options`. TLS is not available to it: `sslmode` require, verify-ca
-/// and verify-full are refused (allow and prefer connect in plain text, as the pool's own
-/// connections do without TLS support).
+/// password, database, `options`, and TLS (see [`tls_config`]).
 fn config(options: &PgConnectOptions, slot: &str, from: u64) -> Result<ReplicationConfig, Error> {
-    if matches!(
-        options.get_ssl_mode(),
-        PgSslMode::Require | PgSslMode::VerifyCa | PgSslMode::VerifyFull
-    ) {
-        return Err(Error::WalStream {
-            slot: slot.to_owned(),
-            problem: WalStreamProblem::UnsupportedOption,
-            reason: format!(
-                "the pool asks for sslmode={:?}, and the streaming reader has no TLS: connect \
-                 in plain text (a private network, a Unix socket) or use WalReader::SqlFunctions",
-                options.get_ssl_mode()
-            ),
-        });
-    }
+    let tls = tls_config(options, slot)?;
     let password = password_of(options).unwrap_or_default();
     let database = options
         .get_database()
@@ -454,11 +442,117 @@ fn config(options: &PgConnectOptions, slot: &str, from: u64) -> Result<Replicati
                 .unwrap_or("pgbox WAL relay")
                 .to_owned(),
         );
-    config.tls = pgwire_replication::TlsConfig::disabled();
+    config.tls = tls;
     if let Some(o) = options.get_options() {
         config = config.with_options(o.to_owned());
     }
     Ok(config)
+}
+
+/// The pool's `sslmode` and certificate files as the replication client's TLS settings.
+///
+/// With the `tls` feature: `disable` and `allow` connect in plain text; `prefer` asks for
+/// TLS and takes plain text when the server has none (a TLS handshake that fails is not
+/// retried in plain text, unlike libpq); `require`, `verify-ca` and `verify-full` as in
+/// libpq. `sslrootcert` is the only authority trusted when given; without it (and with
+/// `sslrootcert=system`) the client trusts Mozilla's root certificates (webpki-roots), not
+/// the system's store that the pool's connections use. `verify-full` to an IP address checks
+/// the certificate's IP address entries. Certificates given inline (PEM text rather than a
+/// file) are refused: the client reads files only.
+///
+/// Without the feature, the modes that need TLS are refused ([`Error::Tls`] with
+/// [`TlsProblem::NotBuilt`]), and `prefer` connects in plain text.
+#[cfg(feature = "tls")]
+fn tls_config(options: &PgConnectOptions, slot: &str) -> Result<TlsConfig, Error> {
+    let root = certificate_file(options, "ssl_root_cert", slot)?;
+    let mut tls = match options.get_ssl_mode() {
+        PgSslMode::Disable | PgSslMode::Allow => return Ok(TlsConfig::disabled()),
+        PgSslMode::Prefer => TlsConfig {
+            mode: pgwire_replication::SslMode::Prefer,
+            ..TlsConfig::default()
+        },
+        PgSslMode::Require => TlsConfig::require(),
+        PgSslMode::VerifyCa => TlsConfig::verify_ca(root),
+        PgSslMode::VerifyFull => {
+            let tls = TlsConfig::verify_full(root);
+            // The client refuses verify-full to an IP address unless told the name to check:
+            // the address itself, which rustls matches against the certificate's IP entries.
+            let host = options.get_host();
+            if options.get_socket().is_none() && host.parse::<std::net::IpAddr>().is_ok() {
+                tls.with_sni_hostname(host)
+            } else {
+                tls
+            }
+        }
+    };
+    let cert = certificate_file(options, "ssl_client_cert", slot)?;
+    let key = certificate_file(options, "ssl_client_key", slot)?;
+    match (cert, key) {
+        (Some(cert), Some(key)) => tls = tls.with_client_cert(cert, key),
+        (None, None) => {}
+        _ => {
+            return Err(Error::Tls {
+                target: crate::connect::describe(options),
+                problem: TlsProblem::BadFile,
+                reason: "a client certificate needs both sslcert and sslkey".into(),
+            });
+        }
+    }
+    Ok(tls)
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls_config(options: &PgConnectOptions, _slot: &str) -> Result<TlsConfig, Error> {
+    let mode = options.get_ssl_mode();
+    if matches!(
+        mode,
+        PgSslMode::Require | PgSslMode::VerifyCa | PgSslMode::VerifyFull
+    ) {
+        return Err(Error::Tls {
+            target: crate::connect::describe(options),
+            problem: TlsProblem::NotBuilt,
+            reason: format!(
+                "the pool asks for sslmode={}, and this build of pgbox has no TLS for the WAL \
+                 relay's replication connection: enable pgbox's `tls` feature",
+                crate::connect::ssl_mode_name(mode)
+            ),
+        });
+    }
+    Ok(TlsConfig::disabled())
+}
+
+/// The file of one of the options' certificate fields (`ssl_root_cert`, `ssl_client_cert`,
+/// `ssl_client_key`). sqlx has no getters for them: read from the options' `Debug` form
+/// (`field: Some(File("…"))`, `Some(Inline([…]))` or `None`). An empty inline bundle (what
+/// `sslrootcert=system` becomes) is no file; other inline PEM text is refused.
+#[cfg(feature = "tls")]
+fn certificate_file(
+    options: &PgConnectOptions,
+    field: &str,
+    slot: &str,
+) -> Result<Option<std::path::PathBuf>, Error> {
+    let debug = format!("{options:?}");
+    let Some(at) = debug.find(&format!("{field}: ")) else {
+        return Ok(None);
+    };
+    let rest = &debug[at + field.len() + 2..];
+    if let Some(file) = rest.strip_prefix("Some(File(") {
+        return Ok(unescape_debug_str(file).map(std::path::PathBuf::from));
+    }
+    if rest.starts_with("Some(Inline([])") || rest.starts_with("None") {
+        return Ok(None);
+    }
+    if rest.starts_with("Some(Inline(") {
+        return Err(Error::WalStream {
+            slot: slot.to_owned(),
+            problem: WalStreamProblem::UnsupportedOption,
+            reason: format!(
+                "the pool's {field} is PEM text, and the replication client reads certificates \
+                 and keys from files only: give a file path"
+            ),
+        });
+    }
+    Ok(None)
 }
 
 /// The pool's password. sqlx has no getter for it, and its URL form panics for a Unix
@@ -501,6 +595,29 @@ fn unescape_debug_str(s: &str) -> Option<String> {
 fn sqlstate(message: &str) -> Option<&str> {
     let at = message.rfind("(SQLSTATE ")?;
     message.get(at + 10..at + 15)
+}
+
+/// Opening a session failed: TLS failures (and a `cert` login without a valid client
+/// certificate) as [`Error::Tls`] naming the server, the rest as [`stream_error`].
+fn open_error(options: &PgConnectOptions, slot: &str, e: PgWireError) -> Error {
+    let tls = |problem: TlsProblem, reason: String| Error::Tls {
+        target: format!(
+            "{} (the WAL relay's replication connection)",
+            crate::connect::describe(options)
+        ),
+        problem,
+        reason,
+    };
+    match &e {
+        PgWireError::Tls(m) => tls(
+            crate::tls::classify_text(m).unwrap_or(TlsProblem::Other),
+            m.clone(),
+        ),
+        PgWireError::Server(m) if sqlstate(m) == Some("28000") && m.contains("certificate") => {
+            tls(TlsProblem::ClientCertificate, m.clone())
+        }
+        _ => stream_error(slot, e),
+    }
 }
 
 /// A replication session's failure in words: the slot's state, or why the server refused
@@ -574,7 +691,11 @@ pub(super) fn stream_error(slot: &str, e: PgWireError) -> Error {
             }
         }
         PgWireError::Auth(m) => problem(WalStreamProblem::Authentication, m.clone()),
-        PgWireError::Tls(m) => problem(WalStreamProblem::UnsupportedOption, m.clone()),
+        PgWireError::Tls(m) => Error::Tls {
+            target: format!("the WAL relay's replication connection (slot {slot})"),
+            problem: crate::tls::classify_text(m).unwrap_or(TlsProblem::Other),
+            reason: m.clone(),
+        },
         _ => problem(WalStreamProblem::Lost, e.to_string()),
     }
 }
@@ -606,8 +727,9 @@ mod tests {
         }
     }
 
+    #[cfg(not(feature = "tls"))]
     #[test]
-    fn tls_the_client_cannot_give_is_refused_typed() {
+    fn tls_without_the_feature_is_refused_typed() {
         for mode in [
             PgSslMode::Require,
             PgSslMode::VerifyCa,
@@ -617,17 +739,146 @@ mod tests {
             let err = config(&options, "s", 0).unwrap_err();
             assert!(
                 matches!(
-                    err,
-                    Error::WalStream {
-                        problem: WalStreamProblem::UnsupportedOption,
+                    &err,
+                    Error::Tls {
+                        problem: TlsProblem::NotBuilt,
+                        reason,
                         ..
-                    }
+                    } if reason.contains("`tls` feature")
                 ),
                 "{err:?}"
             );
         }
         let options = PgConnectOptions::new().ssl_mode(PgSslMode::Prefer);
         assert!(config(&options, "s", 0).is_ok());
+    }
+
+    #[cfg(feature = "tls")]
+    #[test]
+    fn the_pools_tls_settings_become_the_clients() {
+        use pgwire_replication::SslMode;
+        let base = || {
+            PgConnectOptions::new()
+                .host("127.0.0.1")
+                .ssl_root_cert("/etc/pgbox/ca \"q\".crt")
+        };
+        let full = config(&base().ssl_mode(PgSslMode::VerifyFull), "s", 0).unwrap();
+        assert_eq!(full.tls.mode, SslMode::VerifyFull);
+        assert_eq!(
+            full.tls.ca_pem_path.as_deref(),
+            Some(std::path::Path::new("/etc/pgbox/ca \"q\".crt"))
+        );
+        assert_eq!(full.tls.sni_hostname.as_deref(), Some("127.0.0.1"));
+        let named = base().host("db.internal").ssl_mode(PgSslMode::VerifyFull);
+        assert_eq!(config(&named, "s", 0).unwrap().tls.sni_hostname, None);
+        let ca = config(&base().ssl_mode(PgSslMode::VerifyCa), "s", 0).unwrap();
+        assert_eq!(ca.tls.mode, SslMode::VerifyCa);
+        for (mode, expected) in [
+            (PgSslMode::Disable, SslMode::Disable),
+            (PgSslMode::Allow, SslMode::Disable),
+            (PgSslMode::Prefer, SslMode::Prefer),
+            (PgSslMode::Require, SslMode::Require),
+        ] {
+            assert_eq!(
+                config(&base().ssl_mode(mode), "s", 0).unwrap().tls.mode,
+                expected
+            );
+        }
+        let mtls = base()
+            .ssl_mode(PgSslMode::VerifyFull)
+            .ssl_client_cert("/c.crt")
+            .ssl_client_key("/c.key");
+        let mtls = config(&mtls, "s", 0).unwrap();
+        assert_eq!(
+            mtls.tls.client_cert_pem_path.as_deref(),
+            Some(std::path::Path::new("/c.crt"))
+        );
+        assert_eq!(
+            mtls.tls.client_key_pem_path.as_deref(),
+            Some(std::path::Path::new("/c.key"))
+        );
+        let half = base()
+            .ssl_mode(PgSslMode::Require)
+            .ssl_client_cert("/c.crt");
+        assert!(matches!(
+            config(&half, "s", 0),
+            Err(Error::Tls {
+                problem: TlsProblem::BadFile,
+                ..
+            })
+        ));
+        let system = PgConnectOptions::new()
+            .ssl_mode(PgSslMode::VerifyFull)
+            .ssl_root_cert_from_pem(Vec::new());
+        assert_eq!(config(&system, "s", 0).unwrap().tls.ca_pem_path, None);
+        let inline = PgConnectOptions::new()
+            .ssl_mode(PgSslMode::VerifyFull)
+            .ssl_root_cert_from_pem(b"-----BEGIN CERTIFICATE-----".to_vec());
+        assert!(matches!(
+            config(&inline, "s", 0),
+            Err(Error::WalStream {
+                problem: WalStreamProblem::UnsupportedOption,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn tls_failures_of_the_replication_connection_are_typed() {
+        let options = PgConnectOptions::new()
+            .host("db.internal")
+            .username("relay")
+            .password("pw-never-shown")
+            .database("orders");
+        for (message, expected) in [
+            (
+                "TLS handshake failed: invalid peer certificate: UnknownIssuer",
+                TlsProblem::UnknownIssuer,
+            ),
+            (
+                "TLS handshake failed: invalid peer certificate: certificate expired: \
+                 verification time 1795786155 (UNIX), but certificate is not valid after 1577923200",
+                TlsProblem::Expired,
+            ),
+            (
+                "server does not support TLS (SSLRequest rejected)",
+                TlsProblem::NotOffered,
+            ),
+        ] {
+            match open_error(&options, "s", PgWireError::Tls(message.into())) {
+                Error::Tls {
+                    problem, target, ..
+                } => {
+                    assert_eq!(problem, expected, "{message}");
+                    assert!(
+                        target.starts_with("relay@db.internal:5432/orders"),
+                        "{target}"
+                    );
+                    assert!(!target.contains("pw-never-shown"));
+                }
+                other => panic!("{message}: {other:?}"),
+            }
+        }
+        let refused = PgWireError::Server(
+            "FATAL: connection requires a valid client certificate (SQLSTATE 28000)".into(),
+        );
+        assert!(matches!(
+            open_error(&options, "s", refused),
+            Error::Tls {
+                problem: TlsProblem::ClientCertificate,
+                ..
+            }
+        ));
+        let wrong = PgWireError::Server(
+            "FATAL: password authentication failed for user \"relay\" (SQLSTATE 28P01)".into(),
+        );
+        assert!(matches!(
+            open_error(&options, "s", wrong),
+            Error::WalStream {
+                problem: WalStreamProblem::Authentication,
+                ..
+            }
+        ));
     }
 
     fn sample(active_pid: Option<i32>, sent_lsn: u64, idle: bool) -> WalsenderSample {
