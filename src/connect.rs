@@ -66,6 +66,8 @@ pub const FIRST_CONNECTION_TIMEOUT: Duration = Duration::from_secs(10);
 /// ```
 pub async fn connect(url: &str, options: PgPoolOptions) -> Result<PgPool> {
     let connect_options = parse_url(url)?;
+    #[cfg(feature = "tls")]
+    crate::tls::ensure_crypto_provider();
     let target = describe(&connect_options);
     let probe = tokio::time::timeout(FIRST_CONNECTION_TIMEOUT, connect_options.connect()).await;
     match probe {

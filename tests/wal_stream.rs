@@ -542,6 +542,9 @@ async fn slot_states_and_refused_sessions_are_typed_errors() {
             Error::WalStream {
                 problem: WalStreamProblem::UnsupportedOption,
                 ..
+            } | Error::Tls {
+                problem: pgbox::TlsProblem::NotBuilt | pgbox::TlsProblem::NotOffered,
+                ..
             } | Error::Database { .. }
                 | Error::Connect { .. }
         ),
