@@ -45,13 +45,25 @@ static NEXT: AtomicU64 = AtomicU64::new(0);
 /// db.close().await?;
 /// # Ok(()) }
 /// ```
-#[derive(Debug)]
 pub struct TestDatabase {
     name: String,
     url: String,
     admin_url: String,
     pool: PgPool,
     closed: bool,
+}
+
+/// The URLs without their password (the server's URL may hold one).
+impl std::fmt::Debug for TestDatabase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestDatabase")
+            .field("name", &self.name)
+            .field("url", &crate::secret::redact_url(&self.url))
+            .field("admin_url", &crate::secret::redact_url(&self.admin_url))
+            .field("pool", &self.pool)
+            .field("closed", &self.closed)
+            .finish()
+    }
 }
 
 impl TestDatabase {
