@@ -229,10 +229,12 @@ impl TlsServer {
             .stderr(Stdio::null())
             .spawn()
             .expect("openssl s_server");
+        // Killed on drop, also when it never listens.
+        let server = TlsServer { child, port };
         // Bounded: 20 s.
         for _ in 0..80 {
             if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
-                return TlsServer { child, port };
+                return server;
             }
             std::thread::sleep(Duration::from_millis(250));
         }

@@ -4,6 +4,48 @@
 //! [`Consumer`](crate::Consumer) runner. Clone it freely: clones share one AMQP connection,
 //! opened on first use and reopened after it breaks.
 //!
+//! # TLS and credentials
+//!
+//! An `amqps://` URL (feature `tls`; without it, [`RabbitMqBuilder::build`] fails with
+//! [`Error::Tls`] and [`TlsProblem::NotBuilt`]) verifies the broker's certificate against the
+//! system's roots and the host name of the URL.
+//! [`tls_root_certificates`](RabbitMqBuilder::tls_root_certificates) adds a private CA,
+//! [`tls_client_certificate`](RabbitMqBuilder::tls_client_certificate) presents a client
+//! certificate, and [`credentials`](RabbitMqBuilder::credentials) takes the password as a
+//! [`Secret`] (from a file or the environment) instead of in the URL:
+//!
+//! ```no_run
+//! # fn main() -> pgbox::Result<()> {
+//! use pgbox::Secret;
+//! use pgbox::transport::rabbitmq::RabbitMq;
+//!
+//! let transport = RabbitMq::builder("amqps://mq.internal.example:5671/%2f")
+//!     .tls_root_certificates("/etc/pgbox/rabbitmq-ca.pem")
+//!     .tls_client_certificate("/etc/pgbox/client.pem", "/etc/pgbox/client.key")
+//!     .credentials("orders", Secret::from_file("/run/secrets/rabbitmq-password")?)
+//!     .build()?;
+//! # let _ = transport;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! `build` refuses a password that would cross the network in clear text (an `amqp://` URL
+//! to a host that is not loopback, with credentials in it or from `credentials`) with
+//! [`Error::InsecureCredentials`], unless
+//! [`allow_insecure_credentials`](RabbitMqBuilder::allow_insecure_credentials) says so. A URL
+//! without credentials logs in as RabbitMQ's built-in `guest`/`guest` (lapin's default):
+//! that password is public, and RabbitMQ accepts `guest` from loopback only, so it does not
+//! count.
+//!
+//! Connecting ([`RabbitMq::connect`] at startup, or any first use) types its failures: a
+//! TLS failure is [`Error::Tls`] (an untrusted or expired certificate, one for another host,
+//! a port that speaks no TLS, a client certificate the broker refuses or misses), a refused
+//! login (`ACCESS_REFUSED`) is [`Error::Authentication`]. They are logged at `error` level.
+//! The relay still treats them as the broker being unavailable, and retries with backoff
+//! (nothing is dropped, no attempt is counted): a rotated password or a renewed certificate
+//! then takes effect without a restart (files are read again at each connection; a
+//! [`Secret`] is not). No message, log line or `Debug` output shows a password or a key.
+//!
 //! # Topology
 //!
 //! With [`RabbitMqBuilder::declare`] on (the default), pgbox declares, idempotently:
