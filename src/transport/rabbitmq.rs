@@ -4,6 +4,48 @@
 //! [`Consumer`](crate::Consumer) runner. Clone it freely: clones share one AMQP connection,
 //! opened on first use and reopened after it breaks.
 //!
+//! # TLS and credentials
+//!
+//! An `amqps://` URL (feature `tls`; without it, [`RabbitMqBuilder::build`] fails with
+//! [`Error::Tls`] and [`TlsProblem::NotBuilt`]) verifies the broker's certificate against the
+//! system's roots and the host name of the URL.
+//! [`tls_root_certificates`](RabbitMqBuilder::tls_root_certificates) adds a private CA,
+//! [`tls_client_certificate`](RabbitMqBuilder::tls_client_certificate) presents a client
+//! certificate, and [`credentials`](RabbitMqBuilder::credentials) takes the password as a
+//! [`Secret`] (from a file or the environment) instead of in the URL:
+//!
+//! ```no_run
+//! # fn main() -> pgbox::Result<()> {
+//! use pgbox::Secret;
+//! use pgbox::transport::rabbitmq::RabbitMq;
+//!
+//! let transport = RabbitMq::builder("amqps://mq.internal.example:5671/%2f")
+//!     .tls_root_certificates("/etc/pgbox/rabbitmq-ca.pem")
+//!     .tls_client_certificate("/etc/pgbox/client.pem", "/etc/pgbox/client.key")
+//!     .credentials("orders", Secret::from_file("/run/secrets/rabbitmq-password")?)
+//!     .build()?;
+//! # let _ = transport;
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! `build` refuses a password that would cross the network in clear text (an `amqp://` URL
+//! to a host that is not loopback, with credentials in it or from `credentials`) with
+//! [`Error::InsecureCredentials`], unless
+//! [`allow_insecure_credentials`](RabbitMqBuilder::allow_insecure_credentials) says so. A URL
+//! without credentials logs in as RabbitMQ's built-in `guest`/`guest` (lapin's default):
+//! that password is public, and RabbitMQ accepts `guest` from loopback only, so it does not
+//! count.
+//!
+//! Connecting ([`RabbitMq::connect`] at startup, or any first use) types its failures: a
+//! TLS failure is [`Error::Tls`] (an untrusted or expired certificate, one for another host,
+//! a port that speaks no TLS, a client certificate the broker refuses or misses), a refused
+//! login (`ACCESS_REFUSED`) is [`Error::Authentication`]. They are logged at `error` level.
+//! The relay still treats them as the broker being unavailable, and retries with backoff
+//! (nothing is dropped, no attempt is counted): a rotated password or a renewed certificate
+//! then takes effect without a restart (files are read again at each connection; a
+//! [`Secret`] is not). No message, log line or `Debug` output shows a password or a key.
+//!
 //! # Topology
 //!
 //! With [`RabbitMqBuilder::declare`] on (the default), pgbox declares, idempotently:
@@ -82,6 +124,7 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, Instant};
@@ -93,9 +136,12 @@ use lapin::options::{
     BasicQosOptions, ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions,
     QueueDeclareOptions,
 };
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::uri::{AMQPScheme, AMQPUri, AMQPUserInfo};
 use lapin::{
-    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
+    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties,
+    DefaultConnectionBuilder, ExchangeKind,
 };
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
@@ -103,8 +149,9 @@ use tokio::sync::Mutex;
 use uuid::Uuid;
 
 use super::{PublishError, Publisher, Subscriber, truncate};
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, TlsProblem};
 use crate::outbox::Envelope;
+use crate::secret::{Secret, redact_url};
 
 const TRANSPORT: &str = "rabbitmq";
 const CREATED_AT: &str = "x-pgbox-created-at";
@@ -168,9 +215,15 @@ fn broker_error(what: &str, e: impl fmt::Display) -> Error {
 }
 
 /// Builder for [`RabbitMq`].
-#[derive(Debug, Clone)]
+///
+/// Its `Debug` output shows the URL without its password, and no credential.
+#[derive(Clone)]
 pub struct RabbitMqBuilder {
     url: String,
+    credentials: Option<(String, Secret)>,
+    tls_roots: Option<PathBuf>,
+    tls_identity: Option<(PathBuf, PathBuf)>,
+    allow_insecure_credentials: bool,
     exchange: String,
     queue_prefix: String,
     declare: bool,
@@ -255,8 +308,149 @@ impl RabbitMqBuilder {
         self
     }
 
-    /// Validates the settings. Connects lazily, on first use.
+    /// Log in as `user` with `password`, instead of the user and password in the URL (if
+    /// any). The password can so come from a file or the environment
+    /// ([`Secret::from_file`], [`Secret::from_env`]) rather than sit in the URL. Over a
+    /// plain `amqp://` URL to a host that is not loopback, [`build`](Self::build) refuses
+    /// it unless [`allow_insecure_credentials`](Self::allow_insecure_credentials) is on.
+    pub fn credentials(mut self, user: impl Into<String>, password: Secret) -> Self {
+        self.credentials = Some((user.into(), password));
+        self
+    }
+
+    /// Trust the certificate authorities in the PEM file at `path` to sign the broker's
+    /// certificate, **in addition to** the system's roots (which an `amqps://` URL trusts
+    /// by default). For a private CA. Read (and checked) at [`build`](Self::build), and
+    /// again at each connection, so a renewed file is picked up on reconnection. Only
+    /// with an `amqps://` URL.
+    pub fn tls_root_certificates(mut self, path: impl Into<PathBuf>) -> Self {
+        self.tls_roots = Some(path.into());
+        self
+    }
+
+    /// Present the client certificate in the PEM file `cert_pem` (with its chain, if any),
+    /// whose private key is in the PEM file `key_pem` (PKCS#8, PKCS#1 or SEC1, not
+    /// encrypted), to a broker that asks for one (`ssl_options.verify = verify_peer`).
+    /// Read (and checked) at [`build`](Self::build), and again at each connection. Only
+    /// with an `amqps://` URL. The key's contents never appear in a message.
+    pub fn tls_client_certificate(
+        mut self,
+        cert_pem: impl Into<PathBuf>,
+        key_pem: impl Into<PathBuf>,
+    ) -> Self {
+        self.tls_identity = Some((cert_pem.into(), key_pem.into()));
+        self
+    }
+
+    /// Allow a password to cross the network in clear text: an `amqp://` URL (not
+    /// `amqps://`) with credentials other than RabbitMQ's built-in `guest`/`guest`, to a
+    /// host that is not loopback. Off by default: [`build`](Self::build) then fails with
+    /// [`Error::InsecureCredentials`]. For a network you trust otherwise (a sidecar, a
+    /// VPN); prefer `amqps://`.
+    pub fn allow_insecure_credentials(mut self, allow: bool) -> Self {
+        self.allow_insecure_credentials = allow;
+        self
+    }
+
+    /// The URL lapin dials, with the credentials applied; and the TLS settings checked.
+    fn endpoint(&self) -> Result<(AMQPUri, String)> {
+        let mut uri: AMQPUri = self.url.parse().map_err(|e: String| {
+            Error::InvalidConfig(format!(
+                "rabbitmq URL {} is not valid: {}",
+                redact_url(&self.url),
+                // The parser's message quotes the URL: keep the password out.
+                if e.contains(&self.url) {
+                    "not an AMQP URL".to_owned()
+                } else {
+                    e
+                }
+            ))
+        })?;
+        if let Some((user, password)) = &self.credentials {
+            uri.authority.userinfo = AMQPUserInfo {
+                username: user.clone(),
+                password: password.expose().to_owned(),
+            };
+        }
+        let target = format!("rabbitmq at {}:{}", uri.authority.host, uri.authority.port);
+        let tls = uri.scheme == AMQPScheme::AMQPS;
+        if tls && !cfg!(feature = "tls") {
+            return Err(Error::Tls {
+                target,
+                problem: TlsProblem::NotBuilt,
+                reason: "the URL is amqps:// and this pgbox is built without the `tls` feature"
+                    .into(),
+            });
+        }
+        if !tls && (self.tls_roots.is_some() || self.tls_identity.is_some()) {
+            return Err(Error::InvalidConfig(format!(
+                "rabbitmq: TLS settings (root certificates, client certificate) given for {}, \
+                 which is not amqps://",
+                redact_url(&self.url)
+            )));
+        }
+        let default = AMQPUserInfo::default();
+        let secret_credentials = uri.authority.userinfo.username != default.username
+            || uri.authority.userinfo.password != default.password;
+        if !tls
+            && secret_credentials
+            && !self.allow_insecure_credentials
+            && !crate::tls::is_loopback(&uri.authority.host)
+        {
+            return Err(Error::InsecureCredentials {
+                transport: TRANSPORT,
+                setting: "allow_insecure_credentials",
+                reason: format!(
+                    "{target}: the password would be sent without TLS; use an amqps:// URL, \
+                     or RabbitMqBuilder::allow_insecure_credentials(true) on a network you trust"
+                ),
+            });
+        }
+        Ok((uri, target))
+    }
+
+    /// The TLS settings for lapin, read from the files now.
+    fn tls_config(&self, target: &str) -> Result<OwnedTLSConfig> {
+        let read = |path: &Path, what: &str, marker: &str| -> Result<Vec<u8>> {
+            let bad = |reason: String| Error::Tls {
+                target: target.to_owned(),
+                problem: TlsProblem::BadFile,
+                reason,
+            };
+            let bytes = std::fs::read(path)
+                .map_err(|e| bad(format!("cannot read the {what} {}: {e}", path.display())))?;
+            // lapin skips what it cannot parse: refuse a file with nothing usable in it.
+            if !String::from_utf8_lossy(&bytes).contains(marker) {
+                return Err(bad(format!(
+                    "the {what} {} holds no PEM `{marker}` block",
+                    path.display()
+                )));
+            }
+            Ok(bytes)
+        };
+        let mut config = OwnedTLSConfig::default();
+        if let Some(path) = &self.tls_roots {
+            let pem = read(path, "root certificate file", "BEGIN CERTIFICATE")?;
+            config.cert_chain = Some(String::from_utf8_lossy(&pem).into_owned());
+        }
+        if let Some((cert, key)) = &self.tls_identity {
+            config.identity = Some(OwnedIdentity::PKCS8 {
+                pem: read(cert, "client certificate file", "BEGIN CERTIFICATE")?,
+                key: read(key, "client key file", "PRIVATE KEY")?,
+            });
+        }
+        Ok(config)
+    }
+
+    /// Validates the settings: the URL, the TLS files, and that no password would cross
+    /// the network in clear text (see
+    /// [`allow_insecure_credentials`](Self::allow_insecure_credentials)). An `amqps://` URL
+    /// in a build without the `tls` feature is [`Error::Tls`] with
+    /// [`TlsProblem::NotBuilt`]. Connects lazily, on first use (or
+    /// [`RabbitMq::connect`]).
     pub fn build(self) -> Result<RabbitMq> {
+        let (uri, target) = self.endpoint()?;
+        self.tls_config(&target)?;
         if self.prefetch == 0 {
             return Err(Error::InvalidConfig(
                 "rabbitmq prefetch must be at least 1".into(),
@@ -285,6 +479,8 @@ impl RabbitMqBuilder {
         }
         Ok(RabbitMq {
             inner: Arc::new(Inner {
+                uri,
+                target,
                 bound: Bound {
                     limit: self.operation_timeout,
                     suspect: Arc::default(),
@@ -306,14 +502,50 @@ pub struct RabbitMq {
 impl fmt::Debug for RabbitMq {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RabbitMq")
+            .field("target", &self.inner.target)
             .field("exchange", &self.inner.config.exchange)
             .field("queue_prefix", &self.inner.config.queue_prefix)
             .finish_non_exhaustive()
     }
 }
 
+impl fmt::Debug for RabbitMqBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RabbitMqBuilder")
+            .field("url", &redact_url(&self.url))
+            .field(
+                "credentials",
+                &self
+                    .credentials
+                    .as_ref()
+                    .map(|(user, secret)| (user, secret)),
+            )
+            .field("tls_root_certificates", &self.tls_roots)
+            .field("tls_client_certificate", &self.tls_identity)
+            .field(
+                "allow_insecure_credentials",
+                &self.allow_insecure_credentials,
+            )
+            .field("exchange", &self.exchange)
+            .field("queue_prefix", &self.queue_prefix)
+            .field("declare", &self.declare)
+            .field("single_active_consumer", &self.single_active_consumer)
+            .field("prefetch", &self.prefetch)
+            .field("receive_wait", &self.receive_wait)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("operation_timeout", &self.operation_timeout)
+            .field("queue_expires", &self.queue_expires)
+            .finish()
+    }
+}
+
 struct Inner {
     config: RabbitMqBuilder,
+    /// What lapin dials, credentials applied: never shown.
+    uri: AMQPUri,
+    /// `rabbitmq at host:port`, for messages.
+    target: String,
     bound: Bound,
     conn: Mutex<Option<Conn>>,
     consumers: StdMutex<HashMap<String, Arc<Mutex<Option<TopicConsumer>>>>>,
@@ -468,6 +700,10 @@ impl RabbitMq {
             confirm_timeout: Duration::from_secs(30),
             operation_timeout: Duration::from_secs(10),
             queue_expires: None,
+            credentials: None,
+            tls_roots: None,
+            tls_identity: None,
+            allow_insecure_credentials: false,
         }
     }
 
@@ -520,13 +756,13 @@ impl RabbitMq {
             });
         }
         let config = &self.inner.config;
-        let connection = tokio::time::timeout(
-            config.connect_timeout,
-            Connection::connect(&config.url, ConnectionProperties::default()),
-        )
-        .await
-        .map_err(|_| broker_error("connect", "timed out"))?
-        .map_err(|e| broker_error("connect", e))?;
+        let connection = self.open().await.inspect_err(|e| {
+            if matches!(e, Error::Authentication { .. } | Error::Tls { .. }) {
+                // A configuration problem, not an outage: loud. Still retried (by the relay,
+                // the consumer), since a rotated password or renewed certificate fixes it.
+                tracing::error!(error = %e, "pgbox rabbitmq cannot connect");
+            }
+        })?;
         let publish = connection
             .create_channel()
             .within(&self.inner.bound, "open channel")
@@ -558,6 +794,115 @@ impl RabbitMq {
         };
         *slot = Some(conn.clone());
         Ok(conn)
+    }
+
+    /// Opens a connection with lapin, bounded by the connect timeout, and types its failure.
+    async fn open(&self) -> Result<Connection> {
+        let inner = &self.inner;
+        let tls = inner.uri.scheme == AMQPScheme::AMQPS;
+        let tls_config = if tls {
+            inner.config.tls_config(&inner.target)?
+        } else {
+            OwnedTLSConfig::default()
+        };
+        let builder = DefaultConnectionBuilder::new()
+            .map_err(|e| broker_error("connect", e))?
+            .with_uri(inner.uri.clone())
+            .with_properties(ConnectionProperties::default())
+            .with_tls_config(tls_config);
+        match tokio::time::timeout(inner.config.connect_timeout, builder.connect()).await {
+            Ok(Ok(connection)) => Ok(connection),
+            Ok(Err(e)) => Err(self.connect_error(&e, tls)),
+            Err(_) => Err(broker_error(
+                "connect",
+                format_args!(
+                    "{}: no connection within {:?}",
+                    inner.target, inner.config.connect_timeout
+                ),
+            )),
+        }
+    }
+
+    /// A failed connection attempt as a typed error: a refused login is
+    /// [`Error::Authentication`], a TLS failure [`Error::Tls`], anything else (the broker is
+    /// away) [`Error::Transport`]. No credential appears in any of them.
+    fn connect_error(&self, e: &lapin::Error, tls: bool) -> Error {
+        let target = self.inner.target.clone();
+        let text = self.scrub(&e.to_string());
+        if let lapin::ErrorKind::ProtocolError(amqp) = e.kind()
+            && amqp.get_id() == 403
+        {
+            return Error::Authentication {
+                target,
+                reason: format!(
+                    "{} (wrong user or password, or a user without access to the vhost)",
+                    self.scrub(amqp.get_message().as_str())
+                ),
+            };
+        }
+        if tls {
+            // A plain-text AMQP port answers a TLS hello with its protocol header, which
+            // rustls reads as a record of no TLS type.
+            let problem = crate::tls::classify(e).or_else(|| {
+                text.contains("InvalidContentType")
+                    .then_some(TlsProblem::NotOffered)
+            });
+            if let Some(problem) = problem {
+                return Error::Tls {
+                    target,
+                    problem,
+                    reason: text,
+                };
+            }
+            // With TLS 1.3 the client's side of the handshake is done before the broker has
+            // checked the client certificate: a broker refusing it (or its absence) sends an
+            // alert and closes, and when the AMQP header the client sent meanwhile arrives
+            // after the close, the reset can overtake the alert. So a connection reset or cut
+            // after the handshake and before the broker's first AMQP frame is typed too.
+            if let lapin::ErrorKind::IOError(io) = e.kind()
+                && matches!(
+                    io.kind(),
+                    std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::ConnectionAborted
+                        | std::io::ErrorKind::UnexpectedEof
+                        | std::io::ErrorKind::BrokenPipe
+                )
+            {
+                let given = if self.inner.config.tls_identity.is_some() {
+                    "refused the client certificate"
+                } else {
+                    "requires a client certificate (none is configured: \
+                     RabbitMqBuilder::tls_client_certificate)"
+                };
+                return Error::Tls {
+                    target,
+                    problem: TlsProblem::ClientCertificate,
+                    reason: format!(
+                        "{text}: the broker closed the connection during the TLS or AMQP \
+                         handshake; most likely it {given} (its log says)"
+                    ),
+                };
+            }
+        }
+        broker_error("connect", format_args!("{target}: {text}"))
+    }
+
+    /// `text` with the password replaced, should a client library ever quote it.
+    fn scrub(&self, text: &str) -> String {
+        let password = &self.inner.uri.authority.userinfo.password;
+        if password.len() >= 4 && text.contains(password.as_str()) {
+            text.replace(password.as_str(), "***")
+        } else {
+            text.to_owned()
+        }
+    }
+
+    /// Connects now (else the first publish or receive does): a wrong password, an
+    /// untrusted certificate or an unreachable broker shows at startup, as
+    /// [`Error::Authentication`], [`Error::Tls`] or [`Error::Transport`]. A no-op when
+    /// connected.
+    pub async fn connect(&self) -> Result<()> {
+        self.conn().await.map(|_| ())
     }
 
     /// Declares the exchange, the topic's queue, its binding and its dead-letter queue
@@ -1391,6 +1736,34 @@ impl RabbitMq {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[cfg(not(feature = "tls"))]
+    fn amqps_without_the_tls_feature_is_refused_at_build() {
+        let e = RabbitMq::builder("amqps://app:pw-1234@mq.example.invalid/%2f")
+            .build()
+            .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                Error::Tls {
+                    problem: TlsProblem::NotBuilt,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
+        assert!(!format!("{e} {e:?}").contains("pw-1234"));
+    }
+
+    #[test]
+    fn invalid_urls_do_not_show_their_password() {
+        let e = RabbitMq::builder("amqp://app:pw-1234@[bad/%2f")
+            .build()
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
+        assert!(!format!("{e} {e:?}").contains("pw-1234"), "{e:?}");
+    }
 
     #[test]
     fn delays_round_up_to_a_power_of_two_milliseconds() {
