@@ -95,6 +95,9 @@ pub(crate) fn classify_text(text: &str) -> Option<TlsProblem> {
         "does not support ssl",
         "server does not support ssl",
         "tls upgrade required",
+        "invalidcontenttype",
+        "invalid content type",
+        "wrong version number",
     ]) {
         Some(TlsProblem::NotOffered)
     } else if any(&["tls", "ssl", "certificate", "handshake"]) {
