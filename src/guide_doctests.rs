@@ -58,5 +58,8 @@ chapters! {
     Pooler => "pooler.md",
     Failover => "failover.md",
     LeastPrivilege => "least-privilege.md",
+    // Snippets for every broker: CI runs them with --all-features.
+    #[cfg(all(feature = "rabbitmq", feature = "nats", feature = "kafka"))]
+    ManagedServices => "managed-services.md",
     Contributing => "contributing.md",
 }
