@@ -1063,6 +1063,84 @@ impl SecurityFailure {
     }
 }
 
+/// Connects once more to the bootstrap servers with TLS, verifying the certificate chain
+/// but not the host name, without SASL credentials (nothing secret is sent to a broker
+/// whose name was not verified): [`TlsProblem::HostnameMismatch`] when the handshake
+/// passes, else [`TlsProblem::Other`]. Bounded by 5 s.
+fn probe_verification(config: &KafkaBuilder) -> TlsProblem {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &config.bootstrap)
+        .set("security.protocol", "ssl")
+        .set("ssl.endpoint.identification.algorithm", "none")
+        .set_log_level(rdkafka::config::RDKafkaLogLevel::Emerg);
+    if let Some(path) = &config.root_certificates {
+        c.set("ssl.ca.location", path.to_string_lossy());
+    }
+    if let Some((cert, key)) = &config.client_certificate {
+        c.set("ssl.certificate.location", cert.to_string_lossy())
+            .set("ssl.key.location", key.to_string_lossy());
+    }
+    for (k, v) in &config.settings {
+        if k.starts_with("ssl.") && canonical_setting(k) != "ssl.endpoint.identification.algorithm"
+        {
+            c.set(k, v);
+        }
+    }
+    let Ok(probe) = c.create_with_context::<_, rdkafka::producer::BaseProducer<ProbeContext>>(
+        ProbeContext::default(),
+    ) else {
+        return TlsProblem::Other;
+    };
+    let start = Instant::now();
+    // Bounded by time.
+    while start.elapsed() < Duration::from_secs(5) {
+        if probe
+            .client()
+            .fetch_metadata(None, Duration::from_millis(200))
+            .is_ok()
+        {
+            return TlsProblem::HostnameMismatch;
+        }
+        probe.poll(Duration::from_millis(50));
+        let seen = probe.context().reasons.lock().expect("probe");
+        if seen.iter().any(|r| r.contains("certificate verify failed")) {
+            return TlsProblem::Other;
+        }
+        // A failure after the handshake (the broker closed, refused the request): the
+        // handshake passed.
+        if seen.iter().any(|r| {
+            r.contains("in state ")
+                && ![
+                    "in state CONNECT",
+                    "in state SSL_HANDSHAKE",
+                    "in state TRY_CONNECT",
+                ]
+                .iter()
+                .any(|s| r.contains(s))
+        }) {
+            return TlsProblem::HostnameMismatch;
+        }
+    }
+    TlsProblem::Other
+}
+
+/// The probe's context: every error reason librdkafka reports.
+#[derive(Default)]
+struct ProbeContext {
+    reasons: StdMutex<Vec<String>>,
+}
+
+impl ClientContext for ProbeContext {
+    fn error(&self, _error: rdkafka::error::KafkaError, reason: &str) {
+        self.reasons.lock().expect("probe").push(reason.to_owned());
+    }
+}
+
+impl rdkafka::producer::ProducerContext for ProbeContext {
+    type DeliveryOpaque = ();
+    fn delivery(&self, _: &rdkafka::message::DeliveryResult<'_>, _: Self::DeliveryOpaque) {}
+}
+
 /// The context of pgbox's producer, admin client and dead-letter reader: librdkafka's
 /// errors go to the log as rdkafka's default does, and TLS and authentication failures to
 /// the [`SecurityWatch`].
@@ -1282,14 +1360,48 @@ impl Kafka {
         let target = || self.inner.config.target();
         let outcome = tokio::select! {
             outcome = operation => outcome,
-            failure = watch.failed() => return Err(failure.into_error(target())),
+            failure = watch.failed() => Err(self.explain(failure).await.into_error(target())),
         };
         match outcome {
             Ok(v) => {
                 *watch.last.lock().expect("security watch") = None;
                 Ok(v)
             }
-            Err(e) => Err(watch.recent().map_or(e, |f| f.into_error(target()))),
+            Err(e @ (Error::Tls { .. } | Error::Authentication { .. })) => Err(e),
+            Err(e) => match watch.recent() {
+                Some(f) => Err(self.explain(f).await.into_error(target())),
+                None => Err(e),
+            },
+        }
+    }
+
+    /// `failure` made more precise where librdkafka's words are not: OpenSSL's
+    /// "certificate verify failed" says nothing of why (librdkafka does not pass the
+    /// verification result on). A second, credential-free TLS connection without the host
+    /// name check tells a certificate for another host (it then passes) from one the
+    /// authorities do not vouch for, or whose validity has ended or not begun (it fails
+    /// again: librdkafka cannot tell those apart, so that stays [`TlsProblem::Other`]).
+    async fn explain(&self, failure: SecurityFailure) -> SecurityFailure {
+        match failure {
+            SecurityFailure::Tls(TlsProblem::Other, reason)
+                if reason.contains("certificate verify failed") =>
+            {
+                let config = self.inner.config.clone();
+                let problem = tokio::task::spawn_blocking(move || probe_verification(&config))
+                    .await
+                    .unwrap_or(TlsProblem::Other);
+                let reason = match problem {
+                    TlsProblem::HostnameMismatch => {
+                        format!("{reason} (the certificate is valid but not for the host dialled)")
+                    }
+                    _ => format!(
+                        "{reason} (the certificate is signed by an authority not trusted here, \
+                         or has expired or is not valid yet)"
+                    ),
+                };
+                SecurityFailure::Tls(problem, reason)
+            }
+            other => other,
         }
     }
 
@@ -1333,6 +1445,9 @@ impl Kafka {
             ),
         ];
         let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
+        // The producer first: its polled events report TLS and authentication failures
+        // (the admin client's events are never polled), which end the wait below.
+        let _producer = self.producer()?;
         let admin = self.admin()?;
         let results = self
             .guarded(async {
@@ -1403,10 +1518,13 @@ impl Kafka {
     pub async fn reachable(&self) -> Result<()> {
         let kafka = self.clone();
         self.guarded(async {
+            // The producer's client: its events (errors included) are polled by rdkafka's
+            // thread, so TLS and authentication failures reach the watch; the admin
+            // client's are never polled.
             tokio::task::spawn_blocking(move || {
                 kafka
-                    .admin()?
-                    .inner()
+                    .producer()?
+                    .client()
                     .fetch_metadata(None, Duration::from_secs(5))
                     .map(drop)
                     .map_err(|e| broker_error("cluster metadata", e))
