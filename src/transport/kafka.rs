@@ -66,16 +66,53 @@
 //! dead letter is copied to the dead-letter topic (with `pgbox-error` and
 //! `pgbox-deliveries` headers, acks=all) and then settled. A message that is not pgbox's
 //! (no `pgbox-id`/`pgbox-meta` headers) is copied there as it is.
+//!
+//! # TLS and SASL
+//!
+//! [`KafkaBuilder::security_protocol`] picks plain TCP, TLS, or SASL over either; TLS needs
+//! the `tls` feature (librdkafka with the system's OpenSSL). The brokers' certificates are
+//! verified against the system's roots (OpenSSL's default paths) or
+//! [`KafkaBuilder::tls_root_certificates`], host name included;
+//! [`KafkaBuilder::tls_client_certificate`] answers brokers that ask for a client
+//! certificate. [`KafkaBuilder::sasl`] takes PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512 with a
+//! [`Secret`] password. A managed cluster (Confluent Cloud, Amazon MSK with SASL/SCRAM):
+//!
+//! ```no_run
+//! # fn main() -> pgbox::Result<()> {
+//! use pgbox::Secret;
+//! use pgbox::transport::kafka::{Kafka, SaslMechanism, SecurityProtocol};
+//!
+//! let kafka = Kafka::builder("b-1.example.kafka.eu-west-1.amazonaws.com:9096")
+//!     .security_protocol(SecurityProtocol::SaslSsl)
+//!     .sasl(SaslMechanism::ScramSha512, "orders", Secret::from_env("KAFKA_PASSWORD")?)
+//!     .replication_factor(3)
+//!     .build()?;
+//! # drop(kafka);
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! (Confluent Cloud: `SaslMechanism::Plain`, the API key as user and its secret as
+//! password.) librdkafka retries a refused password or an unverifiable certificate for
+//! ever; pgbox watches its error reports and ends the operation waiting on the brokers
+//! ([`Kafka::reachable`], declaring topics, a publish, a receive) with
+//! [`Error::Authentication`] or [`Error::Tls`] (its [`TlsProblem`] says which), for 10 s
+//! after each report (librdkafka reports again at each reconnection). SASL over plain TCP
+//! to a broker off loopback is refused at [`build`](KafkaBuilder::build)
+//! ([`Error::InsecureCredentials`]) unless
+//! [`allow_insecure_credentials`](KafkaBuilder::allow_insecure_credentials). librdkafka's
+//! own logs go to `tracing` (target `librdkafka`); librdkafka redacts its sensitive
+//! settings even in its `debug=conf` dump, and the builder's `Debug` shows none.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex as StdMutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures_util::FutureExt;
 use futures_util::future::join_all;
 use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use rdkafka::client::DefaultClientContext;
 use rdkafka::config::ClientConfig;
 use rdkafka::consumer::{
     BaseConsumer, CommitMode, Consumer, ConsumerContext, RebalanceProtocol, StreamConsumer,
@@ -90,7 +127,8 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use super::{PublishError, Publisher, Subscriber, truncate};
-use crate::error::{Error, Result};
+use crate::Secret;
+use crate::error::{Error, Result, TlsProblem};
 use crate::outbox::{Envelope, TRACEPARENT};
 
 const TRANSPORT: &str = "kafka";
@@ -120,8 +158,80 @@ fn broker_error(what: &str, e: impl fmt::Display) -> Error {
     }
 }
 
-/// Builder for [`Kafka`].
-#[derive(Debug, Clone)]
+/// How the clients talk to the brokers (librdkafka's `security.protocol`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum SecurityProtocol {
+    /// Plain TCP, no credentials (the default).
+    #[default]
+    Plaintext,
+    /// TLS (needs the `tls` feature); the server's certificate is verified, host name
+    /// included.
+    Ssl,
+    /// SASL credentials over plain TCP: refused towards a broker that is not on loopback
+    /// unless [`KafkaBuilder::allow_insecure_credentials`] says so.
+    SaslPlaintext,
+    /// SASL credentials inside TLS (needs the `tls` feature): what managed Kafka services use.
+    SaslSsl,
+}
+
+impl SecurityProtocol {
+    fn name(self) -> &'static str {
+        match self {
+            SecurityProtocol::Plaintext => "plaintext",
+            SecurityProtocol::Ssl => "ssl",
+            SecurityProtocol::SaslPlaintext => "sasl_plaintext",
+            SecurityProtocol::SaslSsl => "sasl_ssl",
+        }
+    }
+
+    fn tls(self) -> bool {
+        matches!(self, SecurityProtocol::Ssl | SecurityProtocol::SaslSsl)
+    }
+
+    fn sasl(self) -> bool {
+        matches!(
+            self,
+            SecurityProtocol::SaslPlaintext | SecurityProtocol::SaslSsl
+        )
+    }
+}
+
+/// A SASL mechanism ([`KafkaBuilder::sasl`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum SaslMechanism {
+    /// `PLAIN`: the password itself goes to the broker (inside TLS with
+    /// [`SecurityProtocol::SaslSsl`]).
+    Plain,
+    /// `SCRAM-SHA-256`: a challenge and response; the password does not travel.
+    ScramSha256,
+    /// `SCRAM-SHA-512`.
+    ScramSha512,
+}
+
+impl SaslMechanism {
+    fn name(self) -> &'static str {
+        match self {
+            SaslMechanism::Plain => "PLAIN",
+            SaslMechanism::ScramSha256 => "SCRAM-SHA-256",
+            SaslMechanism::ScramSha512 => "SCRAM-SHA-512",
+        }
+    }
+}
+
+/// The SASL user and password.
+#[derive(Clone)]
+struct SaslCredentials {
+    mechanism: SaslMechanism,
+    username: String,
+    password: Secret,
+}
+
+/// Builder for [`Kafka`]. Its `Debug` shows no password: the SASL password is a
+/// [`Secret`], and the values of [`set`](Self::set) settings that hold a credential
+/// (librdkafka's sensitive ones: `*.password`, `ssl.key.pem`, `*.secret`, ...) print as `***`.
+#[derive(Clone)]
 pub struct KafkaBuilder {
     bootstrap: String,
     group: String,
@@ -137,9 +247,139 @@ pub struct KafkaBuilder {
     max_buffered: usize,
     instance_id: Option<String>,
     settings: BTreeMap<String, String>,
+    security_protocol: SecurityProtocol,
+    sasl: Option<SaslCredentials>,
+    root_certificates: Option<PathBuf>,
+    client_certificate: Option<(PathBuf, PathBuf)>,
+    allow_insecure_credentials: bool,
+}
+
+impl fmt::Debug for KafkaBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let settings: BTreeMap<&str, &str> = self
+            .settings
+            .iter()
+            .map(|(k, v)| {
+                let shown = if sensitive_setting(k) { "***" } else { v };
+                (k.as_str(), shown)
+            })
+            .collect();
+        f.debug_struct("KafkaBuilder")
+            .field("bootstrap", &self.bootstrap)
+            .field("group", &self.group)
+            .field("declare", &self.declare)
+            .field("partitions", &self.partitions)
+            .field("replication_factor", &self.replication_factor)
+            .field("dead_letter_suffix", &self.dead_letter_suffix)
+            .field("receive_wait", &self.receive_wait)
+            .field("session_timeout", &self.session_timeout)
+            .field("commit_interval", &self.commit_interval)
+            .field("message_max_bytes", &self.message_max_bytes)
+            .field("linger", &self.linger)
+            .field("max_buffered", &self.max_buffered)
+            .field("instance_id", &self.instance_id)
+            .field("security_protocol", &self.security_protocol)
+            .field(
+                "sasl",
+                &self
+                    .sasl
+                    .as_ref()
+                    .map(|s| (s.mechanism, &s.username, &s.password)),
+            )
+            .field("root_certificates", &self.root_certificates)
+            .field(
+                "client_certificate",
+                &self.client_certificate.as_ref().map(|(cert, _)| cert),
+            )
+            .field(
+                "allow_insecure_credentials",
+                &self.allow_insecure_credentials,
+            )
+            .field("settings", &settings)
+            .finish()
+    }
+}
+
+/// Whether the librdkafka setting `key` holds a credential (librdkafka's own list of
+/// sensitive properties, by the words in their names): its value is never shown.
+fn sensitive_setting(key: &str) -> bool {
+    let k = key.to_ascii_lowercase();
+    [
+        "password",
+        "secret",
+        "pem",
+        "ssl_key",
+        "oauthbearer.config",
+        "private.key",
+        "keytab",
+    ]
+    .iter()
+    .any(|w| k.contains(w))
 }
 
 impl KafkaBuilder {
+    /// How the clients talk to the brokers (default [`SecurityProtocol::Plaintext`]).
+    /// [`Ssl`](SecurityProtocol::Ssl) and [`SaslSsl`](SecurityProtocol::SaslSsl) need the
+    /// `tls` feature: without it [`build`](Self::build) fails with [`Error::Tls`]
+    /// ([`TlsProblem::NotBuilt`]). The SASL protocols need [`sasl`](Self::sasl), and
+    /// credentials need a SASL protocol.
+    pub fn security_protocol(mut self, protocol: SecurityProtocol) -> Self {
+        self.security_protocol = protocol;
+        self
+    }
+
+    /// The SASL mechanism, user and password (librdkafka's `sasl.mechanism`,
+    /// `sasl.username`, `sasl.password`), for [`SecurityProtocol::SaslSsl`] (or
+    /// `SaslPlaintext` on loopback). The password is a [`Secret`]: read it with
+    /// [`Secret::from_env`] or [`Secret::from_file`] rather than writing it in the code.
+    /// A password the broker refuses fails the first operation with
+    /// [`Error::Authentication`] (not endless retries).
+    pub fn sasl(
+        mut self,
+        mechanism: SaslMechanism,
+        username: impl Into<String>,
+        password: Secret,
+    ) -> Self {
+        self.sasl = Some(SaslCredentials {
+            mechanism,
+            username: username.into(),
+            password,
+        });
+        self
+    }
+
+    /// Trust the certificate authorities in this PEM file (librdkafka's
+    /// `ssl.ca.location`) instead of the system's roots (the default: OpenSSL's default
+    /// certificate paths, `/etc/ssl/certs` on Debian). The brokers' certificates must also
+    /// name the host dialled (`ssl.endpoint.identification.algorithm=https`, always on).
+    pub fn tls_root_certificates(mut self, path: impl Into<PathBuf>) -> Self {
+        self.root_certificates = Some(path.into());
+        self
+    }
+
+    /// Present this client certificate and its private key (PEM files; librdkafka's
+    /// `ssl.certificate.location` and `ssl.key.location`) to brokers that ask for one
+    /// (mutual TLS). The key must not be encrypted (or give `ssl.key.password` with
+    /// [`set`](Self::set): never shown by `Debug`).
+    pub fn tls_client_certificate(
+        mut self,
+        certificate: impl Into<PathBuf>,
+        key: impl Into<PathBuf>,
+    ) -> Self {
+        self.client_certificate = Some((certificate.into(), key.into()));
+        self
+    }
+
+    /// Allow SASL credentials over plain TCP ([`SecurityProtocol::SaslPlaintext`]) to a
+    /// broker that is not on loopback (default `false`: [`build`](Self::build) fails with
+    /// [`Error::InsecureCredentials`]). PLAIN sends the password itself; SCRAM does not,
+    /// but hands an eavesdropper what an offline password guess needs, and leaves the
+    /// session after it open to reading and tampering. For a network you trust completely.
+    pub fn allow_insecure_credentials(mut self, allow: bool) -> Self {
+        self.allow_insecure_credentials = allow;
+        self
+    }
+
     /// The consumer group prefix (default `pgbox`): topic `T` is consumed by group
     /// `<group>.<T>`. Give each consuming service its own.
     pub fn group(mut self, group: impl Into<String>) -> Self {
@@ -290,6 +530,7 @@ impl KafkaBuilder {
         if self.message_max_bytes < 1024 || self.max_buffered == 0 {
             return bad("message_max_bytes must be at least 1 KiB and max_buffered positive");
         }
+        self.check_security()?;
         for (key, canonical) in self.canonical_settings() {
             if PGBOX_OWNS.contains(&canonical) {
                 return Err(Error::InvalidConfig(format!(
@@ -310,6 +551,7 @@ impl KafkaBuilder {
                 config: self,
                 producer: StdMutex::new(None),
                 admin: OnceLock::new(),
+                watch: Arc::new(SecurityWatch::default()),
                 consumers: StdMutex::new(HashMap::new()),
                 declared: StdMutex::new(HashSet::new()),
             }),
@@ -362,6 +604,17 @@ const GUARDED_SETTINGS: &[(&str, &[&str], &str)] = &[
         &["false"],
         "offsets are committed only after the inbox transaction committed",
     ),
+    (
+        "ssl.endpoint.identification.algorithm",
+        &["https"],
+        "the broker's certificate must name the host dialled, or anyone with a certificate \
+         from the same authority can stand in for the broker",
+    ),
+    (
+        "enable.ssl.certificate.verification",
+        &["true"],
+        "an unverified broker certificate lets anyone on the path read and change the traffic",
+    ),
 ];
 
 /// Settings pgbox sets itself and the user may not (by their canonical names, see
@@ -388,6 +641,10 @@ const SET_BY_BUILDER: &[(&str, &str)] = &[
         "metadata.broker.list",
         "give the bootstrap servers to `Kafka::builder`",
     ),
+    ("security.protocol", "set it with `security_protocol`"),
+    ("sasl.mechanisms", "set it with `sasl`"),
+    ("sasl.username", "set it with `sasl`"),
+    ("sasl.password", "set it with `sasl` (a `pgbox::Secret`)"),
 ];
 
 /// librdkafka's aliases (`CONFIGURATION.md`: "Alias for ..."), alias first, by the name
@@ -400,6 +657,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("retries", "message.send.max.retries"),
     ("compression.type", "compression.codec"),
     ("bootstrap.servers", "metadata.broker.list"),
+    ("sasl.mechanism", "sasl.mechanisms"),
     ("max.partition.fetch.bytes", "fetch.message.max.bytes"),
 ];
 
@@ -460,10 +718,114 @@ impl KafkaBuilder {
                 // Room for the key and headers, a dead letter's error header, and framing.
                 (self.message_max_bytes + RECORD_EXTRA_BYTES + MAX_ERROR_BYTES + 1024).to_string(),
             );
+        c.set("security.protocol", self.security_protocol.name());
+        if let Some(sasl) = &self.sasl {
+            c.set("sasl.mechanisms", sasl.mechanism.name())
+                .set("sasl.username", &sasl.username)
+                .set("sasl.password", sasl.password.expose());
+        }
+        if let Some(path) = &self.root_certificates {
+            c.set("ssl.ca.location", path.to_string_lossy());
+        }
+        if let Some((cert, key)) = &self.client_certificate {
+            c.set("ssl.certificate.location", cert.to_string_lossy())
+                .set("ssl.key.location", key.to_string_lossy());
+        }
         for (k, v) in &self.settings {
             c.set(k, v);
         }
         c
+    }
+
+    /// Where errors say the cluster is: the bootstrap servers (host:port, never a
+    /// credential).
+    fn target(&self) -> String {
+        format!("kafka at {}", self.bootstrap)
+    }
+
+    /// Refuses security settings that cannot work or would expose credentials: TLS
+    /// without the `tls` feature, SASL without credentials and credentials without SASL,
+    /// certificates without TLS, unreadable certificate files, and SASL over plain TCP to
+    /// a broker that is not on loopback (unless allowed).
+    fn check_security(&self) -> Result<()> {
+        let protocol = self.security_protocol;
+        let bad = |m: String| Err(Error::InvalidConfig(format!("kafka: {m}")));
+        if protocol.tls() && !cfg!(feature = "tls") {
+            return Err(Error::Tls {
+                target: self.target(),
+                problem: TlsProblem::NotBuilt,
+                reason: format!(
+                    "security protocol {} needs pgbox's `tls` feature (librdkafka with OpenSSL)",
+                    protocol.name()
+                ),
+            });
+        }
+        match (&self.sasl, protocol.sasl()) {
+            (None, true) => {
+                return bad(format!(
+                    "security protocol {} needs SASL credentials: set them with `sasl`",
+                    protocol.name()
+                ));
+            }
+            (Some(_), false) => {
+                return bad(format!(
+                    "SASL credentials are set but the security protocol is {}: use sasl_ssl",
+                    protocol.name()
+                ));
+            }
+            _ => {}
+        }
+        if let Some(sasl) = &self.sasl {
+            if sasl.username.is_empty() || sasl.password.expose().is_empty() {
+                return bad("the SASL user name and password must not be empty".into());
+            }
+            if sasl.mechanism != SaslMechanism::Plain && !cfg!(feature = "tls") {
+                return bad(format!(
+                    "SASL {} needs pgbox's `tls` feature (librdkafka's SCRAM is built with \
+                     OpenSSL)",
+                    sasl.mechanism.name()
+                ));
+            }
+        }
+        if !protocol.tls()
+            && (self.root_certificates.is_some() || self.client_certificate.is_some())
+        {
+            return bad(format!(
+                "TLS certificates are set but the security protocol is {}: use ssl or sasl_ssl",
+                protocol.name()
+            ));
+        }
+        let files = self.root_certificates.iter().chain(
+            self.client_certificate
+                .iter()
+                .flat_map(|(cert, key)| [cert, key]),
+        );
+        for path in files {
+            if let Err(e) = std::fs::File::open(path) {
+                return Err(Error::Tls {
+                    target: self.target(),
+                    problem: TlsProblem::BadFile,
+                    reason: format!("cannot read {}: {e}", path.display()),
+                });
+            }
+        }
+        if protocol == SecurityProtocol::SaslPlaintext && !self.allow_insecure_credentials {
+            let remote: Vec<&str> = bootstrap_hosts(&self.bootstrap)
+                .filter(|h| !crate::tls::is_loopback(h))
+                .collect();
+            if !remote.is_empty() {
+                return Err(Error::InsecureCredentials {
+                    transport: TRANSPORT,
+                    setting: "allow_insecure_credentials",
+                    reason: format!(
+                        "SASL over sasl_plaintext to {} (not loopback): use sasl_ssl, or \
+                         allow_insecure_credentials(true) on a network you trust",
+                        remote.join(", ")
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The producer's settings: pgbox's guarantees on top of the user's.
@@ -544,21 +906,256 @@ impl KafkaBuilder {
         };
         offline(self.producer_config())
             .create::<rdkafka::producer::BaseProducer>()
-            .map_err(|e| {
-                Error::InvalidConfig(format!(
-                    "kafka: librdkafka refuses the producer settings: {e}"
-                ))
-            })?;
+            .map_err(|e| self.refused("producer", &e))?;
         offline(self.consumer_config(&format!("{}.check", self.group)))
             .create::<rdkafka::consumer::BaseConsumer>()
-            .map_err(|e| {
-                Error::InvalidConfig(format!(
-                    "kafka: librdkafka refuses the consumer settings: {e}"
-                ))
-            })?;
+            .map_err(|e| self.refused("consumer", &e))?;
         Ok(())
     }
+
+    /// librdkafka's refusal of the `what` settings as an error that shows no credential:
+    /// rdkafka's message for a refused setting carries its value, left out for sensitive
+    /// ones. A TLS file librdkafka cannot load (it loads them when the client is made) is
+    /// [`Error::Tls`] with [`TlsProblem::BadFile`].
+    fn refused(&self, what: &str, e: &rdkafka::error::KafkaError) -> Error {
+        let text = match e {
+            rdkafka::error::KafkaError::ClientConfig(_, _, key, _) if sensitive_setting(key) => {
+                format!("the value of the credential setting `{key}` is refused")
+            }
+            other => redact_credentials(&other.to_string(), self),
+        };
+        let lower = text.to_ascii_lowercase();
+        if self.security_protocol.tls() && (lower.contains("ssl") || lower.contains("tls")) {
+            return Error::Tls {
+                target: self.target(),
+                problem: TlsProblem::BadFile,
+                reason: format!("librdkafka cannot set up TLS with these settings: {text}"),
+            };
+        }
+        Error::InvalidConfig(format!(
+            "kafka: librdkafka refuses the {what} settings: {text}"
+        ))
+    }
 }
+
+/// `text` with every credential the builder holds (the SASL password, sensitive
+/// settings' values) replaced by `***`: for messages that echo configuration.
+fn redact_credentials(text: &str, config: &KafkaBuilder) -> String {
+    let mut out = text.to_owned();
+    let secrets = config.sasl.iter().map(|s| s.password.expose()).chain(
+        config
+            .settings
+            .iter()
+            .filter(|(k, _)| sensitive_setting(k))
+            .map(|(_, v)| v.as_str()),
+    );
+    for secret in secrets {
+        if !secret.is_empty() {
+            out = out.replace(secret, "***");
+        }
+    }
+    out
+}
+
+/// The host of each bootstrap server (`host:port`, `[v6]:port`, an optional
+/// `protocol://` prefix).
+fn bootstrap_hosts(bootstrap: &str) -> impl Iterator<Item = &str> {
+    bootstrap
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|server| {
+            let server = server.split_once("://").map_or(server, |(_, rest)| rest);
+            if let Some(rest) = server.strip_prefix('[') {
+                rest.split_once(']').map_or(rest, |(host, _)| host)
+            } else {
+                match server.rsplit_once(':') {
+                    // One colon: host:port. More: a bare IPv6 address.
+                    Some((host, _)) if !host.contains(':') => host,
+                    _ => server,
+                }
+            }
+        })
+}
+
+/// What librdkafka reported about TLS or authentication, in its error callback: the
+/// failures it otherwise retries for ever (a refused password, an unverifiable
+/// certificate). Shared by all of a [`Kafka`]'s clients; the operations waiting on the
+/// brokers end with it ([`Kafka::guarded`]).
+#[derive(Default)]
+struct SecurityWatch {
+    last: StdMutex<Option<(Instant, SecurityFailure)>>,
+    changed: tokio::sync::Notify,
+}
+
+#[derive(Clone, Debug)]
+enum SecurityFailure {
+    Tls(TlsProblem, String),
+    Authentication(String),
+}
+
+/// How long a reported failure stands for the operations that start after it: librdkafka
+/// reconnects with backoff up to `reconnect.backoff.max.ms` (10 s by default) and reports
+/// again on each failure.
+const FAILURE_STANDS: Duration = Duration::from_secs(10);
+
+impl SecurityWatch {
+    /// Files what librdkafka reported, if it is about TLS or authentication.
+    fn report(&self, error: &rdkafka::error::KafkaError, reason: &str) {
+        let Some(failure) = classify_failure(error, reason) else {
+            return;
+        };
+        *self.last.lock().expect("security watch") = Some((Instant::now(), failure));
+        self.changed.notify_waiters();
+    }
+
+    /// A failure reported within [`FAILURE_STANDS`].
+    fn recent(&self) -> Option<SecurityFailure> {
+        self.last
+            .lock()
+            .expect("security watch")
+            .as_ref()
+            .filter(|(at, _)| at.elapsed() < FAILURE_STANDS)
+            .map(|(_, f)| f.clone())
+    }
+
+    /// Resolves with the next failure reported (or a recent one at once).
+    async fn failed(&self) -> SecurityFailure {
+        // Bounded: each pass waits for a report, and returns on a failure.
+        loop {
+            let next = self.changed.notified();
+            if let Some(f) = self.recent() {
+                return f;
+            }
+            next.await;
+        }
+    }
+}
+
+/// What an error reported by librdkafka's error callback says about TLS or authentication:
+/// `_AUTHENTICATION` (SASL refused: a wrong password or user, an unsupported mechanism) or
+/// a transport failure whose reason is about SSL (OpenSSL's words, classified by
+/// [`crate::tls::classify_text`]).
+fn classify_failure(error: &rdkafka::error::KafkaError, reason: &str) -> Option<SecurityFailure> {
+    use RDKafkaErrorCode as C;
+    let code = error.rdkafka_error_code();
+    if matches!(code, Some(C::Authentication | C::SaslAuthenticationFailed)) {
+        return Some(SecurityFailure::Authentication(reason.to_owned()));
+    }
+    let lower = reason.to_ascii_lowercase();
+    if lower.contains("ssl") || lower.contains("certificate") {
+        return crate::tls::classify_text(reason)
+            .map(|problem| SecurityFailure::Tls(problem, reason.to_owned()));
+    }
+    None
+}
+
+impl SecurityFailure {
+    fn into_error(self, target: String) -> Error {
+        match self {
+            SecurityFailure::Tls(problem, reason) => Error::Tls {
+                target,
+                problem,
+                reason,
+            },
+            SecurityFailure::Authentication(reason) => Error::Authentication { target, reason },
+        }
+    }
+}
+
+/// Connects once more to the bootstrap servers with TLS, verifying the certificate chain
+/// but not the host name, without SASL credentials (nothing secret is sent to a broker
+/// whose name was not verified): [`TlsProblem::HostnameMismatch`] when the handshake
+/// passes, else [`TlsProblem::Other`]. Bounded by 5 s.
+fn probe_verification(config: &KafkaBuilder) -> TlsProblem {
+    let mut c = ClientConfig::new();
+    c.set("bootstrap.servers", &config.bootstrap)
+        .set("security.protocol", "ssl")
+        .set("ssl.endpoint.identification.algorithm", "none")
+        .set_log_level(rdkafka::config::RDKafkaLogLevel::Emerg);
+    if let Some(path) = &config.root_certificates {
+        c.set("ssl.ca.location", path.to_string_lossy());
+    }
+    if let Some((cert, key)) = &config.client_certificate {
+        c.set("ssl.certificate.location", cert.to_string_lossy())
+            .set("ssl.key.location", key.to_string_lossy());
+    }
+    for (k, v) in &config.settings {
+        if k.starts_with("ssl.") && canonical_setting(k) != "ssl.endpoint.identification.algorithm"
+        {
+            c.set(k, v);
+        }
+    }
+    let Ok(probe) = c.create_with_context::<_, rdkafka::producer::BaseProducer<ProbeContext>>(
+        ProbeContext::default(),
+    ) else {
+        return TlsProblem::Other;
+    };
+    let start = Instant::now();
+    // Bounded by time.
+    while start.elapsed() < Duration::from_secs(5) {
+        if probe
+            .client()
+            .fetch_metadata(None, Duration::from_millis(200))
+            .is_ok()
+        {
+            return TlsProblem::HostnameMismatch;
+        }
+        probe.poll(Duration::from_millis(50));
+        let seen = probe.context().reasons.lock().expect("probe");
+        if seen.iter().any(|r| r.contains("certificate verify failed")) {
+            return TlsProblem::Other;
+        }
+        // A failure after the handshake (the broker closed, refused the request): the
+        // handshake passed.
+        if seen.iter().any(|r| {
+            r.contains("in state ")
+                && ![
+                    "in state CONNECT",
+                    "in state SSL_HANDSHAKE",
+                    "in state TRY_CONNECT",
+                ]
+                .iter()
+                .any(|s| r.contains(s))
+        }) {
+            return TlsProblem::HostnameMismatch;
+        }
+    }
+    TlsProblem::Other
+}
+
+/// The probe's context: every error reason librdkafka reports.
+#[derive(Default)]
+struct ProbeContext {
+    reasons: StdMutex<Vec<String>>,
+}
+
+impl ClientContext for ProbeContext {
+    fn error(&self, _error: rdkafka::error::KafkaError, reason: &str) {
+        self.reasons.lock().expect("probe").push(reason.to_owned());
+    }
+}
+
+impl rdkafka::producer::ProducerContext for ProbeContext {
+    type DeliveryOpaque = ();
+    fn delivery(&self, _: &rdkafka::message::DeliveryResult<'_>, _: Self::DeliveryOpaque) {}
+}
+
+/// The context of pgbox's producer, admin client and dead-letter reader: librdkafka's
+/// errors go to the log as rdkafka's default does, and TLS and authentication failures to
+/// the [`SecurityWatch`].
+struct WatchContext {
+    watch: Arc<SecurityWatch>,
+}
+
+impl ClientContext for WatchContext {
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        self.watch.report(&error, reason);
+        tracing::warn!(target: "librdkafka", error = %error, reason, "librdkafka error");
+    }
+}
+
+impl ConsumerContext for WatchContext {}
 
 /// The Kafka transport: see the [module docs](self). Cheap to clone.
 #[derive(Clone)]
@@ -578,8 +1175,10 @@ impl fmt::Debug for Kafka {
 struct Inner {
     config: KafkaBuilder,
     /// Made on first use, and made again after a fatal error (see [`Kafka::producer`]).
-    producer: StdMutex<Option<FutureProducer>>,
-    admin: OnceLock<AdminClient<DefaultClientContext>>,
+    producer: StdMutex<Option<FutureProducer<WatchContext>>>,
+    admin: OnceLock<AdminClient<WatchContext>>,
+    /// TLS and authentication failures librdkafka reported, from every client.
+    watch: Arc<SecurityWatch>,
     consumers: StdMutex<HashMap<String, Arc<TopicConsumer>>>,
     declared: StdMutex<HashSet<String>>,
 }
@@ -696,6 +1295,11 @@ impl Kafka {
             max_buffered: 10_000,
             instance_id: None,
             settings: BTreeMap::new(),
+            security_protocol: SecurityProtocol::Plaintext,
+            sasl: None,
+            root_certificates: None,
+            client_certificate: None,
+            allow_insecure_credentials: false,
         }
     }
 
@@ -717,7 +1321,7 @@ impl Kafka {
     /// error on it. An idempotent producer's fatal error (a sequence desynchronization with
     /// the broker, a fenced or unauthorized producer id) leaves it failing every message
     /// from then on; a new producer starts a new idempotent session.
-    fn producer(&self) -> Result<FutureProducer> {
+    fn producer(&self) -> Result<FutureProducer<WatchContext>> {
         let mut slot = self.inner.producer.lock().expect("producer");
         if let Some(p) = slot.as_ref() {
             match p.client().fatal_error() {
@@ -731,25 +1335,84 @@ impl Kafka {
                 }
             }
         }
-        let producer: FutureProducer = self
+        let producer: FutureProducer<WatchContext> = self
             .inner
             .config
             .producer_config()
-            .create()
-            .map_err(|e| broker_error("create producer", e))?;
+            .create_with_context(self.watch_context())
+            .map_err(|e| self.inner.config.refused("producer", &e))?;
         // The broken one goes when its last in-flight user lets go of it.
         *slot = Some(producer.clone());
         Ok(producer)
     }
 
-    fn admin(&self) -> Result<&AdminClient<DefaultClientContext>> {
+    fn watch_context(&self) -> WatchContext {
+        WatchContext {
+            watch: self.inner.watch.clone(),
+        }
+    }
+
+    /// `operation`'s outcome, or the TLS or authentication failure librdkafka reports while
+    /// it runs (which librdkafka itself would retry for ever); an error of `operation`'s own
+    /// is replaced by such a failure reported recently, which explains it.
+    async fn guarded<T>(&self, operation: impl Future<Output = Result<T>>) -> Result<T> {
+        let watch = &self.inner.watch;
+        let target = || self.inner.config.target();
+        let outcome = tokio::select! {
+            outcome = operation => outcome,
+            failure = watch.failed() => Err(self.explain(failure).await.into_error(target())),
+        };
+        match outcome {
+            Ok(v) => {
+                *watch.last.lock().expect("security watch") = None;
+                Ok(v)
+            }
+            Err(e @ (Error::Tls { .. } | Error::Authentication { .. })) => Err(e),
+            Err(e) => match watch.recent() {
+                Some(f) => Err(self.explain(f).await.into_error(target())),
+                None => Err(e),
+            },
+        }
+    }
+
+    /// `failure` made more precise where librdkafka's words are not: OpenSSL's
+    /// "certificate verify failed" says nothing of why (librdkafka does not pass the
+    /// verification result on). A second, credential-free TLS connection without the host
+    /// name check tells a certificate for another host (it then passes) from one the
+    /// authorities do not vouch for, or whose validity has ended or not begun (it fails
+    /// again: librdkafka cannot tell those apart, so that stays [`TlsProblem::Other`]).
+    async fn explain(&self, failure: SecurityFailure) -> SecurityFailure {
+        match failure {
+            SecurityFailure::Tls(TlsProblem::Other, reason)
+                if reason.contains("certificate verify failed") =>
+            {
+                let config = self.inner.config.clone();
+                let problem = tokio::task::spawn_blocking(move || probe_verification(&config))
+                    .await
+                    .unwrap_or(TlsProblem::Other);
+                let reason = match problem {
+                    TlsProblem::HostnameMismatch => {
+                        format!("{reason} (the certificate is valid but not for the host dialled)")
+                    }
+                    _ => format!(
+                        "{reason} (the certificate is signed by an authority not trusted here, \
+                         or has expired or is not valid yet)"
+                    ),
+                };
+                SecurityFailure::Tls(problem, reason)
+            }
+            other => other,
+        }
+    }
+
+    fn admin(&self) -> Result<&AdminClient<WatchContext>> {
         if let Some(a) = self.inner.admin.get() {
             return Ok(a);
         }
-        let admin: AdminClient<DefaultClientContext> = self
+        let admin: AdminClient<WatchContext> = self
             .client_config()
-            .create()
-            .map_err(|e| broker_error("create admin client", e))?;
+            .create_with_context(self.watch_context())
+            .map_err(|e| self.inner.config.refused("admin client", &e))?;
         Ok(self.inner.admin.get_or_init(|| admin))
     }
 
@@ -782,13 +1445,21 @@ impl Kafka {
             ),
         ];
         let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-        let results = tokio::time::timeout(
-            Duration::from_secs(30),
-            self.admin()?.create_topics(&topics, &options),
-        )
-        .await
-        .map_err(|_| broker_error("create topics", "no answer within 30 s"))?
-        .map_err(|e| broker_error("create topics", e))?;
+        // The producer first: its polled events report TLS and authentication failures
+        // (the admin client's events are never polled), which end the wait below.
+        let _producer = self.producer()?;
+        let admin = self.admin()?;
+        let results = self
+            .guarded(async {
+                tokio::time::timeout(
+                    Duration::from_secs(30),
+                    admin.create_topics(&topics, &options),
+                )
+                .await
+                .map_err(|_| broker_error("create topics", "no answer within 30 s"))?
+                .map_err(|e| broker_error("create topics", e))
+            })
+            .await?;
         for result in results {
             match result {
                 Ok(_) | Err((_, RDKafkaErrorCode::TopicAlreadyExists)) => {}
@@ -801,9 +1472,12 @@ impl Kafka {
         // partition, so the first publish does not wait for metadata.
         let kafka = self.clone();
         let name = topic.to_owned();
-        tokio::task::spawn_blocking(move || kafka.await_leaders(&name))
-            .await
-            .map_err(|e| broker_error("topic metadata", e))??;
+        self.guarded(async {
+            tokio::task::spawn_blocking(move || kafka.await_leaders(&name))
+                .await
+                .map_err(|e| broker_error("topic metadata", e))?
+        })
+        .await?;
         tracing::info!(topic, dead_letters = %dead, "pgbox kafka topics ready");
         self.inner
             .declared
@@ -839,18 +1513,26 @@ impl Kafka {
     }
 
     /// Asks the cluster for its metadata (bounded by 5 s): `Ok` if a broker answered.
+    /// A TLS failure is [`Error::Tls`] (which [`TlsProblem`]), refused credentials
+    /// [`Error::Authentication`].
     pub async fn reachable(&self) -> Result<()> {
         let kafka = self.clone();
-        tokio::task::spawn_blocking(move || {
-            kafka
-                .admin()?
-                .inner()
-                .fetch_metadata(None, Duration::from_secs(5))
-                .map(drop)
-                .map_err(|e| broker_error("cluster metadata", e))
+        self.guarded(async {
+            // The producer's client: its events (errors included) are polled by rdkafka's
+            // thread, so TLS and authentication failures reach the watch; the admin
+            // client's are never polled.
+            tokio::task::spawn_blocking(move || {
+                kafka
+                    .producer()?
+                    .client()
+                    .fetch_metadata(None, Duration::from_secs(5))
+                    .map(drop)
+                    .map_err(|e| broker_error("cluster metadata", e))
+            })
+            .await
+            .map_err(|e| broker_error("cluster metadata", e))?
         })
         .await
-        .map_err(|e| broker_error("cluster metadata", e))?
     }
 
     async fn consumer(&self, topic: &str) -> Result<Arc<TopicConsumer>> {
@@ -866,11 +1548,12 @@ impl Kafka {
         let context = GroupContext {
             topic: topic.to_owned(),
             state: state.clone(),
+            watch: self.inner.watch.clone(),
         };
         let consumer: StreamConsumer<GroupContext> = config
             .consumer_config(&self.group_of(topic))
             .create_with_context(context)
-            .map_err(|e| broker_error("create consumer", e))?;
+            .map_err(|e| config.refused("consumer", &e))?;
         consumer
             .subscribe(&[topic])
             .map_err(|e| broker_error("subscribe", e))?;
@@ -896,13 +1579,16 @@ impl Kafka {
         )
         .set("enable.auto.commit", "false")
         .set("enable.auto.offset.store", "false");
-        let consumer: BaseConsumer = c
-            .create()
-            .map_err(|e| broker_error("create dead-letter reader", e))?;
+        let consumer: BaseConsumer<WatchContext> = c
+            .create_with_context(self.watch_context())
+            .map_err(|e| self.inner.config.refused("dead-letter reader", &e))?;
         let topic = topic.to_owned();
-        tokio::task::spawn_blocking(move || read_dead_letters(&consumer, &topic, &dead, max))
-            .await
-            .map_err(|e| broker_error("dead-letter reader", e))?
+        self.guarded(async {
+            tokio::task::spawn_blocking(move || read_dead_letters(&consumer, &topic, &dead, max))
+                .await
+                .map_err(|e| broker_error("dead-letter reader", e))?
+        })
+        .await
     }
 
     /// Copies a message to `topic`'s dead-letter topic and waits for the broker's ack.
@@ -931,7 +1617,7 @@ impl Kafka {
 }
 
 fn read_dead_letters(
-    consumer: &BaseConsumer,
+    consumer: &BaseConsumer<WatchContext>,
     topic: &str,
     dead: &str,
     max: usize,
@@ -1187,7 +1873,7 @@ impl Publisher for Kafka {
             };
             pending.push(sent);
         }
-        let mut acks = join_all(pending.into_iter().map(|p| async move {
+        let acks = join_all(pending.into_iter().map(|p| async move {
             match p {
                 Ok(future) => match future.await {
                     Ok(Ok(delivery)) => Ok((delivery.partition, delivery.offset)),
@@ -1196,8 +1882,13 @@ impl Publisher for Kafka {
                 },
                 Err(e) => Err(e),
             }
-        }))
-        .await;
+        }));
+        // A TLS or authentication failure while waiting (librdkafka would retry until the
+        // message times out) fails the batch as an outage, with the typed error's words.
+        let mut acks = match self.guarded(acks.map(Ok)).await {
+            Ok(acks) => acks,
+            Err(e) => return fail_all(&e),
+        };
         // A fatal error of the producer fails what it held, whatever the error each message
         // reports (`_FATAL`, or the broker's answer that caused it): not the messages'
         // fault. An outage until the next publish, which makes a new producer.
@@ -1441,9 +2132,15 @@ impl Commit {
 struct GroupContext {
     topic: String,
     state: Arc<StdMutex<State>>,
+    watch: Arc<SecurityWatch>,
 }
 
-impl ClientContext for GroupContext {}
+impl ClientContext for GroupContext {
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        self.watch.report(&error, reason);
+        tracing::warn!(target: "librdkafka", topic = %self.topic, error = %error, reason, "librdkafka error");
+    }
+}
 
 impl ConsumerContext for GroupContext {
     /// Replaces librdkafka's default handling so that a partition is always (re)started
@@ -1956,6 +2653,9 @@ impl Subscriber for Kafka {
     ) -> Result<Vec<KafkaDelivery>> {
         let tc = self.consumer(topic).await?;
         let config = &self.inner.config;
+        if let Some(failure) = self.inner.watch.recent() {
+            return Err(failure.into_error(config.target()));
+        }
         let deadline = Instant::now() + config.receive_wait;
         let max = max.max(1);
         if !tc.state.lock().expect("kafka state").foreign.is_empty() {
@@ -2073,6 +2773,57 @@ impl Subscriber for Kafka {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn bootstrap_hosts_are_parsed() {
+        let hosts: Vec<&str> =
+            bootstrap_hosts("a.example:9092, 127.0.0.1:9093,[::1]:9094,SASL_SSL://b:1,::1,c")
+                .collect();
+        assert_eq!(hosts, ["a.example", "127.0.0.1", "::1", "b", "::1", "c"]);
+    }
+
+    #[test]
+    fn security_failures_are_classified() {
+        use rdkafka::error::KafkaError;
+        let auth = classify_failure(
+            &KafkaError::Global(RDKafkaErrorCode::Authentication),
+            "SASL authentication error: Authentication failed",
+        );
+        assert!(matches!(auth, Some(SecurityFailure::Authentication(_))));
+        let tls = classify_failure(
+            &KafkaError::Global(RDKafkaErrorCode::BrokerTransportFailure),
+            "ssl://127.0.0.1:1/bootstrap: SSL handshake failed: error:0A000086:SSL routines::certificate verify failed: broker certificate could not be verified, verify that ssl.ca.location is correctly configured or root CA certificates are installed (install ca-certificates package) (after 2ms in state SSL_HANDSHAKE)",
+        );
+        assert!(matches!(tls, Some(SecurityFailure::Tls(..))), "{tls:?}");
+        let down = classify_failure(
+            &KafkaError::Global(RDKafkaErrorCode::AllBrokersDown),
+            "1/1 brokers are down",
+        );
+        assert!(down.is_none());
+    }
+
+    /// Without the `tls` feature, TLS is refused at `build` as not built.
+    #[cfg(not(feature = "tls"))]
+    #[test]
+    fn tls_without_the_feature_is_not_built() {
+        for protocol in [SecurityProtocol::Ssl, SecurityProtocol::SaslSsl] {
+            let err = Kafka::builder("127.0.0.1:9092")
+                .security_protocol(protocol)
+                .sasl(SaslMechanism::Plain, "u", Secret::new("p"))
+                .build()
+                .unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    Error::Tls {
+                        problem: TlsProblem::NotBuilt,
+                        ..
+                    }
+                ),
+                "{err:?}"
+            );
+        }
+    }
 
     #[test]
     fn topic_names() {
