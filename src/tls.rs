@@ -107,6 +107,19 @@ pub(crate) fn classify_text(text: &str) -> Option<TlsProblem> {
     }
 }
 
+/// Makes ring the process's rustls crypto provider unless one is installed already. With the
+/// `tls` feature two providers are compiled in (ring; aws-lc-rs through the replication
+/// client's tokio-rustls), so rustls cannot choose one itself, and code that asks for the
+/// process default (sqlx's `verify-ca` verifier, lapin's connector) would panic. Called before
+/// every TLS connection pgbox makes.
+#[cfg(feature = "tls")]
+pub(crate) fn ensure_crypto_provider() {
+    if rustls::crypto::CryptoProvider::get_default().is_none() {
+        // Err: another thread installed one meanwhile; that one serves as well.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -154,18 +167,5 @@ mod tests {
             Some(TlsProblem::Expired)
         );
         assert_eq!(classify_text("connection refused"), None);
-    }
-}
-
-/// Makes ring the process's rustls crypto provider unless one is installed already. With the
-/// `tls` feature two providers are compiled in (ring; aws-lc-rs through the replication
-/// client's tokio-rustls), so rustls cannot choose one itself, and code that asks for the
-/// process default (sqlx's `verify-ca` verifier, lapin's connector) would panic. Called before
-/// every TLS connection pgbox makes.
-#[cfg(feature = "tls")]
-pub(crate) fn ensure_crypto_provider() {
-    if rustls::crypto::CryptoProvider::get_default().is_none() {
-        // Err: another thread installed one meanwhile; that one serves as well.
-        let _ = rustls::crypto::ring::default_provider().install_default();
     }
 }

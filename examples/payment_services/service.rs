@@ -111,19 +111,19 @@ impl ServiceArgs {
     }
 
     pub fn rabbitmq(&self) -> anyhow::Result<pgbox::transport::rabbitmq::RabbitMq> {
-        BrokerSecurity::from_env()?.refuse_unapplied()?;
+        let security = BrokerSecurity::from_env()?;
         let mut builder = pgbox::transport::rabbitmq::RabbitMq::builder(self.broker_url())
             .exchange("pgbox-services")
             .queue_prefix("pgbox-services.");
         if let Some(secs) = self.broker_expires_secs {
             builder = builder.queue_expires(Duration::from_secs(secs));
         }
-        Ok(builder.build()?)
+        Ok(security.apply_rabbitmq(builder)?.build()?)
     }
 
     #[cfg(feature = "nats")]
     pub fn nats(&self) -> anyhow::Result<pgbox::transport::nats::Nats> {
-        BrokerSecurity::from_env()?.refuse_unapplied()?;
+        let security = BrokerSecurity::from_env()?;
         let mut builder = pgbox::transport::nats::Nats::builder(self.broker_url())
             .stream("PGBOX_SERVICES")
             .subject_prefix("pgbox-services")
@@ -134,12 +134,12 @@ impl ServiceArgs {
                 .inactive_threshold(Duration::from_secs(secs))
                 .max_age(Duration::from_secs(secs));
         }
-        Ok(builder.build()?)
+        Ok(security.apply_nats(builder)?.build()?)
     }
 
     #[cfg(feature = "kafka")]
     pub fn kafka(&self) -> anyhow::Result<pgbox::transport::kafka::Kafka> {
-        BrokerSecurity::from_env()?.refuse_unapplied()?;
+        let security = BrokerSecurity::from_env()?;
         let mut builder =
             pgbox::transport::kafka::Kafka::builder(self.broker_url()).group("points-service");
         if let Some(id) = &self.instance_id {
@@ -158,7 +158,7 @@ impl ServiceArgs {
                 builder = builder.set(name.trim(), value.trim());
             }
         }
-        Ok(builder.build()?)
+        Ok(security.apply_kafka(builder)?.build()?)
     }
 
     /// Refuses fault rates outside 0..=1.
@@ -254,38 +254,124 @@ impl BrokerSecurity {
         })
     }
 
-    /// The names of the variables that are set.
-    pub fn set_variables(&self) -> Vec<&'static str> {
-        let mut set = Vec::new();
-        if self.ca_file.is_some() {
-            set.push("PGBOX_BROKER_CA_FILE");
+    /// The settings on a RabbitMQ builder: the CA file, the client certificate, the user
+    /// and password. A token or a `.creds` file is NATS's and refused here.
+    pub fn apply_rabbitmq(
+        &self,
+        mut builder: pgbox::transport::rabbitmq::RabbitMqBuilder,
+    ) -> anyhow::Result<pgbox::transport::rabbitmq::RabbitMqBuilder> {
+        self.refuse(&[
+            ("PGBOX_BROKER_TOKEN_FILE", self.token.is_some()),
+            ("PGBOX_BROKER_CREDS_FILE", self.creds_file.is_some()),
+            (
+                "PGBOX_KAFKA_SASL_MECHANISM",
+                self.kafka_sasl_mechanism.is_some(),
+            ),
+        ])?;
+        if let Some(ca) = &self.ca_file {
+            builder = builder.tls_root_certificates(ca);
         }
-        if self.client_certificate.is_some() {
-            set.extend(["PGBOX_BROKER_CERT_FILE", "PGBOX_BROKER_KEY_FILE"]);
+        if let Some((cert, key)) = &self.client_certificate {
+            builder = builder.tls_client_certificate(cert, key);
         }
-        if self.credentials.is_some() {
-            set.extend(["PGBOX_BROKER_USER", "PGBOX_BROKER_PASSWORD_FILE"]);
+        if let Some((user, password)) = &self.credentials {
+            builder = builder.credentials(user, password.clone());
         }
-        if self.token.is_some() {
-            set.push("PGBOX_BROKER_TOKEN_FILE");
-        }
-        if self.creds_file.is_some() {
-            set.push("PGBOX_BROKER_CREDS_FILE");
-        }
-        if self.kafka_sasl_mechanism.is_some() {
-            set.push("PGBOX_KAFKA_SASL_MECHANISM");
-        }
-        set
+        Ok(builder)
     }
 
-    /// Refuses settings this build does not pass to the transport yet, rather than connect
-    /// without the TLS or credentials they ask for.
-    pub fn refuse_unapplied(&self) -> anyhow::Result<()> {
-        let set = self.set_variables();
+    /// The settings on a NATS builder: TLS files, a user and password or a token. A
+    /// `.creds` file is refused: pgbox's NATS transport does not take one yet.
+    #[cfg(feature = "nats")]
+    pub fn apply_nats(
+        &self,
+        mut builder: pgbox::transport::nats::NatsBuilder,
+    ) -> anyhow::Result<pgbox::transport::nats::NatsBuilder> {
+        self.refuse(&[
+            ("PGBOX_BROKER_CREDS_FILE", self.creds_file.is_some()),
+            (
+                "PGBOX_KAFKA_SASL_MECHANISM",
+                self.kafka_sasl_mechanism.is_some(),
+            ),
+        ])?;
+        if let Some(ca) = &self.ca_file {
+            builder = builder.tls_root_certificates(ca);
+        }
+        if let Some((cert, key)) = &self.client_certificate {
+            builder = builder.tls_client_certificate(cert, key);
+        }
+        if let Some((user, password)) = &self.credentials {
+            builder = builder.user_password(user, password.clone());
+        }
+        if let Some(token) = &self.token {
+            builder = builder.token(token.clone());
+        }
+        Ok(builder)
+    }
+
+    /// The settings on a Kafka builder: TLS files, SASL with the user and password. The
+    /// security protocol is `PGBOX_KAFKA_SECURITY_PROTOCOL` (`plaintext`, `ssl`,
+    /// `sasl_plaintext`, `sasl_ssl`), else `sasl_ssl` with SASL, `ssl` with TLS files,
+    /// `plaintext` with neither.
+    #[cfg(feature = "kafka")]
+    pub fn apply_kafka(
+        &self,
+        mut builder: pgbox::transport::kafka::KafkaBuilder,
+    ) -> anyhow::Result<pgbox::transport::kafka::KafkaBuilder> {
+        use pgbox::transport::kafka::{SaslMechanism, SecurityProtocol};
+        self.refuse(&[
+            ("PGBOX_BROKER_TOKEN_FILE", self.token.is_some()),
+            ("PGBOX_BROKER_CREDS_FILE", self.creds_file.is_some()),
+        ])?;
+        let tls_files = self.ca_file.is_some() || self.client_certificate.is_some();
+        let protocol = match std::env::var("PGBOX_KAFKA_SECURITY_PROTOCOL")
+            .ok()
+            .as_deref()
+        {
+            Some("plaintext") => SecurityProtocol::Plaintext,
+            Some("ssl") => SecurityProtocol::Ssl,
+            Some("sasl_plaintext") => SecurityProtocol::SaslPlaintext,
+            Some("sasl_ssl") => SecurityProtocol::SaslSsl,
+            Some(other) => anyhow::bail!(
+                "PGBOX_KAFKA_SECURITY_PROTOCOL is {other:?}: plaintext, ssl, sasl_plaintext or sasl_ssl"
+            ),
+            None if self.kafka_sasl_mechanism.is_some() => SecurityProtocol::SaslSsl,
+            None if tls_files => SecurityProtocol::Ssl,
+            None => SecurityProtocol::Plaintext,
+        };
+        builder = builder.security_protocol(protocol);
+        if let Some(ca) = &self.ca_file {
+            builder = builder.tls_root_certificates(ca);
+        }
+        if let Some((cert, key)) = &self.client_certificate {
+            builder = builder.tls_client_certificate(cert, key);
+        }
+        if let (Some(mechanism), Some((user, password))) =
+            (&self.kafka_sasl_mechanism, &self.credentials)
+        {
+            let mechanism = match mechanism.as_str() {
+                "PLAIN" => SaslMechanism::Plain,
+                "SCRAM-SHA-256" => SaslMechanism::ScramSha256,
+                _ => SaslMechanism::ScramSha512,
+            };
+            builder = builder.sasl(mechanism, user, password.clone());
+        } else if self.credentials.is_some() {
+            anyhow::bail!("Kafka takes PGBOX_BROKER_USER only with PGBOX_KAFKA_SASL_MECHANISM");
+        }
+        Ok(builder)
+    }
+
+    /// Refuses the named variables that are set but mean nothing to this transport, rather
+    /// than start without what they ask for.
+    fn refuse(&self, settings: &[(&str, bool)]) -> anyhow::Result<()> {
+        let set: Vec<&str> = settings
+            .iter()
+            .filter(|(_, is_set)| *is_set)
+            .map(|(name, _)| *name)
+            .collect();
         anyhow::ensure!(
             set.is_empty(),
-            "{} set, but this build of the services does not apply broker TLS settings or \
-             credentials yet: give them in the broker URL, or unset these",
+            "{} set, but this transport does not take it",
             set.join(", ")
         );
         Ok(())
@@ -618,8 +704,8 @@ mod tests {
         let password = password.to_str().unwrap();
 
         let none = security(&[]).unwrap();
-        assert!(none.set_variables().is_empty());
-        none.refuse_unapplied().unwrap();
+        assert!(none.ca_file.is_none() && none.credentials.is_none() && none.token.is_none());
+        none.refuse(&[("X", false)]).unwrap();
 
         let all = security(&[
             ("PGBOX_BROKER_CA_FILE", "/ca.pem"),
@@ -637,8 +723,13 @@ mod tests {
         );
         let debug = format!("{all:?}");
         assert!(!debug.contains("s3cret"), "{debug}");
-        let refused = all.refuse_unapplied().unwrap_err().to_string();
-        assert!(refused.contains("PGBOX_BROKER_CA_FILE"), "{refused}");
+        let refused = all
+            .apply_rabbitmq(pgbox::transport::rabbitmq::RabbitMq::builder(
+                "amqps://mq.example",
+            ))
+            .unwrap_err()
+            .to_string();
+        assert!(refused.contains("PGBOX_KAFKA_SASL_MECHANISM"), "{refused}");
         assert!(!refused.contains("s3cret"), "{refused}");
 
         for (vars, expected) in [
