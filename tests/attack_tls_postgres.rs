@@ -1,0 +1,331 @@
+//! Attacks on PostgreSQL over TLS (issue 40): the promise that every connection pgbox opens
+//! (the pool's, and the WAL relay's replication connection) uses the same TLS settings and
+//! trusts the same authorities, and that refusals are typed, happen once, and never show a
+//! password. On a private cluster with a private authority, which refuses plain text.
+#![cfg(feature = "tls")]
+
+mod support;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use pgbox::transport::PgQueue;
+use pgbox::{Error, Message, Outbox, OutboxMode, WalReader, WalRelay, WalSlot, WalStreamProblem};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
+use support::certs::Pki;
+use support::cluster::Cluster;
+
+const APP_PASSWORD: &str = "att-app-pw-5d1e";
+
+struct TlsServer {
+    cluster: Cluster,
+    /// The authority that signed the server's certificate.
+    ca: PathBuf,
+    /// Another authority, which signed nothing the server has.
+    other_ca: PathBuf,
+}
+
+async fn tls_server() -> Arc<TlsServer> {
+    static SHARED: tokio::sync::Mutex<Weak<TlsServer>> = tokio::sync::Mutex::const_new(Weak::new());
+    let mut shared = SHARED.lock().await;
+    if let Some(server) = shared.upgrade() {
+        return server;
+    }
+    let server = Arc::new(tokio::task::spawn_blocking(start_tls_server).await.unwrap());
+    *shared = Arc::downgrade(&server);
+    server
+}
+
+fn own_by_server(dir: &Path) {
+    if support::local_pg::is_root() {
+        support::local_pg::run(
+            std::process::Command::new("chown")
+                .args(["-R", "postgres:postgres"])
+                .arg(dir),
+        )
+        .unwrap();
+    }
+}
+
+/// `ssl = on` with a certificate for `localhost`, `wal_level = logical`, and no plain-text
+/// TCP login for anyone.
+fn start_tls_server() -> TlsServer {
+    let cluster = Cluster::start_logical();
+    let dir = cluster.dir().join("pki");
+    let pki = Pki::new(&dir, "attmain");
+    let server = pki.server("server", &["localhost"], support::certs::Validity::Current);
+    let other = Pki::new(cluster.dir().join("pki-other"), "attother");
+    own_by_server(&dir);
+    cluster.psql(&format!(
+        "CREATE ROLE app LOGIN SUPERUSER REPLICATION PASSWORD '{APP_PASSWORD}'"
+    ));
+    for setting in [
+        "ssl = on".to_owned(),
+        format!("ssl_cert_file = '{}'", server.cert.display()),
+        format!("ssl_key_file = '{}'", server.key.display()),
+        "password_encryption = 'scram-sha-256'".to_owned(),
+    ] {
+        cluster.psql(&format!("ALTER SYSTEM SET {setting}"));
+    }
+    std::fs::write(
+        cluster.dir().join("data").join("pg_hba.conf"),
+        "local all all trust\n\
+         hostssl all postgres 127.0.0.1/32 trust\n\
+         hostssl all all 127.0.0.1/32 scram-sha-256\n\
+         hostnossl all all 0.0.0.0/0 reject\n",
+    )
+    .unwrap();
+    cluster.pg_ctl(&["-m", "fast", "restart"]);
+    assert_eq!(cluster.psql("SHOW ssl"), "on");
+    TlsServer {
+        ca: pki.ca_cert.clone(),
+        other_ca: other.ca_cert.clone(),
+        cluster,
+    }
+}
+
+impl TlsServer {
+    /// A fresh database owned by app (`name` is a fixed identifier of this file).
+    fn database(&self, name: &str) -> String {
+        assert!(name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'));
+        self.cluster
+            .psql(&format!("CREATE DATABASE {name} OWNER app"));
+        name.to_owned()
+    }
+}
+
+fn pool_options() -> PgPoolOptions {
+    PgPoolOptions::new()
+        .max_connections(4)
+        .acquire_timeout(Duration::from_secs(30))
+}
+
+/// One WAL-mode outbox message, then a streaming-reader drain: the number published, or
+/// the error of the drain.
+async fn one_message_through_the_wal_relay(pool: &sqlx::PgPool, slot: &str) -> pgbox::Result<u64> {
+    pgbox::migrate(pool).await.unwrap();
+    let slot = WalSlot::new(slot).unwrap();
+    slot.create(pool).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    Outbox::new()
+        .mode(OutboxMode::Wal)
+        .enqueue(&mut tx, Message::bytes("att", b"x".to_vec()))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let relay = WalRelay::builder(pool.clone(), slot.clone(), PgQueue::new(pool.clone()))
+        .reader(WalReader::Stream)
+        .build()
+        .unwrap();
+    let outcome = relay.drain().await.map(|r| r.published as u64);
+    slot.drop(pool).await.ok();
+    outcome
+}
+
+/// Child half of the root-set attacks: the pool from `PGBOX_ATT_URL` (with the environment's
+/// `SSL_CERT_FILE` as the system's roots), then the WAL relay's streaming reader on it.
+#[tokio::test]
+#[ignore = "run by the root-set attacks in a process of their own"]
+async fn child_pool_then_wal_relay() {
+    let url = std::env::var("PGBOX_ATT_URL").expect("run by a parent test");
+    let slot = std::env::var("PGBOX_ATT_SLOT").expect("run by a parent test");
+    let pool = pgbox::connect(&url, pool_options())
+        .await
+        .unwrap_or_else(|e| panic!("POOL REFUSED: {e}"));
+    let ssl: bool = sqlx::query_scalar("SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert!(ssl);
+    eprintln!("POOL CONNECTED over TLS");
+    match one_message_through_the_wal_relay(&pool, &slot).await {
+        Ok(n) => {
+            eprintln!("RELAY PUBLISHED {n}");
+            assert_eq!(n, 1);
+        }
+        Err(e) => panic!("RELAY REFUSED: {e} / {e:?}"),
+    }
+    pool.close().await;
+}
+
+/// Runs [`child_pool_then_wal_relay`] with `SSL_CERT_FILE` standing for the system's store:
+/// whether it passed, and its output.
+fn run_child(url: &str, slot: &str, system_roots: &Path) -> (bool, String) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "child_pool_then_wal_relay",
+            "--ignored",
+            "--test-threads=1",
+            "--nocapture",
+        ])
+        .env("PGBOX_ATT_URL", url)
+        .env("PGBOX_ATT_SLOT", slot)
+        .env("SSL_CERT_FILE", system_roots)
+        .env_remove("SSL_CERT_DIR")
+        .env_remove("PGSSLMODE")
+        .env_remove("PGSSLROOTCERT")
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!text.contains(APP_PASSWORD), "{text}");
+    (out.status.success() && text.contains("1 passed"), text)
+}
+
+/// The pool and the WAL relay on one URL with `sslmode=verify-full` and no `sslrootcert`, on
+/// a host whose system store (here `SSL_CERT_FILE`) trusts the server's authority: the pool
+/// connects, so the relay's replication connection, which "uses the same settings", must too.
+#[tokio::test]
+async fn finding_wal_relay_ignores_the_system_roots_the_pool_trusts() {
+    let server = tls_server().await;
+    let db = server.database("att_sysroots");
+    let url = format!(
+        "postgres://app:{APP_PASSWORD}@localhost:{}/{db}?sslmode=verify-full",
+        server.cluster.port()
+    );
+    let (ok, text) = run_child(&url, "att_sysroots", &server.ca);
+    assert!(
+        text.contains("POOL CONNECTED"),
+        "the pool itself failed: {text}"
+    );
+    assert!(ok, "pool connected, WAL relay refused: {text}");
+}
+
+/// `sslrootcert=system` (libpq: the system's store, verify-full): the pool trusts the system
+/// store; so must the replication connection.
+#[tokio::test]
+async fn finding_wal_relay_sslrootcert_system_is_not_the_system_store() {
+    let server = tls_server().await;
+    let db = server.database("att_rootsystem");
+    let url = format!(
+        "postgres://app:{APP_PASSWORD}@localhost:{}/{db}?sslrootcert=system",
+        server.cluster.port()
+    );
+    let (ok, text) = run_child(&url, "att_rootsystem", &server.ca);
+    assert!(
+        text.contains("POOL CONNECTED"),
+        "the pool itself failed: {text}"
+    );
+    assert!(ok, "pool connected, WAL relay refused: {text}");
+}
+
+/// `sslrootcert=<file>` is documented (connect) as authorities trusted "in addition to the
+/// system's": with the server's authority in the system store and another in the file, the
+/// pool connects; the replication connection must as well.
+#[tokio::test]
+async fn finding_wal_relay_sslrootcert_file_replaces_the_system_store() {
+    let server = tls_server().await;
+    let db = server.database("att_rootfile");
+    let url = format!(
+        "postgres://app:{APP_PASSWORD}@localhost:{}/{db}?sslmode=verify-full&sslrootcert={}",
+        server.cluster.port(),
+        server.other_ca.display()
+    );
+    let (ok, text) = run_child(&url, "att_rootfile", &server.ca);
+    assert!(
+        text.contains("POOL CONNECTED"),
+        "the pool itself failed: {text}"
+    );
+    assert!(ok, "pool connected, WAL relay refused: {text}");
+}
+
+/// A pool built from `PgConnectOptions` (no URL) with verify-full and a CA file whose path has
+/// quotes, a backslash, spaces and non-ASCII letters: the replication connection reads the
+/// same file (pgbox recovers it from the options' Debug text) and streams over TLS.
+#[tokio::test]
+async fn options_built_pool_with_an_awkward_ca_path_streams_over_tls() {
+    let server = tls_server().await;
+    let db = server.database("att_options");
+    let odd_dir = server.cluster.dir().join("odd \"dir\" \\ ünï");
+    std::fs::create_dir_all(&odd_dir).unwrap();
+    let ca = odd_dir.join("ca \"q\".crt");
+    std::fs::copy(&server.ca, &ca).unwrap();
+    let options = PgConnectOptions::new()
+        .host("localhost")
+        .port(server.cluster.port())
+        .username("app")
+        .password(APP_PASSWORD)
+        .database(&db)
+        .ssl_mode(PgSslMode::VerifyFull)
+        .ssl_root_cert(&ca);
+    let pool = pool_options().connect_with(options).await.unwrap();
+    let published = one_message_through_the_wal_relay(&pool, "att_options")
+        .await
+        .unwrap();
+    assert_eq!(published, 1);
+    // Every backend pgbox opened on this database (pool, relay sessions) is on TLS.
+    let plain: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid) \
+         WHERE NOT s.ssl AND a.backend_type IN ('client backend', 'walsender') \
+         AND a.datname = current_database()",
+    )
+    .fetch_one(&pool)
+    .await
+    .unwrap();
+    assert_eq!(plain, 0);
+    pool.close().await;
+}
+
+/// The password rotated on the server while the pool's connections live: the relay's new
+/// logins (its lock connection, its replication connection) are refused as an
+/// authentication failure (`Error::Authentication` or the replication connection's
+/// `WalStreamProblem::Authentication`), once, in a typed error that does not show the
+/// password.
+#[tokio::test]
+async fn finding_relay_refused_login_after_password_rotation_is_not_typed() {
+    let server = tls_server().await;
+    let db = server.database("att_rotate");
+    server.cluster.psql(&format!(
+        "CREATE ROLE att_rot LOGIN SUPERUSER REPLICATION PASSWORD '{APP_PASSWORD}'"
+    ));
+    let url = format!(
+        "postgres://att_rot:{APP_PASSWORD}@localhost:{}/{db}?sslmode=verify-full&sslrootcert={}",
+        server.cluster.port(),
+        server.ca.display()
+    );
+    let pool = pgbox::connect(&url, pool_options().min_connections(4).max_connections(4))
+        .await
+        .unwrap();
+    pgbox::migrate(&pool).await.unwrap();
+    let slot = WalSlot::new("att_rotate").unwrap();
+    slot.create(&pool).await.unwrap();
+    // Warm every pool connection, then change the password under them.
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        held.push(pool.acquire().await.unwrap());
+    }
+    drop(held);
+    server
+        .cluster
+        .psql("ALTER ROLE att_rot PASSWORD 'rotated-elsewhere-91'");
+    let relay = WalRelay::builder(pool.clone(), slot.clone(), PgQueue::new(pool.clone()))
+        .reader(WalReader::Stream)
+        .build()
+        .unwrap();
+    let outcome = tokio::time::timeout(Duration::from_secs(60), relay.drain())
+        .await
+        .expect("the drain did not end within 60 s");
+    let e = outcome.expect_err("the drain logged in with a rotated password");
+    let text = format!("{e} / {e:?}");
+    assert!(!text.contains(APP_PASSWORD), "{text}");
+    assert!(
+        matches!(
+            e,
+            Error::WalStream {
+                problem: WalStreamProblem::Authentication,
+                ..
+            } | Error::Authentication { .. }
+        ),
+        "{text}"
+    );
+    server
+        .cluster
+        .psql(&format!("ALTER ROLE att_rot PASSWORD '{APP_PASSWORD}'"));
+    slot.drop(&pool).await.ok();
+    pool.close().await;
+}
