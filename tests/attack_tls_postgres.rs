@@ -329,3 +329,86 @@ async fn finding_relay_refused_login_after_password_rotation_is_not_typed() {
     slot.drop(&pool).await.ok();
     pool.close().await;
 }
+
+/// Hostile certificate files given to `connect`: a missing, a directory, an empty and a
+/// garbage `sslrootcert`; a missing `sslcert`/`sslkey` pair; a key that is not PEM. Each is a
+/// certificate failure the promise names (`Error::Tls` with `TlsProblem::BadFile`), after one
+/// attempt, without the password.
+#[tokio::test]
+async fn finding_unreadable_certificate_files_are_not_bad_file() {
+    let server = tls_server().await;
+    let dir = server.cluster.dir().join("att-bad-files");
+    std::fs::create_dir_all(&dir).unwrap();
+    let empty = dir.join("empty.pem");
+    std::fs::write(&empty, b"").unwrap();
+    let garbage = dir.join("garbage.pem");
+    std::fs::write(
+        &garbage,
+        b"-----BEGIN CERTIFICATE-----\nnot base64 at all!!\n-----END CERTIFICATE-----\n",
+    )
+    .unwrap();
+    let base = format!(
+        "postgres://app:{APP_PASSWORD}@localhost:{}/postgres?sslmode=verify-full",
+        server.cluster.port()
+    );
+    let ca = server.ca.display().to_string();
+    let cases = [
+        (
+            "missing sslrootcert",
+            format!("{base}&sslrootcert={}", dir.join("nope.pem").display()),
+        ),
+        (
+            "directory sslrootcert",
+            format!("{base}&sslrootcert={}", dir.display()),
+        ),
+        (
+            "empty sslrootcert",
+            format!("{base}&sslrootcert={}", empty.display()),
+        ),
+        (
+            "garbage sslrootcert",
+            format!("{base}&sslrootcert={}", garbage.display()),
+        ),
+        (
+            "missing sslcert",
+            format!(
+                "{base}&sslrootcert={ca}&sslcert={}&sslkey={}",
+                dir.join("nope.crt").display(),
+                dir.join("nope.key").display()
+            ),
+        ),
+        (
+            "garbage sslkey",
+            format!(
+                "{base}&sslrootcert={ca}&sslcert={}&sslkey={}",
+                server.ca.display(),
+                garbage.display()
+            ),
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (what, url) in cases {
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(30),
+            pgbox::connect(&url, pool_options()),
+        )
+        .await
+        .expect("connect did not end within 30 s");
+        match outcome {
+            Err(Error::Tls {
+                problem: pgbox::TlsProblem::BadFile,
+                ..
+            }) => {}
+            Ok(pool) => {
+                pool.close().await;
+                wrong.push(format!("{what}: connected"));
+            }
+            Err(e) => {
+                let text = format!("{e} / {e:?}");
+                assert!(!text.contains(APP_PASSWORD), "{text}");
+                wrong.push(format!("{what}: {text}"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
