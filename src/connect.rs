@@ -329,7 +329,11 @@ pub(crate) fn describe(options: &PgConnectOptions) -> String {
     format!("{}@{place}/{database}", options.get_username())
 }
 
-fn connect_error(target: &str, e: sqlx::Error) -> Error {
+/// A failed connection attempt to `target` as a typed error: a refused login is
+/// [`Error::Authentication`], a certificate failure [`Error::Tls`], the rest [`Error::Connect`].
+/// For every connection pgbox opens outside the pool (the relays' lock connections, LISTEN,
+/// the janitor), so that their refusals read as the pool's do.
+pub(crate) fn connect_error(target: &str, e: sqlx::Error) -> Error {
     if let sqlx::Error::Database(db) = &e {
         let message = crate::error::database_message(db.as_ref());
         let code = db.code();

@@ -412,3 +412,182 @@ async fn finding_unreadable_certificate_files_are_not_bad_file() {
     }
     assert!(wrong.is_empty(), "{}", wrong.join("\n"));
 }
+
+/// The CLI with `sslmode=verify-full` and an authority that did not sign the server's
+/// certificate: exit 3 (cannot connect), the message says TLS and unknown issuer, `--json`
+/// gives it as JSON on stderr, and the password is in neither.
+#[cfg(feature = "cli")]
+#[tokio::test]
+async fn cli_with_a_wrong_authority_exits_3_typed_without_the_password() {
+    let server = tls_server().await;
+    let url = format!(
+        "postgres://app:{APP_PASSWORD}@localhost:{}/postgres?sslmode=verify-full&sslrootcert={}",
+        server.cluster.port(),
+        server.other_ca.display()
+    );
+    for json in [false, true] {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_pgbox"));
+        cmd.arg("status").env("DATABASE_URL", &url);
+        for name in ["PGSSLMODE", "PGSSLROOTCERT", "PGPASSWORD", "SSL_CERT_FILE"] {
+            cmd.env_remove(name);
+        }
+        if json {
+            cmd.arg("--json");
+        }
+        let out = tokio::task::spawn_blocking(move || cmd.output().unwrap())
+            .await
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert_eq!(out.status.code(), Some(3), "{stdout}{stderr}");
+        assert!(!stderr.contains(APP_PASSWORD) && !stdout.contains(APP_PASSWORD));
+        assert!(
+            stderr.contains("TLS") && stderr.contains("UnknownIssuer"),
+            "{stderr}"
+        );
+        if json {
+            let v: serde_json::Value = serde_json::from_str(stderr.trim()).expect(&stderr);
+            assert_eq!(v["exit_code"], 3, "{v}");
+        }
+    }
+}
+
+/// What a fake server does with each connection after reading the client's first packet.
+#[derive(Clone, Copy, Debug)]
+enum Fake {
+    /// Answers `N` to the SSLRequest (TLS refused, as a downgrading attacker would), then
+    /// closes.
+    AnswerNo,
+    /// Answers `S`, then cuts the connection before any TLS byte.
+    CutAfterYes,
+    /// Answers `S`, reads the ClientHello, then cuts (mid-handshake).
+    CutMidHandshake,
+}
+
+/// A TCP server on a free loopback port behaving as `fake`; counts the connections it took.
+async fn fake_server(fake: Fake) -> (u16, Arc<std::sync::atomic::AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        while let Ok((mut socket, _)) = listener.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut first = [0u8; 8];
+                if socket.read_exact(&mut first).await.is_err() {
+                    return;
+                }
+                match fake {
+                    Fake::AnswerNo => {
+                        let _ = socket.write_all(b"N").await;
+                        // Whatever comes next (a plain-text startup) is not answered.
+                        let mut rest = [0u8; 512];
+                        let _ =
+                            tokio::time::timeout(Duration::from_secs(2), socket.read(&mut rest))
+                                .await;
+                    }
+                    Fake::CutAfterYes => {
+                        let _ = socket.write_all(b"S").await;
+                    }
+                    Fake::CutMidHandshake => {
+                        let _ = socket.write_all(b"S").await;
+                        let mut hello = [0u8; 512];
+                        let _ =
+                            tokio::time::timeout(Duration::from_secs(5), socket.read(&mut hello))
+                                .await;
+                    }
+                }
+            });
+        }
+    });
+    (port, accepted)
+}
+
+/// A server that refuses TLS (`N`) to `require`, `verify-ca` and `verify-full`: NotOffered,
+/// after one connection, no plain-text fallback; the password is never shown.
+#[tokio::test]
+async fn a_downgrading_server_is_refused_not_offered_after_one_attempt() {
+    for mode in ["require", "verify-ca", "verify-full"] {
+        let (port, accepted) = fake_server(Fake::AnswerNo).await;
+        let url = format!("postgres://app:{APP_PASSWORD}@localhost:{port}/postgres?sslmode={mode}");
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(30),
+            pgbox::connect(&url, pool_options()),
+        )
+        .await
+        .expect("connect did not end within 30 s");
+        match outcome {
+            Err(Error::Tls {
+                problem: pgbox::TlsProblem::NotOffered,
+                reason,
+                ..
+            }) => assert!(!reason.contains(APP_PASSWORD)),
+            other => panic!("{mode}: {other:?}"),
+        }
+        assert_eq!(
+            accepted.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "{mode}"
+        );
+    }
+}
+
+/// A server that says yes to TLS and cuts the connection (at once, or after the ClientHello):
+/// a typed error (`Error::Tls` or `Error::Connect`), not a hang, after one connection.
+#[tokio::test]
+async fn a_handshake_cut_is_typed_after_one_attempt() {
+    for fake in [Fake::CutAfterYes, Fake::CutMidHandshake] {
+        let (port, accepted) = fake_server(fake).await;
+        let url =
+            format!("postgres://app:{APP_PASSWORD}@localhost:{port}/postgres?sslmode=require");
+        let outcome = tokio::time::timeout(
+            Duration::from_secs(30),
+            pgbox::connect(&url, pool_options()),
+        )
+        .await
+        .expect("connect did not end within 30 s");
+        match outcome {
+            Err(e @ (Error::Tls { .. } | Error::Connect { .. })) => {
+                let text = format!("{e} / {e:?}");
+                assert!(!text.contains(APP_PASSWORD), "{text}");
+                eprintln!("{fake:?}: {text}");
+            }
+            other => panic!("{fake:?}: {other:?}"),
+        }
+        assert_eq!(
+            accepted.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "{fake:?}"
+        );
+    }
+}
+
+/// Unknown `sslmode`s are refused before any connection as a configuration error, without
+/// the password (as libpq does); one spelled in capitals is read (as sqlx does) as the mode
+/// it names, never as something weaker: `VERIFY-FULL` to an address the certificate does
+/// not list is a hostname mismatch.
+#[tokio::test]
+async fn odd_sslmodes_are_refused_or_read_strictly() {
+    for mode in ["verify_full", "on", "", "verify-full%00"] {
+        let url = format!("postgres://app:{APP_PASSWORD}@127.0.0.1:1/postgres?sslmode={mode}");
+        match pgbox::connect(&url, pool_options()).await {
+            Err(Error::InvalidConfig(m)) => assert!(!m.contains(APP_PASSWORD), "{m}"),
+            other => panic!("{mode:?}: {other:?}"),
+        }
+    }
+    let server = tls_server().await;
+    let url = format!(
+        "postgres://app:{APP_PASSWORD}@127.0.0.1:{}/postgres?sslmode=VERIFY-FULL&sslrootcert={}",
+        server.cluster.port(),
+        server.ca.display()
+    );
+    match pgbox::connect(&url, pool_options()).await {
+        Err(Error::Tls {
+            problem: pgbox::TlsProblem::HostnameMismatch,
+            ..
+        }) => {}
+        other => panic!("VERIFY-FULL: {other:?}"),
+    }
+}
