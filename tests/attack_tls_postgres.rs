@@ -591,3 +591,47 @@ async fn odd_sslmodes_are_refused_or_read_strictly() {
         other => panic!("VERIFY-FULL: {other:?}"),
     }
 }
+
+/// Runs one message through the WAL relay on `db` (created) with the pool dialled at `host`
+/// with `query`: what went wrong, if anything.
+async fn relay_with(server: &TlsServer, name: &str, host: &str, query: &str) -> Option<String> {
+    let db = server.database(name);
+    let url = format!(
+        "postgres://app:{APP_PASSWORD}@{host}:{}/{db}?{query}",
+        server.cluster.port()
+    );
+    let pool = pgbox::connect(&url, pool_options()).await.unwrap();
+    let outcome = one_message_through_the_wal_relay(&pool, name).await;
+    pool.close().await;
+    match outcome {
+        Ok(1) => None,
+        other => Some(format!("{query} via {host}: {other:?}")),
+    }
+}
+
+/// `verify-ca` checks the authority and not the name: dialled by an IP address the
+/// certificate does not list, the pool connects; the replication connection, which uses
+/// "the same settings", must too.
+#[tokio::test]
+async fn finding_wal_relay_verify_ca_checks_the_host_name() {
+    let server = tls_server().await;
+    let query = format!("sslmode=verify-ca&sslrootcert={}", server.ca.display());
+    if let Some(wrong) = relay_with(&server, "att_verifyca_ip", "127.0.0.1", &query).await {
+        panic!("pool connected, WAL relay refused: {wrong}");
+    }
+}
+
+/// `require` and `prefer` with a private authority the client does not know (encryption,
+/// no verification): where the pool connects, the WAL relay streams.
+#[tokio::test]
+async fn require_and_prefer_reach_the_wal_relay_as_the_pool_has_them() {
+    let server = tls_server().await;
+    let mut wrong = Vec::new();
+    for (name, query) in [
+        ("att_require", "sslmode=require"),
+        ("att_prefer", "sslmode=prefer"),
+    ] {
+        wrong.extend(relay_with(&server, name, "localhost", query).await);
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
