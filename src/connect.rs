@@ -118,7 +118,66 @@ pub(crate) fn parse_url(url: &str) -> Result<PgConnectOptions> {
     })?;
     let options = system_roots(url, options)?;
     refuse_tls_not_built(&options)?;
+    #[cfg(feature = "tls")]
+    check_certificate_files(url, &options)?;
     Ok(options)
+}
+
+/// The URL's (or the environment's) `sslrootcert`, `sslcert` and `sslkey` files, read and
+/// parsed before any connection when TLS may be used: a file that is missing, a directory,
+/// empty, or not PEM is [`Error::Tls`] with [`TlsProblem::BadFile`] naming the setting and
+/// the file (sqlx would report a missing file as "no such socket or host", an empty root
+/// file as an unknown issuer, a bad key as a configuration error).
+#[cfg(feature = "tls")]
+fn check_certificate_files(url: &str, options: &PgConnectOptions) -> Result<()> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+    if matches!(
+        options.get_ssl_mode(),
+        PgSslMode::Disable | PgSslMode::Allow
+    ) {
+        return Ok(());
+    }
+    let setting =
+        |keys: &[&str], env: &str| query_value(url, keys).or_else(|| std::env::var(env).ok());
+    let bad = |name: &str, path: &str, why: String| Error::Tls {
+        target: describe(options),
+        problem: TlsProblem::BadFile,
+        reason: format!("{name} file {path:?} {why}"),
+    };
+    let certificates = |name: &str, path: &str| -> Result<()> {
+        let read = CertificateDer::pem_file_iter(path)
+            .map_err(|e| bad(name, path, format!("cannot be read: {e}")))?
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(|e| bad(name, path, format!("is not PEM certificates: {e}")))?;
+        if read.is_empty() {
+            return Err(bad(name, path, "holds no PEM certificate".to_owned()));
+        }
+        Ok(())
+    };
+    if let Some(root) = setting(&["sslrootcert", "ssl-root-cert", "ssl-ca"], "PGSSLROOTCERT")
+        && root != "system"
+    {
+        certificates("sslrootcert", &root)?;
+    }
+    if let Some(cert) = setting(&["sslcert", "ssl-cert"], "PGSSLCERT") {
+        certificates("sslcert", &cert)?;
+    }
+    if let Some(key) = setting(&["sslkey", "ssl-key"], "PGSSLKEY") {
+        // The key's text never goes into the error: only the parser's kind of failure.
+        PrivateKeyDer::from_pem_file(&key).map_err(|e| {
+            let why = match e {
+                rustls::pki_types::pem::Error::Io(io) => format!("cannot be read: {io}"),
+                rustls::pki_types::pem::Error::NoItemsFound => {
+                    "holds no PEM private key".to_owned()
+                }
+                _ => "is not a PEM private key".to_owned(),
+            };
+            bad("sslkey", &key, why)
+        })?;
+    }
+    Ok(())
 }
 
 /// The URL's last value of `key` (percent-decoded), if it has one.
@@ -270,7 +329,11 @@ pub(crate) fn describe(options: &PgConnectOptions) -> String {
     format!("{}@{place}/{database}", options.get_username())
 }
 
-fn connect_error(target: &str, e: sqlx::Error) -> Error {
+/// A failed connection attempt to `target` as a typed error: a refused login is
+/// [`Error::Authentication`], a certificate failure [`Error::Tls`], the rest [`Error::Connect`].
+/// For every connection pgbox opens outside the pool (the relays' lock connections, LISTEN,
+/// the janitor), so that their refusals read as the pool's do.
+pub(crate) fn connect_error(target: &str, e: sqlx::Error) -> Error {
     if let sqlx::Error::Database(db) = &e {
         let message = crate::error::database_message(db.as_ref());
         let code = db.code();
@@ -471,5 +534,49 @@ mod tests {
             }
         }
         assert_eq!(percent_decoded("a%2Fb+c%zz%4"), "a/b c%zz%4");
+    }
+
+    #[cfg(feature = "tls")]
+    #[test]
+    fn unreadable_certificate_files_are_bad_file_before_connecting() {
+        let dir = std::env::temp_dir().join(format!("pgbox-connect-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let empty = dir.join("empty.pem");
+        std::fs::write(&empty, b"").unwrap();
+        let key = dir.join("bad.key");
+        std::fs::write(
+            &key,
+            b"-----BEGIN PRIVATE KEY-----\nk3y-s3cret!!\n-----END PRIVATE KEY-----\n",
+        )
+        .unwrap();
+        // Port 1: nothing is dialled, the files are refused first.
+        let base = "postgres://app:s3cret@db.internal:1/orders?sslmode=verify-full";
+        for query in [
+            format!("sslrootcert={}", dir.join("missing.pem").display()),
+            format!("sslrootcert={}", dir.display()),
+            format!("sslrootcert={}", empty.display()),
+            format!("sslcert={}&sslkey={}", empty.display(), key.display()),
+        ] {
+            match parse_url(&format!("{base}&{query}")) {
+                Err(Error::Tls {
+                    problem: TlsProblem::BadFile,
+                    reason,
+                    target,
+                }) => {
+                    assert!(
+                        !reason.contains("s3cret") && !target.contains("s3cret"),
+                        "{reason}"
+                    );
+                }
+                other => panic!("{query}: {other:?}"),
+            }
+        }
+        // disable never reads them.
+        let off = format!(
+            "postgres://app@db/orders?sslmode=disable&sslrootcert={}",
+            empty.display()
+        );
+        assert!(parse_url(&off).is_ok());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
