@@ -366,13 +366,28 @@ impl RabbitMqBuilder {
                 }
             ))
         })?;
+        // The URL parser keeps a host only when it is a name: an IP literal in brackets
+        // comes back as `localhost`. Put the address given back (lapin dials it as it is).
+        if let Some(v6) = bracketed_host(&self.url) {
+            let address: std::net::Ipv6Addr = v6.parse().map_err(|_| {
+                Error::InvalidConfig(format!(
+                    "rabbitmq URL {}: the host [{v6}] is not an IPv6 address",
+                    redact_url(&self.url)
+                ))
+            })?;
+            uri.authority.host = address.to_string();
+        }
         if let Some((user, password)) = &self.credentials {
             uri.authority.userinfo = AMQPUserInfo {
                 username: user.clone(),
                 password: password.expose().to_owned(),
             };
         }
-        let target = format!("rabbitmq at {}:{}", uri.authority.host, uri.authority.port);
+        let target = if uri.authority.host.contains(':') {
+            format!("rabbitmq at [{}]:{}", uri.authority.host, uri.authority.port)
+        } else {
+            format!("rabbitmq at {}:{}", uri.authority.host, uri.authority.port)
+        };
         let tls = uri.scheme == AMQPScheme::AMQPS;
         if tls && !cfg!(feature = "tls") {
             return Err(Error::Tls {
@@ -395,7 +410,10 @@ impl RabbitMqBuilder {
         if !tls
             && secret_credentials
             && !self.allow_insecure_credentials
-            && !crate::tls::is_loopback(&uri.authority.host)
+            // A host starting with `/` or `@` (percent-encoded in the URL) is no Unix socket
+            // here: AMQP goes over TCP, and such a name goes to the resolver.
+            && (uri.authority.host.starts_with(['/', '@'])
+                || !crate::tls::is_loopback(&uri.authority.host))
         {
             return Err(Error::InsecureCredentials {
                 transport: TRANSPORT,
@@ -491,6 +509,16 @@ impl RabbitMqBuilder {
             }),
         })
     }
+}
+
+/// The host of an AMQP URL when it is an IP literal in brackets (`[2001:db8::1]`), without
+/// the brackets: the authority is what follows `://` up to `/`, `?` or `#`, the host what
+/// follows its last `@`.
+fn bracketed_host(url: &str) -> Option<&str> {
+    let rest = url.split_once("://")?.1;
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    host.strip_prefix('[')?.split_once(']').map(|(v6, _)| v6)
 }
 
 /// The RabbitMQ transport: see the [module docs](self). Cheap to clone.

@@ -1,0 +1,321 @@
+//! Attacks on the RabbitMQ and NATS transports' TLS and credential promises (module docs of
+//! `transport::rabbitmq` and `transport::nats`, "TLS" sections): the clear-text credential
+//! decision at `build()` measured against the host the client library really dials, and
+//! secrets in the client libraries' own TRACE logs.
+//!
+//! Network: only failed logins against the shared RabbitMQ on 127.0.0.1:5672 (a user that
+//! does not exist: nothing on the broker is created or changed), and nothing else.
+#![cfg(all(feature = "tls", feature = "rabbitmq", feature = "nats"))]
+
+use std::io::Write;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use pgbox::Error;
+use pgbox::Secret;
+use pgbox::transport::nats::Nats;
+use pgbox::transport::rabbitmq::RabbitMq;
+use tracing_subscriber::fmt::MakeWriter;
+
+/// Everything the TRACE subscriber wrote.
+#[derive(Clone, Default)]
+struct LogBuffer(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogBuffer {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> MakeWriter<'a> for LogBuffer {
+    type Writer = LogBuffer;
+
+    fn make_writer(&'a self) -> LogBuffer {
+        self.clone()
+    }
+}
+
+static LOGS: OnceLock<LogBuffer> = OnceLock::new();
+
+/// One TRACE subscriber for every target in this test binary, writing into [`LOGS`].
+fn capture_logs() -> LogBuffer {
+    LOGS.get_or_init(|| {
+        let buffer = LogBuffer::default();
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::new("trace"))
+            .with_writer(buffer.clone())
+            .with_ansi(false)
+            .try_init()
+            .expect("the only subscriber of this test binary");
+        buffer
+    })
+    .clone()
+}
+
+/// The forms a secret can take in a log line: as it is, percent-encoded, and as the
+/// `Debug` of its bytes (`[.., 112, 119, ..]`: how a `Vec<u8>` field is printed).
+fn secret_forms(secret: &str) -> Vec<String> {
+    let encoded: String = secret
+        .bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect();
+    let bytes = secret
+        .bytes()
+        .map(|b| b.to_string())
+        .collect::<Vec<_>>()
+        .join(", ");
+    vec![secret.to_owned(), encoded, bytes]
+}
+
+/// The forms of `secret` found in `text`.
+fn found(text: &str, secret: &str) -> Vec<String> {
+    secret_forms(secret)
+        .into_iter()
+        .filter(|form| text.contains(form.as_str()))
+        .collect()
+}
+
+/// The finder finds: each form is reported, and a text without the secret is clean.
+#[test]
+fn the_secret_finder_finds_every_form() {
+    let secret = "Zq9-secret/pw";
+    for form in secret_forms(secret) {
+        assert_eq!(found(&format!("x{form}y"), secret).len(), 1, "{form}");
+    }
+    assert!(found("nothing here", secret).is_empty());
+    let debug = format!("{:?}", format!("\0user\0{secret}").into_bytes());
+    assert!(!found(&debug, secret).is_empty(), "{debug}");
+}
+
+/// The promise: "No message, log line or `Debug` output shows a password" — lapin's own
+/// TRACE lines included. A login (refused: the user does not exist on the shared broker)
+/// sends the password in `Connection.StartOk`; lapin logs every frame it writes at TRACE
+/// (`will write to buffer`, the method's `Debug`), where the SASL response
+/// `\0user\0password` is a `LongString(Vec<u8>)`, printed as its bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_rabbitmq_trace_log_shows_the_password() {
+    let logs = capture_logs();
+    let password = format!("Pw{}", uuid::Uuid::now_v7().simple());
+    let transport = RabbitMq::builder("amqp://127.0.0.1:5672/%2f")
+        .credentials(
+            format!("pgbox-attack-nobody-{}", uuid::Uuid::now_v7().simple()),
+            Secret::new(password.clone()),
+        )
+        .connect_timeout(Duration::from_secs(20))
+        .operation_timeout(Duration::from_secs(20))
+        .build()
+        .expect("credentials to loopback in clear text are allowed");
+    let e = transport
+        .connect()
+        .await
+        .expect_err("a user that does not exist cannot log in");
+    assert!(
+        matches!(e, Error::Authentication { .. }),
+        "a refused login is Error::Authentication, not {e:?}"
+    );
+    transport.close().await;
+    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    assert!(
+        text.contains("StartOk") || text.contains("start_ok") || text.contains("StartOk"),
+        "the TRACE log shows the login frames (else this test proves nothing)"
+    );
+    for place in [format!("{e}"), format!("{e:?}"), format!("{e:#}")] {
+        assert!(found(&place, &password).is_empty(), "error: {place}");
+    }
+    let leaks: Vec<String> = text
+        .lines()
+        .filter(|line| !found(line, &password).is_empty())
+        .map(|line| line.chars().take(400).collect())
+        .collect();
+    assert!(
+        leaks.is_empty(),
+        "{} TRACE line(s) show the password, e.g.:\n{}",
+        leaks.len(),
+        leaks.first().cloned().unwrap_or_default()
+    );
+}
+
+fn insecure(e: &Error) -> bool {
+    matches!(e, Error::InsecureCredentials { .. })
+}
+
+/// An IPv6 broker address with a password in clear text: the host is not loopback, so
+/// `build` must refuse it (or, with TLS, dial that address). amq-protocol-uri keeps only
+/// `Url::domain()`, which is `None` for an IP literal, and puts `localhost` in its place:
+/// pgbox then checks (and lapin dials) `localhost`, not the address the user gave.
+#[test]
+fn finding_rabbitmq_ipv6_broker_address_becomes_localhost() {
+    let remote = RabbitMq::builder("amqp://orders:s3cret-pw@[2001:db8::10]:5672/%2f").build();
+    match &remote {
+        Err(e) => assert!(insecure(e), "{e:?}"),
+        Ok(t) => panic!(
+            "clear-text password to 2001:db8::10 accepted; the transport targets: {t:?}"
+        ),
+    }
+    // With TLS the address itself is dialled (and shown), not localhost.
+    let tls = RabbitMq::builder("amqps://[2001:db8::10]:5671/%2f")
+        .build()
+        .expect("amqps to an IPv6 address is a valid configuration");
+    let shown = format!("{tls:?}");
+    assert!(
+        shown.contains("2001:db8::10") && !shown.contains("localhost"),
+        "{shown}"
+    );
+    // Loopback IPv6 with a password: allowed (it is loopback).
+    RabbitMq::builder("amqp://orders:s3cret-pw@[::1]:5672/%2f")
+        .build()
+        .expect("::1 is loopback");
+}
+
+/// What is dialled for `[::1]`: the shared broker listens on 127.0.0.1:5672 only, so a
+/// connection to ::1 port 5672 is refused (a transport error). Dialling `localhost` instead
+/// reaches the shared broker, which refuses the unknown user (an authentication error).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_rabbitmq_ipv6_loopback_dials_localhost_instead() {
+    let transport = RabbitMq::builder("amqp://[::1]:5672/%2f")
+        .credentials(
+            format!("pgbox-attack-nobody-{}", uuid::Uuid::now_v7().simple()),
+            Secret::new(format!("Pw{}", uuid::Uuid::now_v7().simple())),
+        )
+        .connect_timeout(Duration::from_secs(20))
+        .build()
+        .expect("::1 is loopback");
+    let e = transport.connect().await.expect_err("nothing to log in to");
+    transport.close().await;
+    assert!(
+        matches!(e, Error::Transport { .. }),
+        "::1:5672 has no listener, yet: {e:?}"
+    );
+}
+
+/// A percent-encoded host is decoded by amq-protocol-uri before lapin dials it; pgbox's
+/// loopback test treats a host starting with `/` or `@` as a Unix-domain socket, which an
+/// AMQP URL never names. `%40mq.example.com` is the host `@mq.example.com`: not loopback.
+#[test]
+fn finding_rabbitmq_percent_encoded_host_passes_as_a_unix_socket() {
+    for url in [
+        "amqp://orders:s3cret-pw@%40mq.example.com:5672/%2f",
+        "amqp://orders:s3cret-pw@%2Fmq.example.com:5672/%2f",
+    ] {
+        match RabbitMq::builder(url).build() {
+            Err(e) => assert!(insecure(&e), "{url}: {e:?}"),
+            Ok(t) => panic!("{url}: clear-text password accepted for {t:?}"),
+        }
+    }
+}
+
+/// The loopback decision on the host lapin really dials: names and addresses that only
+/// look local are refused, the ones that are local pass, user-info tricks resolve to the
+/// host after the last `@` (where lapin connects too).
+#[test]
+fn rabbitmq_loopback_decision_holds() {
+    for host in [
+        "127.0.0.1.nip.io",
+        "localhost.evil.example",
+        "0.0.0.0",
+        "10.0.0.1",
+        "127.1",
+        "0x7f000001",
+        "evil.example%2elocalhost%2e%2f",
+    ] {
+        let url = format!("amqp://orders:s3cret-pw@{host}:5672/%2f");
+        match RabbitMq::builder(&url).build() {
+            Err(e) => assert!(insecure(&e), "{url}: {e:?}"),
+            Ok(t) => panic!("{url}: clear-text password accepted for {t:?}"),
+        }
+        // The builder's credentials count the same as the URL's.
+        let url = format!("amqp://{host}:5672/%2f");
+        let built = RabbitMq::builder(&url)
+            .credentials("orders", Secret::new("s3cret-pw"))
+            .build();
+        assert!(
+            matches!(&built, Err(e) if insecure(e)),
+            "{url}: {built:?}"
+        );
+        // Allowed on request.
+        RabbitMq::builder(&url)
+            .credentials("orders", Secret::new("s3cret-pw"))
+            .allow_insecure_credentials(true)
+            .build()
+            .unwrap_or_else(|e| panic!("{url}: {e:?}"));
+    }
+    for host in ["127.0.0.1", "LOCALHOST", "localhost.", "127.9.9.9", "mq.localhost"] {
+        let url = format!("amqp://orders:s3cret-pw@{host}:5672/%2f");
+        RabbitMq::builder(&url)
+            .build()
+            .unwrap_or_else(|e| panic!("{url}: {e:?}"));
+    }
+    // `evil.example@127.0.0.1`: the URL parser splits at the last `@`; the password is
+    // `pw@evil.example`, the host (checked and dialled) 127.0.0.1.
+    let t = RabbitMq::builder("amqp://orders:pw@evil.example@127.0.0.1:5672/%2f")
+        .build()
+        .expect("the host is 127.0.0.1");
+    let shown = format!("{t:?}");
+    assert!(
+        shown.contains("127.0.0.1") && !shown.contains("evil"),
+        "{shown}"
+    );
+    // `guest:guest` to a remote host is lapin's default, public: not a secret.
+    RabbitMq::builder("amqp://guest:guest@mq.example.com:5672/%2f")
+        .build()
+        .expect("guest/guest is not a secret");
+    // amqps:// to a remote host with a password: fine.
+    RabbitMq::builder("amqps://orders:s3cret-pw@mq.example.com:5671/%2f")
+        .build()
+        .expect("TLS carries the password");
+}
+
+/// NATS: every server of a list counts; user-info tricks split where async-nats would.
+#[test]
+fn nats_loopback_decision_holds() {
+    for url in [
+        "nats://orders:pw@127.0.0.1:4222,nats://mq.example.com:4222",
+        "nats://127.0.0.1:4222, nats://orders:pw@mq.example.com:4222",
+        "nats://orders:pw@127.0.0.1.nip.io:4222",
+        "nats://orders:pw@localhost.evil.example:4222",
+        "nats://orders:pw@0.0.0.0:4222",
+        "nats://orders:pw@evil.example@mq.example.com:4222",
+        "nats://t0ken-secret@[2001:db8::10]:4222",
+        "nats://orders:pw@%40mq.example.com:4222",
+    ] {
+        match Nats::builder(url).build() {
+            Err(e) => assert!(insecure(&e), "{url}: {e:?}"),
+            Ok(t) => panic!("{url}: clear-text credentials accepted for {t:?}"),
+        }
+        let bare = url.replace("orders:pw@", "").replace("t0ken-secret@", "");
+        if bare.contains('@') {
+            continue; // user-info left in the URL: given twice
+        }
+        let built = Nats::builder(&bare)
+            .token(Secret::new("t0ken-secret"))
+            .build();
+        assert!(matches!(&built, Err(e) if insecure(e)), "{bare}: {built:?}");
+    }
+    for url in [
+        "nats://orders:pw@127.0.0.1:4222,nats://orders:pw@[::1]:4223",
+        "nats://orders:pw@LOCALHOST.:4222",
+        "tls://orders:pw@mq.example.com:4222",
+    ] {
+        let t = Nats::builder(url)
+            .build()
+            .unwrap_or_else(|e| panic!("{url}: {e:?}"));
+        let shown = format!("{t:?}");
+        assert!(!shown.contains(":pw@"), "{shown}");
+    }
+    // TLS from require_tls covers a nats:// URL to a remote host.
+    Nats::builder("nats://orders:pw@mq.example.com:4222")
+        .require_tls(true)
+        .build()
+        .expect("TLS is required");
+}
