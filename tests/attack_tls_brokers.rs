@@ -319,3 +319,138 @@ fn nats_loopback_decision_holds() {
         .build()
         .expect("TLS is required");
 }
+
+const NATS_SERVER: &str = "/usr/sbin/nats-server";
+
+/// One private `nats-server` on a free loopback port, in its own directory; killed and the
+/// directory removed on drop (as in tests/tls_nats.rs).
+struct NatsServer {
+    dir: std::path::PathBuf,
+    port: u16,
+    child: std::process::Child,
+}
+
+impl NatsServer {
+    fn start(name: &str, body: &str) -> NatsServer {
+        assert!(
+            std::path::Path::new(NATS_SERVER).exists(),
+            "{NATS_SERVER} is not installed (Debian package `nats-server`)"
+        );
+        let dir = std::env::temp_dir().join(format!(
+            "pgbox-attack-brokers-{name}-{}",
+            uuid::Uuid::now_v7().simple()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let config = dir.join("server.conf");
+        std::fs::write(&config, format!("listen: 127.0.0.1:{port}\n{body}\n")).unwrap();
+        let log = std::fs::File::create(dir.join("server.log")).unwrap();
+        let child = std::process::Command::new(NATS_SERVER)
+            .arg("-c")
+            .arg(&config)
+            .stdin(std::process::Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .expect("spawn nats-server");
+        let mut server = NatsServer { dir, port, child };
+        for _ in 0..200 {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return server;
+            }
+            if let Ok(Some(status)) = server.child.try_wait() {
+                panic!("nats-server exited: {status}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("nats-server not listening after 10 s");
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// async-nats logs the server URL (debug) and the CONNECT it writes (trace): with
+/// credentials in the URL or from the builder, right or wrong, no log line, error or `Debug`
+/// shows the password or the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_trace_log_shows_no_credentials() {
+    let logs = capture_logs();
+    let password = format!("Np{}!x", uuid::Uuid::now_v7().simple());
+    let token = format!("Tk{}", uuid::Uuid::now_v7().simple());
+    let users = NatsServer::start(
+        "users",
+        &format!("authorization {{ users = [ {{ user: alice, password: \"{password}\" }} ] }}"),
+    );
+    let tokens = NatsServer::start(
+        "token",
+        &format!("authorization {{ token: \"{token}\" }}"),
+    );
+    let encoded: String = secret_forms(&password)[1].clone();
+    let mut seen = Vec::new();
+    let cases = [
+        (
+            Nats::builder(format!("nats://alice:{encoded}@127.0.0.1:{}", users.port)),
+            true,
+        ),
+        (
+            Nats::builder(format!("nats://127.0.0.1:{}", users.port))
+                .user_password("alice", Secret::new(password.clone())),
+            true,
+        ),
+        (
+            Nats::builder(format!("nats://127.0.0.1:{}", users.port))
+                .user_password("alice", Secret::new(format!("{password}-wrong"))),
+            false,
+        ),
+        (
+            Nats::builder(format!("nats://{token}@127.0.0.1:{}", tokens.port)),
+            true,
+        ),
+        (
+            Nats::builder(format!("nats://127.0.0.1:{}", tokens.port))
+                .token(Secret::new(format!("{token}-wrong"))),
+            false,
+        ),
+    ];
+    for (builder, good) in cases {
+        seen.push(format!("{builder:?}"));
+        let nats = builder.declare(false).build().expect("loopback");
+        seen.push(format!("{nats:?}"));
+        let result = tokio::time::timeout(Duration::from_secs(60), nats.max_payload())
+            .await
+            .expect("the connection attempt ends");
+        match result {
+            Ok(_) => assert!(good, "a wrong credential was accepted"),
+            Err(e) => {
+                assert!(!good, "the right credential was refused: {e:?}");
+                assert!(
+                    matches!(e, Error::Authentication { .. }),
+                    "a refused login is Error::Authentication: {e:?}"
+                );
+                seen.push(format!("{e} {e:?} {e:#}"));
+            }
+        }
+    }
+    let text = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    assert!(
+        text.contains("CONNECT"),
+        "the TRACE log shows the CONNECT (else this test proves nothing)"
+    );
+    seen.push(text);
+    for secret in [&password, &token] {
+        for place in &seen {
+            let hits = found(place, secret);
+            assert!(hits.is_empty(), "{hits:?} in {}", &place[..place.len().min(300)]);
+        }
+    }
+}
