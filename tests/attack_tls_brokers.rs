@@ -3,18 +3,27 @@
 //! decision at `build()` measured against the host the client library really dials, and
 //! secrets in the client libraries' own TRACE logs.
 //!
-//! Network: only failed logins against the shared RabbitMQ on 127.0.0.1:5672 (a user that
-//! does not exist: nothing on the broker is created or changed), and nothing else.
+//! Network: failed logins against the shared RabbitMQ on 127.0.0.1:5672 (a user that does
+//! not exist: nothing on the broker is created or changed); private `nats-server` and
+//! RabbitMQ nodes on free ports; test databases of their own on the shared PostgreSQL.
 #![cfg(all(feature = "tls", feature = "rabbitmq", feature = "nats"))]
+
+#[path = "support/rabbit_tls.rs"]
+mod rabbit_tls;
+mod support;
 
 use std::io::Write;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use pgbox::Error;
-use pgbox::Secret;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use pgbox::transport::nats::Nats;
 use pgbox::transport::rabbitmq::RabbitMq;
+use pgbox::transport::{PublishError, Publisher, Subscriber};
+use pgbox::{Envelope, Error, Message, Outbox, Relay, RetryPolicy, Secret};
+use support::TestDb;
+use support::certs::{Pki, Validity};
 use tracing_subscriber::fmt::MakeWriter;
 
 /// Everything the TRACE subscriber wrote.
@@ -159,9 +168,9 @@ fn finding_rabbitmq_ipv6_broker_address_becomes_localhost() {
     let remote = RabbitMq::builder("amqp://orders:s3cret-pw@[2001:db8::10]:5672/%2f").build();
     match &remote {
         Err(e) => assert!(insecure(e), "{e:?}"),
-        Ok(t) => panic!(
-            "clear-text password to 2001:db8::10 accepted; the transport targets: {t:?}"
-        ),
+        Ok(t) => {
+            panic!("clear-text password to 2001:db8::10 accepted; the transport targets: {t:?}")
+        }
     }
     // With TLS the address itself is dialled (and shown), not localhost.
     let tls = RabbitMq::builder("amqps://[2001:db8::10]:5671/%2f")
@@ -239,10 +248,7 @@ fn rabbitmq_loopback_decision_holds() {
         let built = RabbitMq::builder(&url)
             .credentials("orders", Secret::new("s3cret-pw"))
             .build();
-        assert!(
-            matches!(&built, Err(e) if insecure(e)),
-            "{url}: {built:?}"
-        );
+        assert!(matches!(&built, Err(e) if insecure(e)), "{url}: {built:?}");
         // Allowed on request.
         RabbitMq::builder(&url)
             .credentials("orders", Secret::new("s3cret-pw"))
@@ -250,7 +256,13 @@ fn rabbitmq_loopback_decision_holds() {
             .build()
             .unwrap_or_else(|e| panic!("{url}: {e:?}"));
     }
-    for host in ["127.0.0.1", "LOCALHOST", "localhost.", "127.9.9.9", "mq.localhost"] {
+    for host in [
+        "127.0.0.1",
+        "LOCALHOST",
+        "localhost.",
+        "127.9.9.9",
+        "mq.localhost",
+    ] {
         let url = format!("amqp://orders:s3cret-pw@{host}:5672/%2f");
         RabbitMq::builder(&url)
             .build()
@@ -391,10 +403,7 @@ async fn nats_trace_log_shows_no_credentials() {
         "users",
         &format!("authorization {{ users = [ {{ user: alice, password: \"{password}\" }} ] }}"),
     );
-    let tokens = NatsServer::start(
-        "token",
-        &format!("authorization {{ token: \"{token}\" }}"),
-    );
+    let tokens = NatsServer::start("token", &format!("authorization {{ token: \"{token}\" }}"));
     let encoded: String = secret_forms(&password)[1].clone();
     let mut seen = Vec::new();
     let cases = [
@@ -450,7 +459,180 @@ async fn nats_trace_log_shows_no_credentials() {
     for secret in [&password, &token] {
         for place in &seen {
             let hits = found(place, secret);
-            assert!(hits.is_empty(), "{hits:?} in {}", &place[..place.len().min(300)]);
+            assert!(
+                hits.is_empty(),
+                "{hits:?} in {}",
+                &place[..place.len().min(300)]
+            );
         }
     }
+}
+
+/// Forwards to the transport and counts the messages it failed to publish.
+struct Counting<P> {
+    inner: P,
+    failed: Arc<AtomicUsize>,
+}
+
+impl<P: Publisher> Publisher for Counting<P> {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        let results = self.inner.publish(batch).await;
+        let failed = results.iter().filter(|r| r.is_err()).count();
+        self.failed.fetch_add(failed, Ordering::Relaxed);
+        results
+    }
+
+    fn atomic_batches(&self) -> bool {
+        self.inner.atomic_batches()
+    }
+}
+
+/// `rabbitmqctl` against the private node started by this process.
+fn rabbitmqctl(node_dir: &std::path::Path, args: &[&str]) {
+    let out = std::process::Command::new("/usr/lib/rabbitmq/bin/rabbitmqctl")
+        .env("HOME", node_dir)
+        .env("ERL_EPMD_ADDRESS", "127.0.0.1")
+        .arg("-n")
+        .arg(format!("pgbox-tls-{}@localhost", std::process::id()))
+        .arg("--timeout")
+        .arg("60")
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run rabbitmqctl");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+async fn dead_letters(pool: &sqlx::PgPool) -> i64 {
+    sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox_dead_letters")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The promise: the relay treats an authentication/authorisation failure like an outage
+/// (retried with backoff, logged at error), so a fixed account works without a restart
+/// and nothing is dead-lettered for it. Here the login succeeds over TLS but the user has
+/// lost its `write` permission (a rotated or misapplied policy): the broker closes the
+/// channel with 403 ACCESS_REFUSED on every publish, whatever the message. The relay must
+/// not count that against the messages; once the permission is back, all are delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_rabbitmq_refused_write_permission_dead_letters_good_messages() {
+    let dir = std::env::temp_dir().join(format!(
+        "pgbox-attack-brokers-rabbit-{}",
+        uuid::Uuid::now_v7().simple()
+    ));
+    let pki = Pki::new(dir.join("pki"), "rabbit");
+    let server = pki.server("node", &["localhost", "127.0.0.1"], Validity::Current);
+    let client = pki.client("client", "pgbox-app");
+    let node_dir = dir.join("node");
+    let node = rabbit_tls::PrivateRabbit::start(&node_dir, &pki.ca_cert, &server.cert, &server.key);
+    assert_ne!(node.plain_port, node.tls_port);
+    let prefix = format!("pgbox-attack-{}.", uuid::Uuid::now_v7().simple());
+    let transport = RabbitMq::builder(format!("amqps://localhost:{}/%2f", node.tls_port))
+        .tls_root_certificates(&pki.ca_cert)
+        .tls_client_certificate(&client.cert, &client.key)
+        .credentials(&node.user, Secret::new(node.password.clone()))
+        .exchange("pgbox-attack")
+        .queue_prefix(&prefix)
+        .connect_timeout(Duration::from_secs(20))
+        .operation_timeout(Duration::from_secs(20))
+        .confirm_timeout(Duration::from_secs(20))
+        .build()
+        .unwrap();
+    let topic = "perm.orders";
+    transport
+        .declare_topic(topic)
+        .await
+        .expect("declare over TLS");
+
+    let db = TestDb::migrated().await;
+    let outbox = Outbox::new();
+    let payloads = ["p1", "p2", "p3"];
+    for payload in payloads {
+        let mut tx = db.pool.begin().await.unwrap();
+        outbox
+            .enqueue(&mut tx, Message::bytes(topic, payload))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+
+    // Configure and read stay, write goes.
+    rabbitmqctl(
+        &node_dir,
+        &["set_permissions", "-p", "/", &node.user, ".*", "^$", ".*"],
+    );
+    let failed = Arc::new(AtomicUsize::new(0));
+    let relay = Relay::builder(
+        db.pool.clone(),
+        Counting {
+            inner: transport.clone(),
+            failed: failed.clone(),
+        },
+    )
+    .max_attempts(2)
+    .backoff(
+        RetryPolicy::new()
+            .base_delay(Duration::from_millis(5))
+            .max_delay(Duration::from_millis(20)),
+    )
+    .poll_interval(Duration::from_millis(20))
+    .build()
+    .unwrap();
+    // Three failures per message is past a budget of two attempts.
+    let past_budget = 3 * payloads.len();
+    let mut rounds = 0;
+    while failed.load(Ordering::Relaxed) < past_budget && dead_letters(&db.pool).await == 0 {
+        rounds += 1;
+        assert!(rounds <= 2_000, "the relay stopped offering messages");
+        tokio::time::timeout(Duration::from_secs(120), relay.relay_once())
+            .await
+            .expect("a round ends")
+            .expect("round");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let dead = dead_letters(&db.pool).await;
+
+    // The permission is back: everything pending is delivered.
+    rabbitmqctl(
+        &node_dir,
+        &["set_permissions", "-p", "/", &node.user, ".*", ".*", ".*"],
+    );
+    let report = tokio::time::timeout(Duration::from_secs(120), relay.drain())
+        .await
+        .expect("drain finishes once the permission is back")
+        .expect("drain");
+    let mut got = Vec::new();
+    for _ in 0..50 {
+        if got.len() >= payloads.len() {
+            break;
+        }
+        for d in transport
+            .receive(topic, 10, Duration::from_secs(30))
+            .await
+            .unwrap()
+        {
+            got.push(String::from_utf8_lossy(&transport.envelope(&d).payload).into_owned());
+            transport.ack(&d).await.unwrap();
+        }
+    }
+    transport.close().await;
+    drop(node);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(
+        dead,
+        0,
+        "a refused write permission (same for every message) dead-lettered {dead} good \
+         message(s) after {} failed publishes",
+        failed.load(Ordering::Relaxed)
+    );
+    assert_eq!(report.dead_lettered, 0, "{report:?}");
+    got.sort();
+    assert_eq!(got, payloads, "{report:?}");
 }

@@ -44,7 +44,9 @@
 //! The relay still treats them as the broker being unavailable, and retries with backoff
 //! (nothing is dropped, no attempt is counted): a rotated password or a renewed certificate
 //! then takes effect without a restart (files are read again at each connection; a
-//! [`Secret`] is not). No message, log line or `Debug` output shows a password or a key.
+//! [`Secret`] is not). A user that logs in but may not write to the exchange (the broker
+//! closes the channel with 403 `ACCESS_REFUSED` on each publish) is treated alike: logged
+//! at `error`, retried, no message dead-lettered for it. No message, log line or `Debug` output shows a password or a key.
 //!
 //! # Topology
 //!
@@ -384,7 +386,10 @@ impl RabbitMqBuilder {
             };
         }
         let target = if uri.authority.host.contains(':') {
-            format!("rabbitmq at [{}]:{}", uri.authority.host, uri.authority.port)
+            format!(
+                "rabbitmq at [{}]:{}",
+                uri.authority.host, uri.authority.port
+            )
         } else {
             format!("rabbitmq at {}:{}", uri.authority.host, uri.authority.port)
         };
@@ -1269,13 +1274,20 @@ fn confirmed(confirmation: Confirmation) -> Result<(), PublishError> {
 
 /// A lapin failure of a publish or its confirm, by whose fault. The broker closing the
 /// channel over what was sent (a soft AMQP error: 406 message over `max_message_size`, 404
-/// exchange not found, 403 access refused) refuses the message; everything else (I/O, a
-/// connection or channel already closed, a connection-level error such as 320 when the
-/// broker shuts down, a missed heartbeat) is an outage. The close fails every publish
-/// pending on the channel alike: [`RabbitMq::publish`] finds the one it was over.
+/// exchange not found) refuses the message; everything else (I/O, a connection or channel
+/// already closed, a connection-level error such as 320 when the broker shuts down, a
+/// missed heartbeat) is an outage. So is 403 ACCESS_REFUSED: the user may not write to the
+/// exchange, which holds for every message alike (an account to fix, like a refused login,
+/// logged at error), not a fault of this one. The close fails every publish pending on the
+/// channel alike: [`RabbitMq::publish`] finds the one it was over.
 fn lapin_publish_error(what: &str, e: &lapin::Error) -> PublishError {
     let message = format!("{what}: {e}");
-    if e.is_amqp_soft_error() {
+    if let lapin::ErrorKind::ProtocolError(amqp) = e.kind()
+        && amqp.get_id() == 403
+    {
+        tracing::error!(error = %message, "pgbox rabbitmq: the broker refuses this user's publishes");
+        PublishError::unavailable(message)
+    } else if e.is_amqp_soft_error() {
         PublishError::refused(message)
     } else {
         PublishError::unavailable(message)
