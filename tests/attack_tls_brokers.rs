@@ -383,6 +383,23 @@ impl NatsServer {
     }
 }
 
+impl NatsServer {
+    /// Rewrites the configuration (same port) and has the server reload it (SIGHUP to the
+    /// process this test started).
+    fn reconfigure(&self, body: &str) {
+        std::fs::write(
+            self.dir.join("server.conf"),
+            format!("listen: 127.0.0.1:{}\n{body}\n", self.port),
+        )
+        .unwrap();
+        let status = std::process::Command::new("kill")
+            .args(["-HUP", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+}
+
 impl Drop for NatsServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
@@ -633,6 +650,119 @@ async fn finding_rabbitmq_refused_write_permission_dead_letters_good_messages() 
         failed.load(Ordering::Relaxed)
     );
     assert_eq!(report.dead_lettered, 0, "{report:?}");
+    got.sort();
+    assert_eq!(got, payloads, "{report:?}");
+}
+
+/// The same class on NATS: a user that logs in but may not publish on pgbox's subjects
+/// (a permissions violation, the same for every message). The relay must treat it as an
+/// outage: nothing dead-lettered, all delivered once the permission is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_refused_publish_permission_dead_letters_nothing() {
+    let password = format!("Np{}", uuid::Uuid::now_v7().simple());
+    let store = std::env::temp_dir().join(format!(
+        "pgbox-attack-brokers-js-{}",
+        uuid::Uuid::now_v7().simple()
+    ));
+    let config = |deny: &str| {
+        format!(
+            "jetstream {{ store_dir: \"{}\" }}\n\
+             authorization {{ users = [ {{ user: alice, password: \"{password}\", \
+             permissions: {{ publish: {{ allow: [\">\"], deny: [{deny}] }} }} }} ] }}",
+            store.display()
+        )
+    };
+    let server = NatsServer::start("perm", &config("\"attack-denied.>\""));
+    let stream = format!("ATTACK_{}", uuid::Uuid::now_v7().simple());
+    let nats = Nats::builder(format!("nats://127.0.0.1:{}", server.port))
+        .user_password("alice", Secret::new(password.clone()))
+        .stream(&stream)
+        .subject_prefix("attack-denied")
+        .build()
+        .expect("loopback");
+    let topic = "perm.orders";
+    nats.declare_topic(topic).await.expect("declare");
+    let db = TestDb::migrated().await;
+    let outbox = Outbox::new();
+    let payloads = ["n1", "n2"];
+    for payload in payloads {
+        let mut tx = db.pool.begin().await.unwrap();
+        outbox
+            .enqueue(&mut tx, Message::bytes(topic, payload))
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let failed = Arc::new(AtomicUsize::new(0));
+    let relay = Relay::builder(
+        db.pool.clone(),
+        Counting {
+            inner: nats.clone(),
+            failed: failed.clone(),
+        },
+    )
+    .max_attempts(2)
+    .backoff(
+        RetryPolicy::new()
+            .base_delay(Duration::from_millis(5))
+            .max_delay(Duration::from_millis(20)),
+    )
+    .poll_interval(Duration::from_millis(20))
+    .build()
+    .unwrap();
+    let past_budget = 3 * payloads.len();
+    let mut rounds = 0;
+    while failed.load(Ordering::Relaxed) < past_budget && dead_letters(&db.pool).await == 0 {
+        rounds += 1;
+        assert!(rounds <= 2_000, "the relay stopped offering messages");
+        tokio::time::timeout(Duration::from_secs(120), relay.relay_once())
+            .await
+            .expect("a round ends")
+            .expect("round");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let dead = dead_letters(&db.pool).await;
+    server.reconfigure(&config("\"nothing-denied.>\""));
+    let mut report = None;
+    // Bounded: the reload takes effect within a few rounds.
+    for _ in 0..100 {
+        let r = tokio::time::timeout(Duration::from_secs(120), relay.drain())
+            .await
+            .expect("drain ends")
+            .expect("drain");
+        let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        report = Some(r);
+        if pending == 0 || dead_letters(&db.pool).await > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut got = Vec::new();
+    for _ in 0..20 {
+        if got.len() >= payloads.len() {
+            break;
+        }
+        for d in nats
+            .receive(topic, 10, Duration::from_secs(30))
+            .await
+            .unwrap()
+        {
+            got.push(String::from_utf8_lossy(&nats.envelope(&d).payload).into_owned());
+            nats.ack(&d).await.unwrap();
+        }
+    }
+    drop(server);
+    let _ = std::fs::remove_dir_all(&store);
+    assert_eq!(
+        dead,
+        0,
+        "a refused publish permission dead-lettered {dead} message(s) after {} failures",
+        failed.load(Ordering::Relaxed)
+    );
+    assert_eq!(dead_letters(&db.pool).await, 0, "{report:?}");
     got.sort();
     assert_eq!(got, payloads, "{report:?}");
 }
