@@ -551,8 +551,11 @@ async fn finding_rabbitmq_refused_write_permission_dead_letters_good_messages() 
     let node = rabbit_tls::PrivateRabbit::start(&node_dir, &pki.ca_cert, &server.cert, &server.key);
     assert_ne!(node.plain_port, node.tls_port);
     let prefix = format!("pgbox-attack-{}.", uuid::Uuid::now_v7().simple());
+    // The client's copy of the CA file, swapped below.
+    let client_ca = dir.join("client-ca.pem");
+    std::fs::copy(&pki.ca_cert, &client_ca).unwrap();
     let transport = RabbitMq::builder(format!("amqps://localhost:{}/%2f", node.tls_port))
-        .tls_root_certificates(&pki.ca_cert)
+        .tls_root_certificates(&client_ca)
         .tls_client_certificate(&client.cert, &client.key)
         .credentials(&node.user, Secret::new(node.password.clone()))
         .exchange("pgbox-attack")
@@ -640,8 +643,34 @@ async fn finding_rabbitmq_refused_write_permission_dead_letters_good_messages() 
         }
     }
     transport.close().await;
+
+    // The CA file replaced between build and a reconnect (files are read at each
+    // connection): garbage or empty is Error::Tls with BadFile, never a fallback to the
+    // system roots or to no verification; the right file again connects.
+    let mut swapped = Vec::new();
+    for content in ["", "garbage, not PEM\n"] {
+        std::fs::write(&client_ca, content).unwrap();
+        swapped.push(transport.connect().await);
+        transport.close().await;
+    }
+    std::fs::copy(&pki.ca_cert, &client_ca).unwrap();
+    let again = transport.connect().await;
+    transport.close().await;
     drop(node);
     let _ = std::fs::remove_dir_all(&dir);
+    for r in &swapped {
+        assert!(
+            matches!(
+                r,
+                Err(Error::Tls {
+                    problem: pgbox::TlsProblem::BadFile,
+                    ..
+                })
+            ),
+            "{r:?}"
+        );
+    }
+    again.expect("the right CA file connects again");
     assert_eq!(
         dead,
         0,
