@@ -44,7 +44,9 @@
 //! The relay still treats them as the broker being unavailable, and retries with backoff
 //! (nothing is dropped, no attempt is counted): a rotated password or a renewed certificate
 //! then takes effect without a restart (files are read again at each connection; a
-//! [`Secret`] is not). No message, log line or `Debug` output shows a password or a key.
+//! [`Secret`] is not). A user that logs in but may not write to the exchange (the broker
+//! closes the channel with 403 `ACCESS_REFUSED` on each publish) is treated alike: logged
+//! at `error`, retried, no message dead-lettered for it. No message, log line or `Debug` output shows a password or a key.
 //!
 //! # Topology
 //!
@@ -366,13 +368,31 @@ impl RabbitMqBuilder {
                 }
             ))
         })?;
+        // The URL parser keeps a host only when it is a name: an IP literal in brackets
+        // comes back as `localhost`. Put the address given back (lapin dials it as it is).
+        if let Some(v6) = bracketed_host(&self.url) {
+            let address: std::net::Ipv6Addr = v6.parse().map_err(|_| {
+                Error::InvalidConfig(format!(
+                    "rabbitmq URL {}: the host [{v6}] is not an IPv6 address",
+                    redact_url(&self.url)
+                ))
+            })?;
+            uri.authority.host = address.to_string();
+        }
         if let Some((user, password)) = &self.credentials {
             uri.authority.userinfo = AMQPUserInfo {
                 username: user.clone(),
                 password: password.expose().to_owned(),
             };
         }
-        let target = format!("rabbitmq at {}:{}", uri.authority.host, uri.authority.port);
+        let target = if uri.authority.host.contains(':') {
+            format!(
+                "rabbitmq at [{}]:{}",
+                uri.authority.host, uri.authority.port
+            )
+        } else {
+            format!("rabbitmq at {}:{}", uri.authority.host, uri.authority.port)
+        };
         let tls = uri.scheme == AMQPScheme::AMQPS;
         if tls && !cfg!(feature = "tls") {
             return Err(Error::Tls {
@@ -395,7 +415,10 @@ impl RabbitMqBuilder {
         if !tls
             && secret_credentials
             && !self.allow_insecure_credentials
-            && !crate::tls::is_loopback(&uri.authority.host)
+            // A host starting with `/` or `@` (percent-encoded in the URL) is no Unix socket
+            // here: AMQP goes over TCP, and such a name goes to the resolver.
+            && (uri.authority.host.starts_with(['/', '@'])
+                || !crate::tls::is_loopback(&uri.authority.host))
         {
             return Err(Error::InsecureCredentials {
                 transport: TRANSPORT,
@@ -491,6 +514,16 @@ impl RabbitMqBuilder {
             }),
         })
     }
+}
+
+/// The host of an AMQP URL when it is an IP literal in brackets (`[2001:db8::1]`), without
+/// the brackets: the authority is what follows `://` up to `/`, `?` or `#`, the host what
+/// follows its last `@`.
+fn bracketed_host(url: &str) -> Option<&str> {
+    let rest = url.split_once("://")?.1;
+    let authority = &rest[..rest.find(['/', '?', '#']).unwrap_or(rest.len())];
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    host.strip_prefix('[')?.split_once(']').map(|(v6, _)| v6)
 }
 
 /// The RabbitMQ transport: see the [module docs](self). Cheap to clone.
@@ -1241,13 +1274,20 @@ fn confirmed(confirmation: Confirmation) -> Result<(), PublishError> {
 
 /// A lapin failure of a publish or its confirm, by whose fault. The broker closing the
 /// channel over what was sent (a soft AMQP error: 406 message over `max_message_size`, 404
-/// exchange not found, 403 access refused) refuses the message; everything else (I/O, a
-/// connection or channel already closed, a connection-level error such as 320 when the
-/// broker shuts down, a missed heartbeat) is an outage. The close fails every publish
-/// pending on the channel alike: [`RabbitMq::publish`] finds the one it was over.
+/// exchange not found) refuses the message; everything else (I/O, a connection or channel
+/// already closed, a connection-level error such as 320 when the broker shuts down, a
+/// missed heartbeat) is an outage. So is 403 ACCESS_REFUSED: the user may not write to the
+/// exchange, which holds for every message alike (an account to fix, like a refused login,
+/// logged at error), not a fault of this one. The close fails every publish pending on the
+/// channel alike: [`RabbitMq::publish`] finds the one it was over.
 fn lapin_publish_error(what: &str, e: &lapin::Error) -> PublishError {
     let message = format!("{what}: {e}");
-    if e.is_amqp_soft_error() {
+    if let lapin::ErrorKind::ProtocolError(amqp) = e.kind()
+        && amqp.get_id() == 403
+    {
+        tracing::error!(error = %message, "pgbox rabbitmq: the broker refuses this user's publishes");
+        PublishError::unavailable(message)
+    } else if e.is_amqp_soft_error() {
         PublishError::refused(message)
     } else {
         PublishError::unavailable(message)
