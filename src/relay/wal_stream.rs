@@ -178,10 +178,11 @@ impl Stream {
         prefix: String,
         from: u64,
     ) -> Result<Stream, Error> {
-        let config = config(options, slot, from)?;
-        let mut client = ReplicationClient::connect(config)
-            .await
-            .map_err(|e| open_error(options, slot, e))?;
+        let (config, roots) = config(options, slot, from)?;
+        let connected = ReplicationClient::connect(config).await;
+        // The client has read its trusted authorities by now.
+        drop(roots);
+        let mut client = connected.map_err(|e| open_error(options, slot, e))?;
         // From then on the slot's walsender is this session's (see `Liveness`).
         match tokio::time::timeout(START_WAIT, client.wait_started()).await {
             Ok(started) => started.map_err(|e| open_error(options, slot, e))?,
@@ -409,8 +410,12 @@ impl Drop for Stream {
 
 /// The replication session's settings, from the pool's: host or socket, port, user,
 /// password, database, `options`, and TLS (see [`tls_config`]).
-fn config(options: &PgConnectOptions, slot: &str, from: u64) -> Result<ReplicationConfig, Error> {
-    let tls = tls_config(options, slot)?;
+fn config(
+    options: &PgConnectOptions,
+    slot: &str,
+    from: u64,
+) -> Result<(ReplicationConfig, Option<RootBundle>), Error> {
+    let (tls, roots) = tls_config(options, slot)?;
     let password = password_of(options).unwrap_or_default();
     let database = options
         .get_database()
@@ -446,7 +451,7 @@ fn config(options: &PgConnectOptions, slot: &str, from: u64) -> Result<Replicati
     if let Some(o) = options.get_options() {
         config = config.with_options(o.to_owned());
     }
-    Ok(config)
+    Ok((config, roots))
 }
 
 /// The pool's `sslmode` and certificate files as the replication client's TLS settings.
@@ -454,19 +459,32 @@ fn config(options: &PgConnectOptions, slot: &str, from: u64) -> Result<Replicati
 /// With the `tls` feature: `disable` and `allow` connect in plain text; `prefer` asks for
 /// TLS and takes plain text when the server has none (a TLS handshake that fails is not
 /// retried in plain text, unlike libpq); `require`, `verify-ca` and `verify-full` as in
-/// libpq. `sslrootcert` is the only authority trusted when given; without it (and with
-/// `sslrootcert=system`) the client trusts Mozilla's root certificates (webpki-roots), not
-/// the system's store that the pool's connections use. `verify-full` to an IP address checks
-/// the certificate's IP address entries. Certificates given inline (PEM text rather than a
-/// file) are refused: the client reads files only.
+/// libpq. The authorities trusted are the pool's: the system's store, plus the `sslrootcert`
+/// file when one is given (`sslrootcert=system`: the store alone). The client takes them as
+/// one PEM file only, so [`RootBundle`] writes them to a private file for the connection's
+/// handshake. `verify-full` to an IP address checks the certificate's IP address entries.
+/// `verify-ca` also checks the host name here (the client's chain-only verifier misses
+/// rustls 0.23's name error): stricter than asked, never looser. Certificates given inline
+/// (PEM text rather than a file) are refused: the client reads files only.
 ///
 /// Without the feature, the modes that need TLS are refused ([`Error::Tls`] with
 /// [`TlsProblem::NotBuilt`]), and `prefer` connects in plain text.
 #[cfg(feature = "tls")]
-fn tls_config(options: &PgConnectOptions, slot: &str) -> Result<TlsConfig, Error> {
-    let root = certificate_file(options, "ssl_root_cert", slot)?;
-    let mut tls = match options.get_ssl_mode() {
-        PgSslMode::Disable | PgSslMode::Allow => return Ok(TlsConfig::disabled()),
+fn tls_config(
+    options: &PgConnectOptions,
+    slot: &str,
+) -> Result<(TlsConfig, Option<RootBundle>), Error> {
+    let file = certificate_file(options, "ssl_root_cert", slot)?;
+    let mode = options.get_ssl_mode();
+    let bundle = match mode {
+        PgSslMode::VerifyCa | PgSslMode::VerifyFull => {
+            Some(RootBundle::write(file.as_deref(), options)?)
+        }
+        _ => None,
+    };
+    let root = bundle.as_ref().map(|b| b.0.clone());
+    let mut tls = match mode {
+        PgSslMode::Disable | PgSslMode::Allow => return Ok((TlsConfig::disabled(), None)),
         PgSslMode::Prefer => TlsConfig {
             mode: pgwire_replication::SslMode::Prefer,
             ..TlsConfig::default()
@@ -498,11 +516,111 @@ fn tls_config(options: &PgConnectOptions, slot: &str) -> Result<TlsConfig, Error
             });
         }
     }
-    Ok(tls)
+    Ok((tls, bundle))
+}
+
+/// The authorities the replication connection trusts, as the one PEM file its client reads:
+/// the system's store (as the pool's connections load it) and the `sslrootcert` file. A file
+/// of this process's own, made with `create_new` (never one someone else placed there) and
+/// removed once the connection has read it.
+#[cfg(feature = "tls")]
+#[derive(Debug)]
+struct RootBundle(std::path::PathBuf);
+
+#[cfg(not(feature = "tls"))]
+#[derive(Debug)]
+struct RootBundle;
+
+#[cfg(feature = "tls")]
+impl RootBundle {
+    fn write(file: Option<&std::path::Path>, options: &PgConnectOptions) -> Result<Self, Error> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let bad_file = |reason: String| Error::Tls {
+            target: format!(
+                "{} (the WAL relay's replication connection)",
+                crate::connect::describe(options)
+            ),
+            problem: TlsProblem::BadFile,
+            reason,
+        };
+        let mut pem = String::new();
+        for cert in rustls_native_certs::load_native_certs().certs {
+            pem.push_str(&pem_certificate(cert.as_ref()));
+        }
+        if let Some(file) = file {
+            let text = std::fs::read_to_string(file).map_err(|e| {
+                bad_file(format!("cannot read sslrootcert {}: {e}", file.display()))
+            })?;
+            pem.push_str(&text);
+            pem.push('\n');
+        }
+        if pem.trim().is_empty() {
+            return Err(bad_file(
+                "no trusted authority: the system's certificate store is empty and no \
+                 sslrootcert file is given"
+                    .into(),
+            ));
+        }
+        let path = std::env::temp_dir().join(format!(
+            "pgbox-wal-roots-{}-{:016x}.pem",
+            std::process::id(),
+            fastrand::u64(..)
+        ));
+        let mut out = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .map_err(|e| bad_file(format!("cannot write {}: {e}", path.display())))?;
+        let bundle = RootBundle(path);
+        out.write_all(pem.as_bytes())
+            .map_err(|e| bad_file(format!("cannot write {}: {e}", bundle.0.display())))?;
+        Ok(bundle)
+    }
+}
+
+#[cfg(feature = "tls")]
+impl Drop for RootBundle {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// One DER certificate as a PEM block.
+#[cfg(feature = "tls")]
+fn pem_certificate(der: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut encoded = String::with_capacity(der.len() * 4 / 3 + 4);
+    for chunk in der.chunks(3) {
+        let b = [
+            chunk[0],
+            *chunk.get(1).unwrap_or(&0),
+            *chunk.get(2).unwrap_or(&0),
+        ];
+        let n = (u32::from(b[0]) << 16) | (u32::from(b[1]) << 8) | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                encoded.push(ALPHABET[((n >> (18 - 6 * i)) & 63) as usize] as char);
+            } else {
+                encoded.push('=');
+            }
+        }
+    }
+    let mut pem = String::from("-----BEGIN CERTIFICATE-----\n");
+    for line in encoded.as_bytes().chunks(64) {
+        pem.push_str(std::str::from_utf8(line).expect("base64 is ASCII"));
+        pem.push('\n');
+    }
+    pem.push_str("-----END CERTIFICATE-----\n");
+    pem
 }
 
 #[cfg(not(feature = "tls"))]
-fn tls_config(options: &PgConnectOptions, _slot: &str) -> Result<TlsConfig, Error> {
+fn tls_config(
+    options: &PgConnectOptions,
+    _slot: &str,
+) -> Result<(TlsConfig, Option<RootBundle>), Error> {
     let mode = options.get_ssl_mode();
     if matches!(
         mode,
@@ -518,7 +636,7 @@ fn tls_config(options: &PgConnectOptions, _slot: &str) -> Result<TlsConfig, Erro
             ),
         });
     }
-    Ok(TlsConfig::disabled())
+    Ok((TlsConfig::disabled(), None))
 }
 
 /// The file of one of the options' certificate fields (`ssl_root_cert`, `ssl_client_cert`,
@@ -719,7 +837,7 @@ mod tests {
                 .username("u")
                 .password(password)
                 .database("d");
-            let config = config(&options, "s", 0).unwrap();
+            let (config, _) = config(&options, "s", 0).unwrap();
             assert_eq!(config.password, password);
             assert_eq!(config.host, "/tmp");
             assert_eq!(config.database, "d");
@@ -757,38 +875,48 @@ mod tests {
     #[test]
     fn the_pools_tls_settings_become_the_clients() {
         use pgwire_replication::SslMode;
+        let dir = std::env::temp_dir().join(format!("pgbox-wal-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ca_file = dir.join("ca \"q\".crt");
+        let ca_text = "-----BEGIN CERTIFICATE-----\nTUFSS0VS\n-----END CERTIFICATE-----\n";
+        std::fs::write(&ca_file, ca_text).unwrap();
         let base = || {
             PgConnectOptions::new()
                 .host("127.0.0.1")
-                .ssl_root_cert("/etc/pgbox/ca \"q\".crt")
+                .ssl_root_cert(&ca_file)
         };
-        let full = config(&base().ssl_mode(PgSslMode::VerifyFull), "s", 0).unwrap();
+
+        // verify-full: the bundle holds the sslrootcert file (beside the system's store),
+        // lives while the session opens, and is gone after.
+        let (full, bundle) = config(&base().ssl_mode(PgSslMode::VerifyFull), "s", 0).unwrap();
         assert_eq!(full.tls.mode, SslMode::VerifyFull);
-        assert_eq!(
-            full.tls.ca_pem_path.as_deref(),
-            Some(std::path::Path::new("/etc/pgbox/ca \"q\".crt"))
-        );
+        let bundle_path = full.tls.ca_pem_path.clone().unwrap();
+        assert_ne!(bundle_path, ca_file);
+        let bundled = std::fs::read_to_string(&bundle_path).unwrap();
+        assert!(bundled.contains("TUFSS0VS"), "{bundled}");
+        drop(bundle);
+        assert!(!bundle_path.exists());
         assert_eq!(full.tls.sni_hostname.as_deref(), Some("127.0.0.1"));
         let named = base().host("db.internal").ssl_mode(PgSslMode::VerifyFull);
-        assert_eq!(config(&named, "s", 0).unwrap().tls.sni_hostname, None);
-        let ca = config(&base().ssl_mode(PgSslMode::VerifyCa), "s", 0).unwrap();
+        assert_eq!(config(&named, "s", 0).unwrap().0.tls.sni_hostname, None);
+        let (ca, _bundle) = config(&base().ssl_mode(PgSslMode::VerifyCa), "s", 0).unwrap();
         assert_eq!(ca.tls.mode, SslMode::VerifyCa);
+        assert!(ca.tls.ca_pem_path.is_some());
         for (mode, expected) in [
             (PgSslMode::Disable, SslMode::Disable),
             (PgSslMode::Allow, SslMode::Disable),
             (PgSslMode::Prefer, SslMode::Prefer),
             (PgSslMode::Require, SslMode::Require),
         ] {
-            assert_eq!(
-                config(&base().ssl_mode(mode), "s", 0).unwrap().tls.mode,
-                expected
-            );
+            let (config, bundle) = config(&base().ssl_mode(mode), "s", 0).unwrap();
+            assert_eq!(config.tls.mode, expected);
+            assert!(bundle.is_none(), "no certificate check, no bundle");
         }
         let mtls = base()
             .ssl_mode(PgSslMode::VerifyFull)
             .ssl_client_cert("/c.crt")
             .ssl_client_key("/c.key");
-        let mtls = config(&mtls, "s", 0).unwrap();
+        let (mtls, _bundle) = config(&mtls, "s", 0).unwrap();
         assert_eq!(
             mtls.tls.client_cert_pem_path.as_deref(),
             Some(std::path::Path::new("/c.crt"))
@@ -807,10 +935,24 @@ mod tests {
                 ..
             })
         ));
+        let missing = base()
+            .ssl_mode(PgSslMode::VerifyFull)
+            .ssl_root_cert(dir.join("missing.crt"));
+        assert!(matches!(
+            config(&missing, "s", 0),
+            Err(Error::Tls {
+                problem: TlsProblem::BadFile,
+                ..
+            })
+        ));
+        // sslrootcert=system: the system's store alone (when the machine has one).
         let system = PgConnectOptions::new()
             .ssl_mode(PgSslMode::VerifyFull)
             .ssl_root_cert_from_pem(Vec::new());
-        assert_eq!(config(&system, "s", 0).unwrap().tls.ca_pem_path, None);
+        if let Ok((config, _bundle)) = config(&system, "s", 0) {
+            let path = config.tls.ca_pem_path.unwrap();
+            assert!(!std::fs::read_to_string(path).unwrap().contains("TUFSS0VS"));
+        }
         let inline = PgConnectOptions::new()
             .ssl_mode(PgSslMode::VerifyFull)
             .ssl_root_cert_from_pem(b"-----BEGIN CERTIFICATE-----".to_vec());
@@ -821,6 +963,20 @@ mod tests {
                 ..
             })
         ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[cfg(feature = "tls")]
+    #[test]
+    fn pem_blocks_are_base64_of_the_der() {
+        let pem = pem_certificate(b"any carnal pleas");
+        assert_eq!(
+            pem,
+            "-----BEGIN CERTIFICATE-----\nYW55IGNhcm5hbCBwbGVhcw==\n-----END CERTIFICATE-----\n"
+        );
+        let long = pem_certificate(&[0xffu8; 100]);
+        assert!(long.lines().all(|l| l.len() <= 64));
+        assert!(pem_certificate(b"ab").contains("YWI=\n"));
     }
 
     #[test]
