@@ -1,0 +1,218 @@
+//! Attacks on issue 40's promise that no password, token or key shows in an error message,
+//! a `Debug` output or the `pgbox` command's output. Each secret is unique per run; the tests
+//! fail naming where it appeared.
+//!
+//! The inputs are ones people write: a generated password pasted raw into a URL (base64 and
+//! friends hold `/`, `+`, `=`; password managers add `#`, `?`, `,`), and a URL typed where the
+//! command line expects something else.
+
+#![cfg(all(feature = "rabbitmq", feature = "cli"))]
+
+use std::process::Command;
+
+use pgbox::transport::rabbitmq::RabbitMq;
+
+/// A secret unique to this run, with `tail` (characters a URL must encode) appended.
+fn secret(tail: &str) -> String {
+    format!("Sx{}{tail}", uuid::Uuid::now_v7().simple())
+}
+
+/// Fails naming each place in `places` where `needle` (or its longest part before the first
+/// special character, which is a secret on its own) appears.
+fn assert_absent(needle: &str, places: &[(&str, String)]) {
+    let head: String = needle
+        .chars()
+        .take_while(|c| c.is_ascii_alphanumeric())
+        .collect();
+    let leaks: Vec<String> = places
+        .iter()
+        .filter(|(_, text)| text.contains(needle) || text.contains(&head))
+        .map(|(place, text)| format!("{place}: {text}"))
+        .collect();
+    assert!(leaks.is_empty(), "the secret leaked:\n{}", leaks.join("\n"));
+}
+
+/// A password that holds a character ending a URL's authority (`/`, `?`, `#`), pasted
+/// unencoded into an AMQP URL. The URL is wrong (lapin cannot read it), and saying so must
+/// not quote the password: neither the builder's `Debug` nor the error.
+#[test]
+fn finding_rabbitmq_unencoded_password_with_slash_shows_in_debug_and_error() {
+    for tail in ["/b64+x=", "?q", "#frag"] {
+        let password = secret(tail);
+        let url = format!("amqp://app:{password}@127.0.0.1:5672/%2f");
+        let builder = RabbitMq::builder(url.clone());
+        let debug = format!("{builder:?}");
+        let error = match builder.build() {
+            Ok(_) => "(built)".to_owned(),
+            Err(e) => format!("{e} / {e:?}"),
+        };
+        assert_absent(
+            &password,
+            &[
+                ("RabbitMqBuilder's Debug", debug),
+                ("RabbitMqBuilder::build's error", error),
+            ],
+        );
+    }
+}
+
+/// The well-formed counterpart holds: an encoded password and a raw `@` in it.
+#[test]
+fn rabbitmq_encoded_or_at_sign_passwords_stay_hidden() {
+    for (raw, in_url) in [
+        (secret("@x"), None),
+        (secret("/y"), Some("%2Fy")),
+        (secret(":z"), None),
+    ] {
+        let written = match in_url {
+            Some(enc) => raw.replace(&raw[raw.len() - 2..], enc),
+            None => raw.clone(),
+        };
+        let url = format!("amqp://app:{written}@127.0.0.1:5672/%2f");
+        let builder = RabbitMq::builder(url).allow_insecure_credentials(true);
+        let debug = format!("{builder:?}");
+        let error = match builder.build() {
+            Ok(t) => format!("{t:?}"),
+            Err(e) => format!("{e} / {e:?}"),
+        };
+        assert_absent(
+            &written,
+            &[("builder Debug", debug), ("build result", error)],
+        );
+    }
+}
+
+/// The output of `pgbox args...` (stdout and stderr), with no DATABASE_URL inherited.
+fn pgbox(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_pgbox"))
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .env_remove("PGPASSWORD")
+        .output()
+        .expect("pgbox runs");
+    format!(
+        "exit {:?}\n{}{}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The URL typed where the command line wanted something else: as a positional argument
+/// (forgetting `--database-url`), before the subcommand, with a misspelt flag, or twice.
+/// clap quotes the offending argument in its error; pgbox must not pass the password on.
+#[test]
+fn finding_cli_usage_errors_quote_a_url_with_its_password() {
+    let password = secret("");
+    let url = format!("postgres://app:{password}@127.0.0.1:1/orders");
+    let flag_typo = format!("--databse-url={url}");
+    let cases: Vec<(&str, Vec<&str>)> = vec![
+        (
+            "the URL as a positional after the subcommand",
+            vec!["status", &url],
+        ),
+        ("the URL instead of the subcommand", vec![&url, "status"]),
+        ("a misspelt --database-url=URL", vec![&flag_typo, "status"]),
+        (
+            "a misspelt --database-url URL",
+            vec!["--databse-url", &url, "status"],
+        ),
+    ];
+    let mut seen = Vec::new();
+    for (what, args) in cases {
+        for json in [false, true] {
+            let mut args = args.clone();
+            if json {
+                args.push("--json");
+            }
+            seen.push((format!("{what} (json: {json})"), pgbox(&args)));
+        }
+    }
+    let places: Vec<(&str, String)> = seen.iter().map(|(p, t)| (p.as_str(), t.clone())).collect();
+    assert_absent(&password, &places);
+}
+
+/// A password with a `,` and a `/` pasted unencoded into a PostgreSQL URL: the URL cannot
+/// be read, and the message must not quote the password.
+#[test]
+fn finding_connect_quotes_a_password_holding_comma_and_slash() {
+    let password = secret(",k/q");
+    let url = format!("postgres://app:{password}@127.0.0.1:1/orders");
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let error = runtime.block_on(async {
+        match pgbox::connect(&url, sqlx::postgres::PgPoolOptions::new()).await {
+            Ok(_) => "(connected)".to_owned(),
+            Err(e) => format!("{e} / {e:?}"),
+        }
+    });
+    let cli = pgbox(&["--database-url", &url, "status"]);
+    let cli_json = pgbox(&["--database-url", &url, "--json", "status"]);
+    assert_absent(
+        &password,
+        &[
+            ("pgbox::connect's error", error),
+            ("pgbox status", cli),
+            ("pgbox status --json", cli_json),
+        ],
+    );
+}
+
+/// Raw special characters that do not end the authority (`@`, `:`, `%`, `+`, `=`) in a
+/// PostgreSQL URL pointing nowhere: the errors of the library and the CLI hold no password.
+#[test]
+fn connect_errors_hide_raw_passwords_that_keep_the_authority() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    for tail in ["@at", ":co", "+p=", "%zz"] {
+        let password = secret(tail);
+        let url = format!("postgres://app:{password}@127.0.0.1:1/orders");
+        let error = runtime.block_on(async {
+            match pgbox::connect(&url, sqlx::postgres::PgPoolOptions::new()).await {
+                Ok(_) => "(connected)".to_owned(),
+                Err(e) => format!("{e} / {e:?}"),
+            }
+        });
+        let cli = pgbox(&["--database-url", &url, "--json", "doctor"]);
+        assert_absent(
+            &password,
+            &[
+                ("pgbox::connect's error", error),
+                ("pgbox doctor --json", cli),
+            ],
+        );
+    }
+}
+
+/// `Secret::from_file` on a file that is not UTF-8 or not a file never quotes contents.
+#[test]
+fn secret_from_file_never_quotes_contents() {
+    let dir = std::env::temp_dir().join(format!("pgbox-att-secret-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let password = secret("");
+    let file = dir.join("pw");
+    let mut bytes = password.clone().into_bytes();
+    bytes.push(0xff);
+    std::fs::write(&file, &bytes).unwrap();
+    let not_utf8 = pgbox::Secret::from_file(&file).map(|s| format!("{s:?} {s}"));
+    std::fs::write(&file, format!("{password}\n")).unwrap();
+    let ok = pgbox::Secret::from_file(&file).map(|s| format!("{s:?} {s} {:?}", s.clone()));
+    let as_dir = pgbox::Secret::from_file(&dir).map(|s| format!("{s:?}"));
+    std::fs::remove_dir_all(&dir).unwrap();
+    let show = |r: Result<String, pgbox::Error>| match r {
+        Ok(s) => s,
+        Err(e) => format!("{e} / {e:?}"),
+    };
+    assert_absent(
+        &password,
+        &[
+            ("not UTF-8", show(not_utf8)),
+            ("ok", show(ok)),
+            ("a directory", show(as_dir)),
+        ],
+    );
+}
