@@ -8,6 +8,8 @@
 
 #![cfg(all(feature = "rabbitmq", feature = "cli"))]
 
+mod support;
+
 use std::process::Command;
 
 use pgbox::transport::rabbitmq::RabbitMq;
@@ -215,4 +217,145 @@ fn secret_from_file_never_quotes_contents() {
             ("a directory", show(as_dir)),
         ],
     );
+}
+
+/// The NATS transport's own URL redaction, with the same raw passwords and tokens: a `/`,
+/// `?` or `#` in them, unencoded.
+#[cfg(feature = "nats")]
+#[test]
+fn finding_nats_unencoded_password_or_token_shows_in_debug_and_error() {
+    use pgbox::transport::nats::Nats;
+    for (tail, with_user) in [("/b64+x=", true), ("?q", true), ("#f", true), ("/tok", false)] {
+        let password = secret(tail);
+        let url = if with_user {
+            format!("nats://app:{password}@127.0.0.1:4222")
+        } else {
+            format!("nats://{password}@127.0.0.1:4222")
+        };
+        let builder = Nats::builder(url.clone());
+        let debug = format!("{builder:?}");
+        let error = match builder.build() {
+            Ok(t) => format!("(built) {t:?}"),
+            Err(e) => format!("{e} / {e:?}"),
+        };
+        assert_absent(
+            &password,
+            &[
+                ("NatsBuilder's Debug", debug),
+                ("NatsBuilder::build's result", error),
+            ],
+        );
+    }
+}
+
+/// Kafka's SASL password is a librdkafka setting (`sasl.password`, also `ssl.key.password`,
+/// `ssl.keystore.password`): the builder's and the transport's `Debug` must not show it, nor
+/// must the error of a build or first use that fails.
+#[cfg(feature = "kafka")]
+#[test]
+fn finding_kafka_builder_debug_shows_sasl_password() {
+    use pgbox::transport::kafka::Kafka;
+    let password = secret("");
+    let key_password = secret("");
+    let builder = Kafka::builder("127.0.0.1:1")
+        .set("security.protocol", "SASL_PLAINTEXT")
+        .set("sasl.mechanism", "SCRAM-SHA-256")
+        .set("sasl.username", "app")
+        .set("sasl.password", password.clone())
+        .set("ssl.key.password", key_password.clone());
+    let debug = format!("{builder:?}");
+    let built = match builder.build() {
+        Ok(k) => format!("{k:?}"),
+        Err(e) => format!("{e} / {e:?}"),
+    };
+    for secret in [&password, &key_password] {
+        assert_absent(
+            secret,
+            &[
+                ("KafkaBuilder's Debug", debug.clone()),
+                ("Kafka's Debug or build error", built.clone()),
+            ],
+        );
+    }
+}
+
+/// A standby's `primary_conninfo` holds the replication password. The doctor reads that
+/// setting (whether it names a dbname, for slot synchronization): neither the library's
+/// report (`Debug`, text, JSON) nor `pgbox doctor` (text, `--json`, RUST_LOG=trace) may show
+/// the password. A private primary and standby; the password is never checked (trust), only
+/// read back.
+#[test]
+fn doctor_on_a_standby_never_shows_the_primary_conninfo_password() {
+    use support::cluster::Cluster;
+    let password = secret("");
+    let primary = Cluster::start_logical();
+    let url = primary.url("postgres");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async {
+        let pool = pgbox::connect(&url, sqlx::postgres::PgPoolOptions::new())
+            .await
+            .unwrap();
+        pgbox::Migrator::new().run(&pool).await.unwrap();
+        pool.close().await;
+    });
+    let standby = Cluster::standby_of(&primary, false);
+    let conninfo = standby.psql("SHOW primary_conninfo");
+    let with_password = format!("{} password={password}", conninfo.trim());
+    standby.psql(&format!(
+        "ALTER SYSTEM SET primary_conninfo = '{}'",
+        with_password.replace('\'', "''")
+    ));
+    standby.psql("SELECT pg_reload_conf()");
+    standby.wait_for(
+        &format!(
+            "SELECT count(*) FROM pg_settings WHERE name = 'primary_conninfo' \
+             AND setting LIKE '%{password}%'"
+        ),
+        "1",
+    );
+    let standby_url = standby.url("postgres");
+    let mut seen: Vec<(String, String)> = Vec::new();
+    runtime.block_on(async {
+        let pool = pgbox::connect(&standby_url, sqlx::postgres::PgPoolOptions::new())
+            .await
+            .unwrap();
+        let report = pgbox::doctor::check(&pool, pgbox::DEFAULT_SCHEMA).await;
+        let shown = match &report {
+            Ok(r) => format!("{r:#?}"),
+            Err(e) => format!("{e} / {e:?}"),
+        };
+        seen.push(("the library's report".into(), shown));
+        pool.close().await;
+    });
+    for json in [false, true] {
+        let mut args = vec!["--database-url", standby_url.as_str(), "doctor"];
+        if json {
+            args.push("--json");
+        }
+        let out = Command::new(env!("CARGO_BIN_EXE_pgbox"))
+            .args(&args)
+            .env("RUST_LOG", "trace")
+            .env_remove("DATABASE_URL")
+            .output()
+            .unwrap();
+        let text = format!(
+            "exit {:?}\n{}{}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            text.contains("primary_conninfo") || text.contains("standby"),
+            "the doctor did not look at the standby: {text}"
+        );
+        seen.push((format!("pgbox doctor (json: {json})"), text));
+    }
+    let places: Vec<(&str, String)> = seen.iter().map(|(p, t)| (p.as_str(), t.clone())).collect();
+    assert_absent(&password, &places);
+    drop(standby);
+    drop(primary);
 }
