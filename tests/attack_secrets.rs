@@ -108,6 +108,7 @@ fn finding_cli_usage_errors_quote_a_url_with_its_password() {
     let password = secret("");
     let url = format!("postgres://app:{password}@127.0.0.1:1/orders");
     let flag_typo = format!("--databse-url={url}");
+    let conninfo = format!("host=127.0.0.1 password={password}");
     let cases: Vec<(&str, Vec<&str>)> = vec![
         (
             "the URL as a positional after the subcommand",
@@ -118,6 +119,14 @@ fn finding_cli_usage_errors_quote_a_url_with_its_password() {
         (
             "a misspelt --database-url URL",
             vec!["--databse-url", &url, "status"],
+        ),
+        (
+            "the URL where an id belongs",
+            vec!["dead-letters", "show", &url],
+        ),
+        (
+            "a key=value string as a positional",
+            vec!["status", &conninfo],
         ),
     ];
     let mut seen = Vec::new();
@@ -150,16 +159,36 @@ fn finding_connect_quotes_a_password_holding_comma_and_slash() {
             Err(e) => format!("{e} / {e:?}"),
         }
     });
-    let cli = pgbox(&["--database-url", &url, "status"]);
-    let cli_json = pgbox(&["--database-url", &url, "--json", "status"]);
-    assert_absent(
-        &password,
-        &[
-            ("pgbox::connect's error", error),
-            ("pgbox status", cli),
-            ("pgbox status --json", cli_json),
-        ],
+    assert_absent(&password, &[("pgbox::connect's error", error)]);
+}
+
+/// The same URL given to the CLI (which repeats the library's message): the CLI hides the
+/// URL's password, also in pieces, whatever the message it passes on.
+#[test]
+fn cli_hides_a_password_holding_comma_and_slash() {
+    let password = secret(",k/q");
+    let url = format!("postgres://app:{password}@127.0.0.1:1/orders");
+    let mut seen = vec![
+        ("pgbox status", pgbox(&["--database-url", &url, "status"])),
+        (
+            "pgbox status --json",
+            pgbox(&["--database-url", &url, "--json", "status"]),
+        ),
+    ];
+    let env = Command::new(env!("CARGO_BIN_EXE_pgbox"))
+        .args(["--json", "doctor"])
+        .env("DATABASE_URL", &url)
+        .output()
+        .unwrap();
+    seen.push((
+        "pgbox doctor --json, the URL in DATABASE_URL",
+        String::from_utf8_lossy(&env.stderr).into_owned(),
+    ));
+    assert!(
+        seen.iter().all(|(_, text)| text.contains("several hosts")),
+        "not the message this attacks: {seen:?}"
     );
+    assert_absent(&password, &seen);
 }
 
 /// Raw special characters that do not end the authority (`@`, `:`, `%`, `+`, `=`) in a
@@ -225,7 +254,12 @@ fn secret_from_file_never_quotes_contents() {
 #[test]
 fn finding_nats_unencoded_password_or_token_shows_in_debug_and_error() {
     use pgbox::transport::nats::Nats;
-    for (tail, with_user) in [("/b64+x=", true), ("?q", true), ("#f", true), ("/tok", false)] {
+    for (tail, with_user) in [
+        ("/b64+x=", true),
+        ("?q", true),
+        ("#f", true),
+        ("/tok", false),
+    ] {
         let password = secret(tail);
         let url = if with_user {
             format!("nats://app:{password}@127.0.0.1:4222")
