@@ -25,32 +25,56 @@ impl Secret {
     }
 
     /// The value of the environment variable `name`. Missing, empty or not UTF-8 is
-    /// [`Error::InvalidConfig`] naming the variable (never its value).
+    /// [`Error::InvalidConfig`] naming the variable (never its value). A `name` that is not
+    /// an environment variable's usual form (`UPPER_CASE`, digits, `_`) is not named either:
+    /// it may be the secret itself, given where its variable's name belongs.
     pub fn from_env(name: &str) -> Result<Secret> {
+        let shown = if is_usual_variable_name(name) {
+            name.to_owned()
+        } else {
+            format!(
+                "named by {} characters (the name is not shown: it is not UPPER_CASE, and may \
+                 be the secret itself)",
+                name.chars().count()
+            )
+        };
         match std::env::var(name) {
             Ok(value) if !value.is_empty() => Ok(Secret(value)),
             Ok(_) => Err(Error::InvalidConfig(format!(
-                "the environment variable {name} is empty"
+                "the environment variable {shown} is empty"
             ))),
             Err(std::env::VarError::NotPresent) => Err(Error::InvalidConfig(format!(
-                "the environment variable {name} is not set"
+                "the environment variable {shown} is not set"
             ))),
             Err(std::env::VarError::NotUnicode(_)) => Err(Error::InvalidConfig(format!(
-                "the environment variable {name} is not UTF-8"
+                "the environment variable {shown} is not UTF-8"
             ))),
         }
     }
 
     /// The contents of the file at `path`, without one trailing line break (`\n` or
     /// `\r\n`), as secrets files usually end. Unreadable, empty or not UTF-8 is
-    /// [`Error::InvalidConfig`] naming the file (never its contents).
+    /// [`Error::InvalidConfig`] naming the file (never its contents). A path that names no
+    /// file in an existing directory (`hunter2`, `ab/cd+e=`) is not named either: it may be
+    /// the secret itself, given where its file's path belongs.
     pub fn from_file(path: impl AsRef<Path>) -> Result<Secret> {
         let path = path.as_ref();
         let bytes = std::fs::read(path).map_err(|e| {
-            Error::InvalidConfig(format!(
-                "cannot read the secret file {}: {e}",
-                path.display()
-            ))
+            let in_a_directory = path
+                .parent()
+                .is_some_and(|dir| !dir.as_os_str().is_empty() && dir.is_dir());
+            if e.kind() == std::io::ErrorKind::NotFound && !in_a_directory {
+                Error::InvalidConfig(format!(
+                    "cannot read the secret file: no such file, and no such directory (the \
+                     path, {} characters, is not shown: it may be the secret itself)",
+                    path.as_os_str().len()
+                ))
+            } else {
+                Error::InvalidConfig(format!(
+                    "cannot read the secret file {}: {e}",
+                    path.display()
+                ))
+            }
         })?;
         let text = String::from_utf8(bytes).map_err(|_| {
             Error::InvalidConfig(format!("the secret file {} is not UTF-8", path.display()))
@@ -84,6 +108,16 @@ impl fmt::Display for Secret {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("***")
     }
+}
+
+/// Whether `name` has an environment variable's usual form: ASCII upper-case letters, digits
+/// and `_`, not starting with a digit.
+fn is_usual_variable_name(name: &str) -> bool {
+    !name.is_empty()
+        && !name.starts_with(|c: char| c.is_ascii_digit())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_')
 }
 
 /// `url` with the password of its user-info part (`scheme://user:password@host`) replaced by

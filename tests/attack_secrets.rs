@@ -393,3 +393,40 @@ fn doctor_on_a_standby_never_shows_the_primary_conninfo_password() {
     drop(standby);
     drop(primary);
 }
+
+/// The classic mix-up of `*_FILE` variables: the password itself where its file's path (or
+/// its variable's name) belongs, e.g. `PGBOX_BROKER_PASSWORD_FILE=<the password>`. The
+/// error must not quote it back.
+#[test]
+fn finding_secret_from_file_or_env_quotes_a_secret_given_in_place_of_its_name() {
+    let mut seen = Vec::new();
+    for tail in ["", "+x=", "/b64+x="] {
+        let password = secret(tail);
+        let from_file = match pgbox::Secret::from_file(&password) {
+            Ok(s) => format!("{s:?}"),
+            Err(e) => format!("{e} / {e:?}"),
+        };
+        let from_env = match pgbox::Secret::from_env(&password) {
+            Ok(s) => format!("{s:?}"),
+            Err(e) => format!("{e} / {e:?}"),
+        };
+        seen.push((password, from_file, from_env));
+    }
+    for (password, from_file, from_env) in seen {
+        assert_absent(
+            &password,
+            &[
+                ("Secret::from_file(<the secret>)", from_file),
+                ("Secret::from_env(<the secret>)", from_env),
+            ],
+        );
+    }
+    // What a real path or variable name gets: named, so the mistake can be found.
+    let missing = std::env::temp_dir().join(format!("pgbox-no-such-{}", secret("")));
+    let e = pgbox::Secret::from_file(&missing).unwrap_err().to_string();
+    assert!(e.contains(&*missing.to_string_lossy()), "{e}");
+    let e = pgbox::Secret::from_env("PGBOX_ATTACK_SURELY_UNSET_VARIABLE")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("PGBOX_ATTACK_SURELY_UNSET_VARIABLE"), "{e}");
+}
