@@ -1101,9 +1101,12 @@ impl Hider {
                 && let Some((_, password)) = userinfo.split_once(':')
             {
                 replacements.push((password.to_owned(), "***".to_owned()));
-                for piece in password.split(['/', '?', '#', ',', ':', '@']) {
-                    if piece.len() >= 4 {
-                        replacements.push((piece.to_owned(), "***".to_owned()));
+                // Pieces only of a password that has such characters, and long enough not
+                // to blot out ordinary words of the message.
+                let pieces: Vec<&str> = password.split(['/', '?', '#', ',', ':', '@']).collect();
+                for piece in pieces.iter().filter(|_| pieces.len() > 1) {
+                    if piece.len() >= 6 {
+                        replacements.push(((*piece).to_owned(), "***".to_owned()));
                     }
                 }
             }
