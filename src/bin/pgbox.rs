@@ -1018,10 +1018,11 @@ async fn run(cli: Cli) -> Result<(), Failure> {
 
 /// An argument error as one JSON object: `error` (clap's message, its continuation lines
 /// joined), `usage` and, when clap has one, `tip`; `exit_code` 2 as without `--json`.
-fn usage_error_json(e: &clap::Error) -> Value {
+fn usage_error_json(e: &clap::Error, hide: &Hider) -> Value {
     // The plain rendering (`Display` drops clap's styling): paragraphs of the error, a tip,
-    // the usage line, the `--help` hint.
-    let text = e.to_string();
+    // the usage line, the `--help` hint. clap quotes the argument it could not place: a URL
+    // typed where a subcommand or an id belongs would bring its password along.
+    let text = hide.apply(&e.to_string());
     let (mut message, mut usage, mut tip) = (None, None, None);
     for paragraph in text.split("\n\n").map(str::trim) {
         if let Some(u) = paragraph.strip_prefix("Usage:") {
@@ -1065,11 +1066,77 @@ fn usage_error_json(e: &clap::Error) -> Value {
     out
 }
 
+/// What pgbox's own messages must not repeat: the command line's arguments that may hold a
+/// password (a URL, a key=value with a secret's name), and the password part of the database
+/// URL, also in pieces (a message quoting a malformed URL may cut the password at a `/`, `?`,
+/// `#`, `,` or `:` it holds).
+struct Hider {
+    /// (text, what replaces it), longest text first.
+    replacements: Vec<(String, String)>,
+}
+
+impl Hider {
+    fn new(args: &[String], database_url: Option<&str>) -> Hider {
+        let mut replacements = Vec::new();
+        for arg in args {
+            let lower = arg.to_ascii_lowercase();
+            let risky = arg.contains('@')
+                || arg.contains("://")
+                || ["pass", "token", "secret", "key"]
+                    .iter()
+                    .any(|w| lower.contains(w) && arg.contains('='));
+            if risky {
+                let shown = match arg.split_once("://") {
+                    Some((scheme, _)) => format!("{scheme}://*** (hidden: it may hold a password)"),
+                    None => "*** (hidden: it may hold a password)".to_owned(),
+                };
+                replacements.push((arg.clone(), shown));
+            }
+        }
+        if let Some(url) = database_url {
+            let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+            // The user-info: up to the last '@' (a password pasted unencoded may hold '/').
+            let before_query = rest.split(['?', '#']).next().unwrap_or(rest);
+            if let Some((userinfo, _)) = before_query.rsplit_once('@')
+                && let Some((_, password)) = userinfo.split_once(':')
+            {
+                replacements.push((password.to_owned(), "***".to_owned()));
+                // Pieces only of a password that has such characters, and long enough not
+                // to blot out ordinary words of the message.
+                let pieces: Vec<&str> = password.split(['/', '?', '#', ',', ':', '@']).collect();
+                for piece in pieces.iter().filter(|_| pieces.len() > 1) {
+                    if piece.len() >= 6 {
+                        replacements.push(((*piece).to_owned(), "***".to_owned()));
+                    }
+                }
+            }
+        }
+        replacements.retain(|(text, _)| !text.is_empty());
+        replacements.sort_by_key(|(text, _)| std::cmp::Reverse(text.len()));
+        Hider { replacements }
+    }
+
+    fn apply(&self, text: &str) -> String {
+        let mut text = text.to_owned();
+        for (secret, shown) in &self.replacements {
+            if text.contains(secret.as_str()) {
+                text = text.replace(secret.as_str(), shown);
+            }
+        }
+        text
+    }
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args_os()
+        .skip(1)
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
+            let hide = Hider::new(&args, std::env::var("DATABASE_URL").ok().as_deref());
             // `--json` covers argument errors too: a script gets JSON whatever went wrong.
             // (Looked for in the raw arguments: parsing is what failed.)
             let wants_json = std::env::args_os()
@@ -1079,16 +1146,29 @@ async fn main() -> ExitCode {
                 clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion
             );
             if wants_json && is_usage_error {
-                eprintln!("{}", usage_error_json(&e));
+                eprintln!("{}", usage_error_json(&e, &hide));
                 return ExitCode::from(2);
+            }
+            let plain = e.to_string();
+            let hidden = hide.apply(&plain);
+            if hidden != plain {
+                // Without clap's colours: the styled rendering cannot be edited safely.
+                if e.use_stderr() {
+                    eprint!("{hidden}");
+                } else {
+                    print!("{hidden}");
+                }
+                return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(2));
             }
             e.exit();
         }
     };
     let json_mode = cli.json;
+    let hide = Hider::new(&args, cli.database_url.as_deref());
     match run(cli).await {
         Ok(()) => ExitCode::SUCCESS,
-        Err(f) => {
+        Err(mut f) => {
+            f.message = hide.apply(&f.message);
             if json_mode {
                 eprintln!("{}", json!({ "error": f.message, "exit_code": f.code }));
             } else {
