@@ -296,10 +296,13 @@ fn refuse_failover_settings(url: &str) -> Result<()> {
                            routed to the primary (e.g. Patroni's /primary health check).";
     let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
     let (before_query, query) = rest.split_once('?').unwrap_or((rest, ""));
-    let authority = before_query.split('/').next().unwrap_or("");
-    let hosts = authority
+    // The hosts follow the last '@' (a password may hold '/' or ',' unencoded).
+    let hosts = before_query
         .rsplit_once('@')
-        .map_or(authority, |(_, hosts)| hosts);
+        .map_or(before_query, |(_, hosts)| hosts)
+        .split('/')
+        .next()
+        .unwrap_or("");
     if hosts.contains(',') {
         return Err(Error::InvalidConfig(format!(
             "the database URL lists several hosts ({hosts}): sqlx, which pgbox connects with, \
@@ -334,33 +337,8 @@ pub(crate) fn describe(options: &PgConnectOptions) -> String {
 /// For every connection pgbox opens outside the pool (the relays' lock connections, LISTEN,
 /// the janitor), so that their refusals read as the pool's do.
 pub(crate) fn connect_error(target: &str, e: sqlx::Error) -> Error {
-    if let sqlx::Error::Database(db) = &e {
-        let message = crate::error::database_message(db.as_ref());
-        let code = db.code();
-        match code.as_deref() {
-            // pg_hba's `cert` method (or `clientcert=verify-*`) without a valid client
-            // certificate.
-            Some("28000") if db.message().contains("certificate") => {
-                return Error::Tls {
-                    target: target.to_owned(),
-                    problem: TlsProblem::ClientCertificate,
-                    reason: message,
-                };
-            }
-            Some("28P01" | "28000") => {
-                return Error::Authentication {
-                    target: target.to_owned(),
-                    reason: message,
-                };
-            }
-            _ => {}
-        }
-    } else if let Some(problem) = crate::tls::classify(&e) {
-        return Error::Tls {
-            target: target.to_owned(),
-            problem,
-            reason: tls_reason(problem, &e),
-        };
+    if let Some(typed) = refusal(target, &e) {
+        return typed;
     }
     let reason = match &e {
         sqlx::Error::Io(io) => match io.kind() {
@@ -379,6 +357,42 @@ pub(crate) fn connect_error(target: &str, e: sqlx::Error) -> Error {
         target: target.to_owned(),
         reason,
     }
+}
+
+/// A refused login ([`Error::Authentication`]) or a certificate failure ([`Error::Tls`]),
+/// if `e` is one.
+fn refusal(target: &str, e: &sqlx::Error) -> Option<Error> {
+    if let sqlx::Error::Database(db) = e {
+        let message = crate::error::database_message(db.as_ref());
+        match db.code().as_deref() {
+            // pg_hba's `cert` method (or `clientcert=verify-*`) without a valid client
+            // certificate.
+            Some("28000") if db.message().contains("certificate") => Some(Error::Tls {
+                target: target.to_owned(),
+                problem: TlsProblem::ClientCertificate,
+                reason: message,
+            }),
+            Some("28P01" | "28000") => Some(Error::Authentication {
+                target: target.to_owned(),
+                reason: message,
+            }),
+            _ => None,
+        }
+    } else {
+        crate::tls::classify(e).map(|problem| Error::Tls {
+            target: target.to_owned(),
+            problem,
+            reason: tls_reason(problem, e),
+        })
+    }
+}
+
+/// A connection pgbox opens outside the pool (the WAL relay's reader, LISTEN, the janitor's
+/// lock) failed: a refused login or certificate is typed as in [`connect_error`]; anything
+/// else (the server away) stays the database error it was, which the callers' outage
+/// handling reads.
+pub(crate) fn session_connect_error(options: &PgConnectOptions, e: sqlx::Error) -> Error {
+    refusal(&describe(options), &e).unwrap_or_else(|| Error::from(e))
 }
 
 /// The client's words for a TLS failure, with what to do about it.
@@ -418,7 +432,7 @@ fn tls_reason(problem: TlsProblem, e: &sqlx::Error) -> String {
 fn without_password(text: &str, url: &str) -> String {
     let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
     let password = rest
-        .split_once('@')
+        .rsplit_once('@')
         .and_then(|(userinfo, _)| userinfo.split_once(':'))
         .map(|(_, password)| password);
     match password {

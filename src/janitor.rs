@@ -983,7 +983,9 @@ impl Janitor {
     /// Opens the dedicated lock connection.
     async fn connect(&self) -> Result<Session> {
         let connect = async {
-            let mut conn = PgConnection::connect_with(&self.connect).await?;
+            let mut conn = PgConnection::connect_with(&self.connect)
+                .await
+                .map_err(|e| crate::connect::session_connect_error(&self.connect, e))?;
             let backend_pid: i32 = sqlx::query_scalar("SELECT pg_catalog.pg_backend_pid()")
                 .fetch_one(&mut conn)
                 .await?;

@@ -18,7 +18,9 @@ pub(crate) async fn listen(pool: &PgPool, channel: &str) -> Result<PgListener> {
         .idle_timeout(None)
         .max_lifetime(None)
         .connect_lazy_with((*pool.connect_options()).clone());
-    let mut listener = PgListener::connect_with(&dedicated).await?;
+    let mut listener = PgListener::connect_with(&dedicated)
+        .await
+        .map_err(|e| crate::connect::session_connect_error(&pool.connect_options(), e))?;
     listener.listen(channel).await?;
     Ok(listener)
 }

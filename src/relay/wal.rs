@@ -829,7 +829,13 @@ impl<P: Publisher> WalRelay<P> {
     async fn round(&self, reader: &mut Reader, target: Target) -> Result<(WalRoundReport, bool)> {
         let mut report = WalRoundReport::default();
         if reader.conn.is_none() {
-            let mut conn = self.pool.connect_options().connect().await?;
+            let options = self.pool.connect_options();
+            // A refused login or certificate is typed as `connect` types it, not a database
+            // error (a rotated password, an expired certificate).
+            let mut conn = options
+                .connect()
+                .await
+                .map_err(|e| crate::connect::session_connect_error(&options, e))?;
             check_wal_level(&mut conn).await?;
             let locked: bool = sqlx::query_scalar(
                 "SELECT pg_catalog.pg_try_advisory_lock($1, pg_catalog.hashtext($2))",

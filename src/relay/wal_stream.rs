@@ -167,6 +167,8 @@ pub(super) struct Stream {
     drained: bool,
     /// Whether the session still carries bytes (see the module docs).
     liveness: Liveness,
+    /// The file of trusted authorities its client reads (removed when the session ends).
+    _roots: Option<RootBundle>,
 }
 
 impl Stream {
@@ -179,10 +181,11 @@ impl Stream {
         from: u64,
     ) -> Result<Stream, Error> {
         let (config, roots) = config(options, slot, from)?;
-        let connected = ReplicationClient::connect(config).await;
-        // The client has read its trusted authorities by now.
-        drop(roots);
-        let mut client = connected.map_err(|e| open_error(options, slot, e))?;
+        // The client reads its trusted authorities in its worker, during the handshake: the
+        // bundle lives as long as the session.
+        let mut client = ReplicationClient::connect(config)
+            .await
+            .map_err(|e| open_error(options, slot, e))?;
         // From then on the slot's walsender is this session's (see `Liveness`).
         match tokio::time::timeout(START_WAIT, client.wait_started()).await {
             Ok(started) => started.map_err(|e| open_error(options, slot, e))?,
@@ -198,6 +201,7 @@ impl Stream {
             }
         }
         Ok(Stream {
+            _roots: roots,
             client,
             pending: VecDeque::new(),
             pending_bytes: 0,

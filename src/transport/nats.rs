@@ -226,18 +226,18 @@ fn split_userinfo(url: &str) -> (String, Option<(String, Option<String>)>) {
     let Some((scheme, rest)) = url.split_once("://") else {
         return split_userinfo(&format!("nats://{url}"));
     };
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(end);
-    match authority.rfind('@') {
+    // The user-info ends at the last '@': a password or token may hold '/', '?' or '#'
+    // unencoded (base64 secrets do), and NATS URLs have no path or query to hold an '@'.
+    match rest.rfind('@') {
         None => (url.to_owned(), None),
         Some(at) => {
-            let userinfo = &authority[..at];
-            let host = &authority[at + 1..];
+            let userinfo = &rest[..at];
+            let host = &rest[at + 1..];
             let parts = match userinfo.split_once(':') {
                 Some((user, password)) => (user.to_owned(), Some(password.to_owned())),
                 None => (userinfo.to_owned(), None),
             };
-            (format!("{scheme}://{host}{tail}"), Some(parts))
+            (format!("{scheme}://{host}"), Some(parts))
         }
     }
 }

@@ -46,7 +46,11 @@
 //! then takes effect without a restart (files are read again at each connection; a
 //! [`Secret`] is not). A user that logs in but may not write to the exchange (the broker
 //! closes the channel with 403 `ACCESS_REFUSED` on each publish) is treated alike: logged
-//! at `error`, retried, no message dead-lettered for it. No message, log line or `Debug` output shows a password or a key.
+//! at `error`, retried, no message dead-lettered for it. No message, log line or `Debug`
+//! output of pgbox's shows a password or a key. One exception is lapin's own: at TRACE, its
+//! target `lapin::io_loop` logs every frame it writes, the login frame
+//! (`Connection.StartOk`, with the password as bytes) included. Keep that target at DEBUG or
+//! above (`RUST_LOG=trace,lapin::io_loop=debug`).
 //!
 //! # Topology
 //!
