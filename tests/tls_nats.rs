@@ -378,6 +378,78 @@ async fn token_login() {
     }
 }
 
+/// NKey login: the user's seed signs the server's nonce. Over TLS and, since the seed never
+/// travels, also in clear text (to loopback here; to any host at build). Another user's
+/// seed is refused typed; a public key or garbage in place of a seed is refused at build;
+/// nothing shows the seed.
+#[tokio::test]
+async fn nkey_login() {
+    support::init_tracing();
+    let dir = TempDir::new("nkey");
+    let pki = Pki::new(dir.0.join("pki"), "nats");
+    let cert = pki.server("server", &["localhost"], Validity::Current);
+    // Two user key pairs made for this test with the nkeys crate (a dev-dependency only for
+    // this would add an ed25519 build to every `cargo test`): seeds and public keys.
+    const USER_SEED: &str = "SUAM6SDGLKPTSJLDF2GWT2DL6PJ44F3OFGTUGD5FKNDS3AMMDZFTGQKKAM";
+    const USER_PUBLIC: &str = "UCVTNQZOLAPJQIAN43HFT57HUZPJCSSACJBYZ5XDC4MMF3L676L36Y2Q";
+    const STRANGER_SEED: &str = "SUAK4P2JELFP2TZSATGDSZGSKWLSS6MVP4DDRLOCS7ESSBAIARICD6MZ64";
+    let seed = USER_SEED.to_owned();
+    let server = Server::start(
+        &dir.0,
+        "nkey",
+        &format!(
+            "{}authorization {{ users = [ {{ nkey: \"{}\" }} ] }}\n",
+            tls_block(&cert, &pki.ca_cert, false),
+            USER_PUBLIC
+        ),
+    );
+    let url = format!("tls://localhost:{}", server.port);
+    let builder = Nats::builder(&url)
+        .tls_root_certificates(&pki.ca_cert)
+        .nkey(Secret::new(seed.clone()));
+    let debug = format!("{builder:?}");
+    assert!(!debug.contains(&seed), "{debug}");
+    connect(&connect_only(builder))
+        .await
+        .expect("the user's seed");
+
+    let stranger = STRANGER_SEED.to_owned();
+    let wrong = connect_only(
+        Nats::builder(&url)
+            .tls_root_certificates(&pki.ca_cert)
+            .nkey(Secret::new(stranger.clone())),
+    );
+    match connect(&wrong).await {
+        Err(e @ Error::Authentication { .. }) => {
+            let text = format!("{e} {e:?}");
+            assert!(!text.contains(&stranger), "{text}");
+        }
+        other => panic!("expected Error::Authentication, got {other:?}"),
+    }
+
+    // No TLS: an NKey is not refused as clear-text credentials, even off loopback.
+    Nats::builder("nats://nats.example.com:4222")
+        .nkey(Secret::new(seed.clone()))
+        .build()
+        .expect("an NKey's seed is never sent");
+    for not_a_seed in [
+        USER_PUBLIC.to_owned(),
+        "SUNOTASEED".to_owned(),
+        String::new(),
+    ] {
+        match Nats::builder(&url)
+            .nkey(Secret::new(not_a_seed.clone()))
+            .build()
+        {
+            Err(Error::InvalidConfig(m)) => {
+                assert!(m.contains("seed"), "{m}");
+                assert!(not_a_seed.is_empty() || !m.contains(&not_a_seed), "{m}");
+            }
+            other => panic!("{not_a_seed:?}: expected InvalidConfig, got {other:?}"),
+        }
+    }
+}
+
 /// Passwords and tokens that would cross the network in clear text are refused at build,
 /// before any connection (the hosts below do not exist); loopback, TLS or an explicit
 /// opt-in allow them. Nothing shows the secrets.

@@ -193,6 +193,7 @@ impl ServiceArgs {
 /// - `PGBOX_BROKER_USER` and `PGBOX_BROKER_PASSWORD_FILE`: a user and the file holding its
 ///   password (a mounted secret), both or neither;
 /// - `PGBOX_BROKER_TOKEN_FILE` (NATS): the file holding a token;
+/// - `PGBOX_BROKER_NKEY_FILE` (NATS): the file holding a user's NKey seed;
 /// - `PGBOX_BROKER_CREDS_FILE` (NATS): a `.creds` file (a user JWT and its NKey seed);
 /// - `PGBOX_KAFKA_SASL_MECHANISM` (Kafka): `PLAIN`, `SCRAM-SHA-256` or `SCRAM-SHA-512`, for the
 ///   user and password above.
@@ -204,6 +205,7 @@ pub struct BrokerSecurity {
     pub client_certificate: Option<(PathBuf, PathBuf)>,
     pub credentials: Option<(String, Secret)>,
     pub token: Option<Secret>,
+    pub nkey: Option<Secret>,
     pub creds_file: Option<PathBuf>,
     pub kafka_sasl_mechanism: Option<String>,
 }
@@ -233,6 +235,9 @@ impl BrokerSecurity {
         let token = lookup("PGBOX_BROKER_TOKEN_FILE")
             .map(Secret::from_file)
             .transpose()?;
+        let nkey = lookup("PGBOX_BROKER_NKEY_FILE")
+            .map(Secret::from_file)
+            .transpose()?;
         let kafka_sasl_mechanism = lookup("PGBOX_KAFKA_SASL_MECHANISM");
         if let Some(mechanism) = &kafka_sasl_mechanism {
             anyhow::ensure!(
@@ -249,6 +254,7 @@ impl BrokerSecurity {
             client_certificate,
             credentials,
             token,
+            nkey,
             creds_file: lookup("PGBOX_BROKER_CREDS_FILE").map(PathBuf::from),
             kafka_sasl_mechanism,
         })
@@ -262,6 +268,7 @@ impl BrokerSecurity {
     ) -> anyhow::Result<pgbox::transport::rabbitmq::RabbitMqBuilder> {
         self.refuse(&[
             ("PGBOX_BROKER_TOKEN_FILE", self.token.is_some()),
+            ("PGBOX_BROKER_NKEY_FILE", self.nkey.is_some()),
             ("PGBOX_BROKER_CREDS_FILE", self.creds_file.is_some()),
             (
                 "PGBOX_KAFKA_SASL_MECHANISM",
@@ -306,6 +313,9 @@ impl BrokerSecurity {
         if let Some(token) = &self.token {
             builder = builder.token(token.clone());
         }
+        if let Some(seed) = &self.nkey {
+            builder = builder.nkey(seed.clone());
+        }
         Ok(builder)
     }
 
@@ -321,6 +331,7 @@ impl BrokerSecurity {
         use pgbox::transport::kafka::{SaslMechanism, SecurityProtocol};
         self.refuse(&[
             ("PGBOX_BROKER_TOKEN_FILE", self.token.is_some()),
+            ("PGBOX_BROKER_NKEY_FILE", self.nkey.is_some()),
             ("PGBOX_BROKER_CREDS_FILE", self.creds_file.is_some()),
         ])?;
         let tls_files = self.ca_file.is_some() || self.client_certificate.is_some();

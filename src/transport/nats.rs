@@ -13,9 +13,10 @@
 //! server that requires TLS also gets it from a `nats://` URL: the client upgrades when the
 //! server's greeting asks, before it sends anything else.
 //!
-//! Credentials: [`NatsBuilder::user_password`] or [`NatsBuilder::token`], each a
-//! [`Secret`], or in the URL (`nats://user:password@host`, `nats://token@host`, both
-//! percent-decoded). Either of them travels in the clear unless TLS is on, whatever the
+//! Credentials: [`NatsBuilder::user_password`], [`NatsBuilder::token`] or
+//! [`NatsBuilder::nkey`], each a [`Secret`], or in the URL (`nats://user:password@host`,
+//! `nats://token@host`, both percent-decoded). An NKey's seed never leaves the client (it
+//! signs the server's nonce). A password or token travels in the clear unless TLS is on, whatever the
 //! server's greeting says (a greeting is easy to forge), so [`NatsBuilder::build`] refuses
 //! them with [`Error::InsecureCredentials`] when TLS is off and a server is not on loopback,
 //! unless [`NatsBuilder::allow_insecure_credentials`] says so. With TLS off and credentials
@@ -363,7 +364,20 @@ impl NatsBuilder {
             || self.root_certificates.is_some()
             || self.client_certificate.is_some();
         let mut ignore_discovered_servers = false;
-        if credentials.is_some() && !tls && !self.allow_insecure_credentials {
+        if let Some(Credentials::NKey(seed)) = &credentials {
+            let seed = seed.expose();
+            let base32 = seed
+                .bytes()
+                .all(|b| b.is_ascii_uppercase() || (b'2'..=b'7').contains(&b));
+            if !(seed.len() == 58 && seed.starts_with("SU") && base32) {
+                return Err(Error::InvalidConfig(
+                    "the NATS NKey is not a user seed (58 characters of base32, starting SU;                      give the seed, not the public key)"
+                        .into(),
+                ));
+            }
+        }
+        let sent_as_is = credentials.as_ref().is_some_and(Credentials::sent_as_is);
+        if sent_as_is && !tls && !self.allow_insecure_credentials {
             if let Some((_, url)) = hosts
                 .iter()
                 .find(|(host, _)| !crate::tls::is_loopback(host))
@@ -435,8 +449,20 @@ fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
 /// Credentials that travel to the server as they are (so only over TLS, or to loopback).
 #[derive(Clone, PartialEq, Eq)]
 enum Credentials {
-    UserPassword { user: String, password: Secret },
+    UserPassword {
+        user: String,
+        password: Secret,
+    },
     Token(Secret),
+    /// An NKey seed: the client signs the server's nonce; the seed never leaves.
+    NKey(Secret),
+}
+
+impl Credentials {
+    /// Whether the secret itself travels to the server (and so needs TLS off loopback).
+    fn sent_as_is(&self) -> bool {
+        !matches!(self, Credentials::NKey(_))
+    }
 }
 
 impl fmt::Debug for Credentials {
@@ -448,6 +474,7 @@ impl fmt::Debug for Credentials {
                 .field("password", &"***")
                 .finish(),
             Credentials::Token(_) => f.write_str("Token(***)"),
+            Credentials::NKey(_) => f.write_str("NKey(***)"),
         }
     }
 }
@@ -535,6 +562,14 @@ impl NatsBuilder {
     /// when it may go without TLS.
     pub fn token(mut self, token: Secret) -> Self {
         self.credentials = Some(Credentials::Token(token));
+        self
+    }
+
+    /// Log in with an NKey: `seed` is the user's seed (`SU…`), whose public key the server
+    /// lists. The client signs the server's nonce with it; the seed itself is never sent, so
+    /// an NKey needs no TLS to stay secret (the session is still readable without TLS).
+    pub fn nkey(mut self, seed: Secret) -> Self {
+        self.credentials = Some(Credentials::NKey(seed));
         self
     }
 
@@ -833,6 +868,9 @@ impl Nats {
                     }
                     Some(Credentials::Token(token)) => {
                         options = options.token(token.expose().to_owned());
+                    }
+                    Some(Credentials::NKey(seed)) => {
+                        options = options.nkey(seed.expose().to_owned());
                     }
                     None => {}
                 }
