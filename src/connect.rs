@@ -117,7 +117,7 @@ pub(crate) fn parse_url(url: &str) -> Result<PgConnectOptions> {
         ))
     })?;
     let options = system_roots(url, options)?;
-    refuse_tls_not_built(&options)?;
+    refuse_tls_not_built(&options, "")?;
     #[cfg(feature = "tls")]
     check_certificate_files(url, &options)?;
     Ok(options)
@@ -139,8 +139,6 @@ fn check_certificate_files(url: &str, options: &PgConnectOptions) -> Result<()> 
     ) {
         return Ok(());
     }
-    let setting =
-        |keys: &[&str], env: &str| query_value(url, keys).or_else(|| std::env::var(env).ok());
     let bad = |name: &str, path: &str, why: String| Error::Tls {
         target: describe(options),
         problem: TlsProblem::BadFile,
@@ -156,15 +154,15 @@ fn check_certificate_files(url: &str, options: &PgConnectOptions) -> Result<()> 
         }
         Ok(())
     };
-    if let Some(root) = setting(&["sslrootcert", "ssl-root-cert", "ssl-ca"], "PGSSLROOTCERT")
+    if let Some(root) = setting(url, ROOT_CERT)
         && root != "system"
     {
         certificates("sslrootcert", &root)?;
     }
-    if let Some(cert) = setting(&["sslcert", "ssl-cert"], "PGSSLCERT") {
+    if let Some(cert) = setting(url, CLIENT_CERT) {
         certificates("sslcert", &cert)?;
     }
-    if let Some(key) = setting(&["sslkey", "ssl-key"], "PGSSLKEY") {
+    if let Some(key) = setting(url, CLIENT_KEY) {
         // The key's text never goes into the error: only the parser's kind of failure.
         PrivateKeyDer::from_pem_file(&key).map_err(|e| {
             let why = match e {
@@ -180,6 +178,19 @@ fn check_certificate_files(url: &str, options: &PgConnectOptions) -> Result<()> 
     Ok(())
 }
 
+/// A TLS setting: the names sqlx reads in a URL's query, and libpq's environment variable.
+type Setting = (&'static [&'static str], &'static str);
+const ROOT_CERT: Setting = (&["sslrootcert", "ssl-root-cert", "ssl-ca"], "PGSSLROOTCERT");
+#[cfg(feature = "tls")]
+const CLIENT_CERT: Setting = (&["sslcert", "ssl-cert"], "PGSSLCERT");
+#[cfg(feature = "tls")]
+const CLIENT_KEY: Setting = (&["sslkey", "ssl-key"], "PGSSLKEY");
+
+/// `setting`'s value: the URL's, else the environment's.
+fn setting(url: &str, (keys, env): Setting) -> Option<String> {
+    query_value(url, keys).or_else(|| std::env::var(env).ok())
+}
+
 /// The URL's last value of `key` (percent-decoded), if it has one.
 fn query_value(url: &str, keys: &[&str]) -> Option<String> {
     let query = url.split_once('?')?.1;
@@ -191,45 +202,14 @@ fn query_value(url: &str, keys: &[&str]) -> Option<String> {
             keys.contains(&key).then_some(value)
         })
         .next_back()
-        .map(percent_decoded)
-}
-
-/// `%XX` escapes (and `+`) of a URL query value decoded.
-fn percent_decoded(value: &str) -> String {
-    let bytes = value.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = bytes
-            .get(i + 1..i + 3)
-            .filter(|h| h.iter().all(u8::is_ascii_hexdigit))
-            .and_then(|h| std::str::from_utf8(h).ok())
-            .and_then(|h| u8::from_str_radix(h, 16).ok());
-        match (bytes[i], hex) {
-            (b'%', Some(b)) => {
-                out.push(b);
-                i += 3;
-            }
-            (b'+', _) => {
-                out.push(b' ');
-                i += 1;
-            }
-            (b, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+        .map(crate::percent::decode_query)
 }
 
 /// libpq's `sslrootcert=system` (URL or `PGSSLROOTCERT`): the system's roots alone, which sqlx
 /// would read as a file named `system`. Without an `sslmode` it means `verify-full`; a weaker
 /// one is refused, as libpq does.
 fn system_roots(url: &str, options: PgConnectOptions) -> Result<PgConnectOptions> {
-    let root_cert = query_value(url, &["sslrootcert", "ssl-root-cert", "ssl-ca"])
-        .or_else(|| std::env::var("PGSSLROOTCERT").ok());
-    if root_cert.as_deref() != Some("system") {
+    if setting(url, ROOT_CERT).as_deref() != Some("system") {
         return Ok(options);
     }
     let mode_given = query_value(url, &["sslmode", "ssl-mode"]).is_some()
@@ -263,9 +243,10 @@ pub(crate) fn ssl_mode_name(mode: PgSslMode) -> &'static str {
 }
 
 /// Without the `tls` feature, an `sslmode` that needs TLS is refused before any connection
-/// (sqlx would only find out on connecting).
+/// (sqlx would only find out on connecting). `connection` names the connection, if not the
+/// pool's (" for …").
 #[cfg(not(feature = "tls"))]
-fn refuse_tls_not_built(options: &PgConnectOptions) -> Result<()> {
+pub(crate) fn refuse_tls_not_built(options: &PgConnectOptions, connection: &str) -> Result<()> {
     let mode = options.get_ssl_mode();
     if matches!(
         mode,
@@ -275,8 +256,8 @@ fn refuse_tls_not_built(options: &PgConnectOptions) -> Result<()> {
             target: describe(options),
             problem: TlsProblem::NotBuilt,
             reason: format!(
-                "sslmode={} needs TLS, and this build of pgbox has none: enable pgbox's `tls` \
-                 feature",
+                "sslmode={} needs TLS, and this build of pgbox has none{connection}: enable \
+                 pgbox's `tls` feature",
                 ssl_mode_name(mode)
             ),
         });
@@ -285,7 +266,7 @@ fn refuse_tls_not_built(options: &PgConnectOptions) -> Result<()> {
 }
 
 #[cfg(feature = "tls")]
-fn refuse_tls_not_built(_options: &PgConnectOptions) -> Result<()> {
+fn refuse_tls_not_built(_options: &PgConnectOptions, _connection: &str) -> Result<()> {
     Ok(())
 }
 
@@ -332,10 +313,9 @@ pub(crate) fn describe(options: &PgConnectOptions) -> String {
     format!("{}@{place}/{database}", options.get_username())
 }
 
-/// A failed connection attempt to `target` as a typed error: a refused login is
-/// [`Error::Authentication`], a certificate failure [`Error::Tls`], the rest [`Error::Connect`].
-/// For every connection pgbox opens outside the pool (the relays' lock connections, LISTEN,
-/// the janitor), so that their refusals read as the pool's do.
+/// A failed first connection of [`connect`] to `target` as a typed error: a refused login is
+/// [`Error::Authentication`], a certificate failure [`Error::Tls`], the rest
+/// [`Error::Connect`]. (Connections pgbox opens outside the pool: [`session_connect_error`].)
 pub(crate) fn connect_error(target: &str, e: sqlx::Error) -> Error {
     if let Some(typed) = refusal(target, &e) {
         return typed;
@@ -547,7 +527,6 @@ mod tests {
                 other => panic!("{weak}: {other:?}"),
             }
         }
-        assert_eq!(percent_decoded("a%2Fb+c%zz%4"), "a/b c%zz%4");
     }
 
     #[cfg(feature = "tls")]

@@ -25,6 +25,7 @@ mod migrate;
 #[cfg(feature = "opentelemetry")]
 mod otel;
 mod outbox;
+mod percent;
 mod pooler;
 mod relay;
 mod retry;

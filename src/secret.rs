@@ -227,7 +227,9 @@ fn redact_query(tail: &str) -> String {
     let pairs: Vec<String> = query
         .split('&')
         .map(|pair| match pair.split_once('=') {
-            Some((name, _)) if is_secret_name(&percent_decoded(name)) => format!("{name}=***"),
+            Some((name, _)) if is_secret_name(&crate::percent::decode_query(name)) => {
+                format!("{name}=***")
+            }
             _ => pair.to_owned(),
         })
         .collect();
@@ -237,36 +239,6 @@ fn redact_query(tail: &str) -> String {
         out.push_str(f);
     }
     out
-}
-
-/// `text` with its `%XX` escapes decoded (as bytes, lossily), for reading a query
-/// parameter's name as the server will.
-fn percent_decoded(text: &str) -> String {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        match (
-            bytes[i],
-            bytes.get(i + 1).copied().and_then(hex),
-            bytes.get(i + 2).copied().and_then(hex),
-        ) {
-            (b'%', Some(high), Some(low)) => {
-                out.push((high * 16 + low) as u8);
-                i += 3;
-            }
-            (b'+', _, _) => {
-                out.push(b' ');
-                i += 1;
-            }
-            (b, _, _) => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Whether a setting's name says its value is a secret.

@@ -107,12 +107,13 @@ pub(crate) fn classify_text(text: &str) -> Option<TlsProblem> {
     }
 }
 
-/// Makes ring the process's rustls crypto provider unless one is installed already. With the
-/// `tls` feature two providers are compiled in (ring; aws-lc-rs through the replication
-/// client's tokio-rustls), so rustls cannot choose one itself, and code that asks for the
-/// process default (sqlx's `verify-ca` verifier, lapin's connector) would panic. Called before
-/// every TLS connection pgbox makes.
-#[cfg(feature = "tls")]
+/// Makes ring the process's rustls crypto provider unless one is installed already (an
+/// application's own choice is kept). With the `tls` feature two providers are compiled in
+/// (ring; aws-lc-rs through the replication client's tokio-rustls), so rustls cannot choose
+/// one itself, and code that asks for the process default (sqlx's `verify-ca` verifier,
+/// the TLS async-nats sets up itself) would panic. Called by [`connect`](crate::connect) and
+/// before a NATS connection.
+#[cfg(any(feature = "tls", feature = "nats"))]
 pub(crate) fn ensure_crypto_provider() {
     if rustls::crypto::CryptoProvider::get_default().is_none() {
         // Err: another thread installed one meanwhile; that one serves as well.

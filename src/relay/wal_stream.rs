@@ -50,7 +50,9 @@ use futures_util::FutureExt;
 use pgwire_replication::{
     Lsn, PgWireError, ReplicationClient, ReplicationConfig, ReplicationEvent,
 };
-use sqlx::postgres::{PgConnectOptions, PgSslMode};
+use sqlx::postgres::PgConnectOptions;
+#[cfg(feature = "tls")]
+use sqlx::postgres::PgSslMode;
 
 use pgwire_replication::TlsConfig;
 
@@ -625,21 +627,7 @@ fn tls_config(
     options: &PgConnectOptions,
     _slot: &str,
 ) -> Result<(TlsConfig, Option<RootBundle>), Error> {
-    let mode = options.get_ssl_mode();
-    if matches!(
-        mode,
-        PgSslMode::Require | PgSslMode::VerifyCa | PgSslMode::VerifyFull
-    ) {
-        return Err(Error::Tls {
-            target: crate::connect::describe(options),
-            problem: TlsProblem::NotBuilt,
-            reason: format!(
-                "the pool asks for sslmode={}, and this build of pgbox has no TLS for the WAL \
-                 relay's replication connection: enable pgbox's `tls` feature",
-                crate::connect::ssl_mode_name(mode)
-            ),
-        });
-    }
+    crate::connect::refuse_tls_not_built(options, " for the WAL relay's replication connection")?;
     Ok((TlsConfig::disabled(), None))
 }
 
@@ -825,6 +813,7 @@ pub(super) fn stream_error(slot: &str, e: PgWireError) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use sqlx::postgres::PgSslMode;
 
     #[test]
     fn the_password_comes_back_whole_also_with_a_unix_socket() {

@@ -287,7 +287,7 @@ fn with_database(url: &str, database: &str) -> Result<String, String> {
         .split('&')
         .filter(|pair| {
             let key = pair.split('=').next().unwrap_or_default();
-            !pair.is_empty() && percent_decoded(key) != "dbname"
+            !pair.is_empty() && crate::percent::decode_query(key) != "dbname"
         })
         .collect();
     let query = if kept.is_empty() {
@@ -299,31 +299,6 @@ fn with_database(url: &str, database: &str) -> Result<String, String> {
         "{}{authority}/{database}{query}",
         &url[..scheme_end]
     ))
-}
-
-/// A query string's key decoded as the URL parser will (`%XX` escapes, `+` a space), so that
-/// `db%6Eame` is recognised for the `dbname` it is.
-fn percent_decoded(key: &str) -> String {
-    let bytes = key.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        match bytes[i] {
-            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
-                (Some(h), Some(l)) => {
-                    out.push((h * 16 + l) as u8);
-                    i += 3;
-                    continue;
-                }
-                _ => out.push(b'%'),
-            },
-            b'+' => out.push(b' '),
-            b => out.push(b),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]

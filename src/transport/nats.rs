@@ -210,18 +210,6 @@ fn tls_config(
     }
 }
 
-/// Makes sure rustls has a process-wide provider (ring) when none is installed, for the TLS
-/// that async-nats sets up itself (system roots, or a server that asks for TLS): a build with
-/// two providers compiled in (ring, and aws-lc-rs from another dependency) has no default,
-/// and rustls would panic. A provider the application installed first is kept.
-fn ensure_crypto_provider() {
-    use async_nats::rustls::crypto::{CryptoProvider, ring};
-    if CryptoProvider::get_default().is_none() {
-        // Err: another thread installed one meanwhile; that one serves as well.
-        let _ = ring::default_provider().install_default();
-    }
-}
-
 /// `url` without its user-info, and the user-info's two parts (still percent-encoded).
 fn split_userinfo(url: &str) -> (String, Option<(String, Option<String>)>) {
     let Some((scheme, rest)) = url.split_once("://") else {
@@ -243,25 +231,9 @@ fn split_userinfo(url: &str) -> (String, Option<(String, Option<String>)>) {
     }
 }
 
-/// Percent-decoding of a URL's user-info part; `None` when the result is not UTF-8.
+/// A URL's user-info part percent-decoded; `None` when the result is not UTF-8.
 fn percent_decode(text: &str) -> Option<String> {
-    let bytes = text.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        let hex = |b: u8| (b as char).to_digit(16);
-        if bytes[i] == b'%'
-            && i + 2 < bytes.len()
-            && let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2]))
-        {
-            out.push((h * 16 + l) as u8);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
+    String::from_utf8(crate::percent::decode(text, false)).ok()
 }
 
 /// A comma-separated URL list with every user-info part replaced: `user:***@` for a user and
@@ -855,7 +827,7 @@ impl Nats {
                 match &plan.tls_config {
                     Some(config) => options = options.tls_client_config(config.clone()),
                     None => {
-                        ensure_crypto_provider();
+                        crate::tls::ensure_crypto_provider();
                         if let Some((cert, key)) = &self.inner.config.client_certificate {
                             options = options.add_client_certificate(cert.clone(), key.clone());
                         }
