@@ -36,6 +36,13 @@ pub(crate) const TABLES: &[(&str, &[&str], i32)] = &[
     ("inbox_partitioning", &["SELECT"], 10),
     // Claims insert, outcomes update; expiry drops whole partitions (the owner's job).
     ("partitioned_inbox", &["SELECT", "INSERT", "UPDATE"], 10),
+    // Scheduled enqueues insert (or replace: update), cancels delete, the relays promote
+    // (`FOR UPDATE`, delete), status reads.
+    (
+        "outbox_scheduled",
+        &["SELECT", "INSERT", "UPDATE", "DELETE"],
+        16,
+    ),
 ];
 
 /// The migration history: read by the doctor and by `Migrator::applied` (the CLI's check

@@ -68,7 +68,8 @@ pub use crate::migrate::{
 };
 pub use crate::outbox::{
     DEFAULT_MAX_MESSAGE_BYTES, Envelope, InTransaction, MAX_HEADER_NAME_BYTES,
-    MAX_MESSAGE_BYTES_LIMIT, MAX_TOPIC_BYTES, Message, Outbox, OutboxMode, TRACEPARENT,
+    MAX_MESSAGE_BYTES_LIMIT, MAX_SCHEDULE_DELAY, MAX_TOPIC_BYTES, Message, Outbox, OutboxMode,
+    ScheduleConflict, TRACEPARENT,
 };
 pub use crate::pooler::Pooler;
 pub use crate::relay::{

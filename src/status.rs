@@ -45,6 +45,11 @@ pub struct Status {
     pub topics: Vec<TopicStatus>,
     /// When the snapshot was taken (database clock).
     pub taken_at: OffsetDateTime,
+    /// Scheduled messages not yet due and promoted (all topics), counted exactly up to
+    /// 10,000 (then 10,000).
+    pub scheduled: i64,
+    /// When the earliest scheduled message falls due (database clock), if any.
+    pub next_scheduled_due: Option<OffsetDateTime>,
 }
 
 /// Takes a [`Status`] snapshot of the pgbox tables in `schema`.
@@ -112,9 +117,21 @@ pub async fn status(pool: &PgPool, schema: &str) -> Result<Status> {
                 .await?
         }
     };
+    // Both read the due-time index: the count stops at the cap, the earliest is its first
+    // entry.
+    let (scheduled, next_scheduled_due): (i64, Option<OffsetDateTime>) =
+        sqlx::query_as(AssertSqlSafe(format!(
+            "SELECT (SELECT pg_catalog.count(*) FROM (SELECT 1 FROM {s}.outbox_scheduled LIMIT $1) AS c), \
+               (SELECT pg_catalog.min(due_at) FROM {s}.outbox_scheduled)"
+        )))
+        .bind(DEAD_LETTER_COUNT_CAP)
+        .fetch_one(pool)
+        .await?;
     Ok(Status {
         topics: out,
         taken_at,
+        scheduled,
+        next_scheduled_due,
     })
 }
 

@@ -9,6 +9,8 @@ use uuid::Uuid;
 use crate::error::{Error, Result};
 use crate::inbox::Key;
 
+use super::scheduled::{Due, MAX_SCHEDULE_DELAY, Schedule, ScheduleConflict};
+
 /// The longest topic name, in bytes.
 pub const MAX_TOPIC_BYTES: usize = 255;
 
@@ -37,6 +39,8 @@ pub struct Message {
     pub(crate) payload: Vec<u8>,
     pub(crate) content_type: String,
     pub(crate) headers: BTreeMap<String, String>,
+    /// When set, the message waits in `outbox_scheduled` until it is due.
+    pub(crate) schedule: Option<Schedule>,
 }
 
 impl Message {
@@ -64,7 +68,58 @@ impl Message {
             payload: payload.into(),
             content_type: "application/octet-stream".into(),
             headers: BTreeMap::new(),
+            schedule: None,
         }
+    }
+
+    /// Publish no earlier than `at`, by the **database's** clock: the relay promotes the
+    /// message once the server's `now()` reaches `at`. A time in the past means "due now".
+    ///
+    /// The message then takes its place in its ordering key's order when it is promoted,
+    /// not when it was enqueued: it never holds back the key's other messages (see the
+    /// guide's "Scheduled messages" chapter). Replaces an earlier
+    /// [`deliver_after`](Self::deliver_after).
+    pub fn deliver_at(mut self, at: OffsetDateTime) -> Self {
+        self.schedule_mut().due = Due::At(at);
+        self
+    }
+
+    /// Publish no earlier than `delay` after the enqueuing statement, by the **database's**
+    /// clock (`statement_timestamp() + delay`, computed on the server: the application's
+    /// clock plays no part). At most [`MAX_SCHEDULE_DELAY`]; zero means "due now".
+    /// Replaces an earlier [`deliver_at`](Self::deliver_at).
+    pub fn deliver_after(mut self, delay: std::time::Duration) -> Self {
+        self.schedule_mut().due = Due::After(delay);
+        self
+    }
+
+    /// At most one pending scheduled message per (topic, `key`): enqueuing another under the
+    /// same key (in another transaction, or the same) meets the pending one, and
+    /// [`on_schedule_conflict`](Self::on_schedule_conflict) says which wins. Validated like
+    /// an inbox key (not empty, no NUL, at most 512 bytes). Needs
+    /// [`deliver_at`](Self::deliver_at) or [`deliver_after`](Self::deliver_after).
+    ///
+    /// A message already promoted (due, handed to the relay) is no longer pending: a new one
+    /// under its key is scheduled anew.
+    pub fn schedule_key(mut self, key: impl Into<String>) -> Self {
+        self.schedule_mut().key = Some(key.into());
+        self
+    }
+
+    /// What to do when a message is already pending under this message's
+    /// [`schedule_key`](Self::schedule_key) (default [`ScheduleConflict::Replace`]).
+    pub fn on_schedule_conflict(mut self, conflict: ScheduleConflict) -> Self {
+        self.schedule_mut().conflict = conflict;
+        self
+    }
+
+    /// Whether the message is scheduled (waits until it is due).
+    pub fn is_scheduled(&self) -> bool {
+        self.schedule.as_ref().is_some_and(|s| s.due != Due::Unset)
+    }
+
+    fn schedule_mut(&mut self) -> &mut Schedule {
+        self.schedule.get_or_insert_with(Schedule::default)
     }
 
     /// The entity this message is about. Messages of one key are published one at a time,
@@ -128,6 +183,29 @@ impl Message {
         }
         if let Some(key) = &self.ordering_key {
             Key::new(key.as_str()).validate()?;
+        }
+        if let Some(schedule) = &self.schedule {
+            if let Some(key) = &schedule.key {
+                Key::new(key.as_str()).validate()?;
+            }
+            match schedule.due {
+                Due::Unset if schedule.key.is_some() => {
+                    return bad(
+                        "schedule key",
+                        "needs a due time (deliver_at or deliver_after)",
+                    );
+                }
+                Due::Unset => {
+                    return bad(
+                        "schedule",
+                        "needs a due time (deliver_at or deliver_after)",
+                    );
+                }
+                Due::After(delay) if delay > MAX_SCHEDULE_DELAY => {
+                    return bad("deliver_after", "longer than 100 years");
+                }
+                _ => {}
+            }
         }
         if self.content_type.chars().any(char::is_control) {
             return bad("content type", "contains a control character");

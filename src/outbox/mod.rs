@@ -2,6 +2,7 @@
 //! [`Relay`](crate::Relay) publishes them after commit.
 
 mod message;
+pub(crate) mod scheduled;
 pub(crate) mod trace;
 pub(crate) mod wal;
 
@@ -18,6 +19,7 @@ pub use self::message::{
     DEFAULT_MAX_MESSAGE_BYTES, Envelope, MAX_HEADER_NAME_BYTES, MAX_MESSAGE_BYTES_LIMIT,
     MAX_TOPIC_BYTES, Message,
 };
+pub use self::scheduled::{MAX_SCHEDULE_DELAY, ScheduleConflict};
 pub use self::trace::TRACEPARENT;
 
 use crate::error::Result;
@@ -262,6 +264,9 @@ impl Outbox {
     /// ```
     pub async fn enqueue(&self, tx: &mut impl InTransaction, message: Message) -> Result<Uuid> {
         message.validate(self.max_message_bytes)?;
+        if message.schedule.is_some() {
+            return self.enqueue_scheduled(tx, message).await;
+        }
         let id = message.id;
         if self.mode == OutboxMode::Wal {
             self.emit(tx, &[with_trace_context(message)]).await?;
@@ -294,6 +299,64 @@ impl Outbox {
         Ok(id)
     }
 
+    /// Writes a scheduled message into `outbox_scheduled` (both modes: in WAL mode it is
+    /// emitted when the [`WalRelay`](crate::WalRelay) promotes it).
+    async fn enqueue_scheduled(&self, tx: &mut impl InTransaction, message: Message) -> Result<Uuid> {
+        let (channel, class) = match self.mode {
+            OutboxMode::Table => (format!("{}.outbox", self.schema.as_str()), ASLEEP_LOCK_CLASS),
+            OutboxMode::Wal => (wal::channel(self.schema.as_str()), WAL_ASLEEP_LOCK_CLASS),
+        };
+        // A sleeping relay recomputes when to wake: this message may be due before then.
+        let wake = format!(
+            "SELECT pg_catalog.pg_notify('{channel}', '{notice}') \
+             WHERE NOT pg_catalog.pg_try_advisory_xact_lock_shared({class}, pg_catalog.hashtext('{name}'))",
+            name = self.schema.as_str(),
+            notice = scheduled::SCHEDULED_NOTICE,
+        );
+        let span = tracing::debug_span!("pgbox.outbox.schedule");
+        let id = scheduled::insert(
+            &self.schema,
+            &wake,
+            self.persistent(),
+            tx,
+            with_trace_context(message),
+        )
+        .instrument(span)
+        .await?;
+        tracing::debug!(message_id = %id, "pgbox outbox scheduled");
+        Ok(id)
+    }
+
+    /// Cancels the message pending under (`topic`, `schedule_key`) (see
+    /// [`Message::schedule_key`]) in the caller's transaction: `true` if there was one (it
+    /// is gone if the transaction commits), `false` if none is pending, e.g. because it was
+    /// already due and promoted (handed to the relay: too late to cancel). A cancel racing
+    /// the relay's promotion: whoever commits first wins (the cancel waits for a promotion
+    /// in flight, then finds nothing).
+    pub async fn cancel_scheduled(
+        &self,
+        tx: &mut impl InTransaction,
+        topic: &str,
+        schedule_key: &str,
+    ) -> Result<bool> {
+        crate::inbox::Key::new(schedule_key).validate()?;
+        scheduled::cancel(&self.schema, self.persistent(), tx, topic, schedule_key).await
+    }
+
+    /// Moves the message pending under (`topic`, `schedule_key`) to be due at `at` (database
+    /// clock; the past is "now"), in the caller's transaction: `true` if there was one,
+    /// `false` as for [`cancel_scheduled`](Self::cancel_scheduled).
+    pub async fn reschedule(
+        &self,
+        tx: &mut impl InTransaction,
+        topic: &str,
+        schedule_key: &str,
+        at: time::OffsetDateTime,
+    ) -> Result<bool> {
+        crate::inbox::Key::new(schedule_key).validate()?;
+        scheduled::reschedule(&self.schema, self.persistent(), tx, topic, schedule_key, at).await
+    }
+
     /// Writes many messages in one statement, in the given order; returns their ids. `tx` as
     /// for [`enqueue`](Self::enqueue).
     pub async fn enqueue_batch(
@@ -316,6 +379,27 @@ impl Outbox {
         }
         if messages.is_empty() {
             return Ok(Vec::new());
+        }
+        if messages.iter().any(|m| m.schedule.is_some()) {
+            // Scheduled ones go to `outbox_scheduled`, one statement each; the others in one
+            // batch. Ids in the given order.
+            let mut ids = Vec::with_capacity(messages.len());
+            let mut immediate = Vec::new();
+            let mut slots = Vec::new();
+            for m in messages {
+                if m.schedule.is_some() {
+                    ids.push(self.enqueue_scheduled(tx, m).await?);
+                } else {
+                    slots.push(ids.len());
+                    ids.push(m.id);
+                    immediate.push(m);
+                }
+            }
+            let got = Box::pin(self.enqueue_batch(tx, immediate)).await?;
+            for (slot, id) in slots.into_iter().zip(got) {
+                ids[slot] = id;
+            }
+            return Ok(ids);
         }
         let n = messages.len();
         if self.mode == OutboxMode::Wal {

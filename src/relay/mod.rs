@@ -225,6 +225,7 @@ impl<P: Publisher> RelayBuilder<P> {
             into_queue,
             moving: std::sync::atomic::AtomicU8::new(0),
             outages: std::sync::Mutex::default(),
+            next_promotion: std::sync::Mutex::new(Instant::now()),
         })
     }
 }
@@ -262,6 +263,10 @@ struct Statements {
     next_due: String,
     /// Messages held behind a dead-lettered message of their key.
     held: String,
+    /// Moves due scheduled messages into the outbox (see [`crate::outbox::scheduled`]).
+    promote: String,
+    /// Seconds until the earliest scheduled message is due.
+    scheduled_next_due: String,
 }
 
 impl Statements {
@@ -318,6 +323,8 @@ impl Statements {
                    AND EXISTS (SELECT 1 FROM {s}.outbox_dead_letters AS d \
                      WHERE d.topic = o.topic AND d.ordering_key = o.ordering_key AND d.seq > 0)"
             ),
+            promote: crate::outbox::scheduled::promote_sql(s, batch_size),
+            scheduled_next_due: crate::outbox::scheduled::next_due_sql(s),
         }
     }
 }
@@ -473,6 +480,9 @@ pub struct Relay<P> {
     /// Topics whose transport was unavailable at their last publish: not claimed until their
     /// outage backoff expires (see [`Outages`]).
     outages: std::sync::Mutex<Outages>,
+    /// When to look for due scheduled messages next: when the earliest falls due, at most a
+    /// poll interval ahead, and at once after a producer scheduled one.
+    next_promotion: std::sync::Mutex<Instant>,
 }
 
 #[derive(Debug)]
@@ -526,7 +536,7 @@ impl<P: Publisher> Relay<P> {
             if !self.run_rounds(&shutdown).await {
                 return Ok(());
             }
-            let wait = tokio::time::sleep(self.poll_interval);
+            let wait = tokio::time::sleep(self.sleep_for());
             let mut lost_listener = false;
             match listener.as_mut() {
                 Some(l) => match self.fall_asleep(l).await {
@@ -542,7 +552,12 @@ impl<P: Publisher> Relay<P> {
                             // Ok(None): the connection dropped and notifications may have
                             // been missed; the drain at the top of the loop covers them.
                             n = l.try_recv() => match n {
-                                Ok(Some(_)) => tracing::trace!("pgbox relay woken by a producer"),
+                                Ok(Some(n)) => {
+                                    if n.payload() == crate::outbox::scheduled::SCHEDULED_NOTICE {
+                                        self.promote_soon();
+                                    }
+                                    tracing::trace!("pgbox relay woken by a producer");
+                                }
                                 Ok(None) => lost_listener = true,
                                 Err(e) => {
                                     tracing::warn!(error = %e, "pgbox relay lost its LISTEN connection");
@@ -574,6 +589,55 @@ impl<P: Publisher> Relay<P> {
                 listener = None;
             }
         }
+    }
+
+    /// How long the relay may sleep: a poll interval, or less when a scheduled message falls
+    /// due sooner.
+    fn sleep_for(&self) -> Duration {
+        let next = *self.next_promotion.lock().expect("next promotion");
+        next.saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(1), self.poll_interval)
+    }
+
+    /// Looks for due scheduled messages at the next round.
+    fn promote_soon(&self) {
+        *self.next_promotion.lock().expect("next promotion") = Instant::now();
+    }
+
+    /// Moves due scheduled messages into the outbox, when one may be due (or `force`): a
+    /// statement that finds nothing due is one probe of the due-time index, and runs at most
+    /// once a poll interval, or when the earliest scheduled message falls due, or after a
+    /// producer scheduled one. Returns how many it moved.
+    async fn promote_due(&self, force: bool) -> Result<usize> {
+        let now = Instant::now();
+        if !force && *self.next_promotion.lock().expect("next promotion") > now {
+            return Ok(0);
+        }
+        let moved = crate::outbox::scheduled::promote_into_table(
+            &self.pool,
+            &self.sql.promote,
+            self.persistent,
+        )
+        .await?;
+        let next = if moved >= self.batch_size {
+            now
+        } else {
+            let seconds = crate::outbox::scheduled::next_due(
+                &self.pool,
+                &self.sql.scheduled_next_due,
+                self.persistent,
+            )
+            .await?;
+            let wait = seconds.map_or(self.poll_interval, |s| {
+                Duration::from_secs_f64(s.clamp(0.0, self.poll_interval.as_secs_f64()))
+            });
+            now + wait
+        };
+        *self.next_promotion.lock().expect("next promotion") = next;
+        if moved > 0 {
+            tracing::debug!(messages = moved, "pgbox relay promoted due scheduled messages");
+        }
+        Ok(moved)
     }
 
     /// Publishes rounds while they make progress: a round that published anything may have
@@ -633,6 +697,7 @@ impl<P: Publisher> Relay<P> {
         let span = tracing::info_span!("pgbox.relay.drain", schema = self.schema.as_str());
         async {
             let mut total = DrainReport::default();
+            self.promote_due(true).await?;
             loop {
                 let round = self.relay_once().await?;
                 total.rounds += 1;
@@ -640,7 +705,7 @@ impl<P: Publisher> Relay<P> {
                 total.retried += round.retried;
                 total.dead_lettered += round.dead_lettered;
                 total.unavailable += round.unavailable;
-                if round.claimed > 0 {
+                if round.claimed > 0 || self.promote_due(true).await? > 0 {
                     continue;
                 }
                 let mut unit = self.pooler.unit(&self.pool).await?;
@@ -686,7 +751,10 @@ impl<P: Publisher> Relay<P> {
     /// committed: what a failed round published is published again, and counted then.
     pub async fn relay_once(&self) -> Result<RoundReport> {
         let started = Instant::now();
-        let result = self.round().await;
+        let result = match self.promote_due(false).await {
+            Ok(_) => self.round().await,
+            Err(e) => Err(e),
+        };
         match &result {
             Ok(report) if report.claimed > 0 => {
                 metrics::histogram!(telemetry::RELAY_ROUND_DURATION).record(started.elapsed());

@@ -336,6 +336,7 @@ impl<P: Publisher> WalRelayBuilder<P> {
             max_in_flight_bytes: self.max_in_flight_bytes,
             dead_letter: dead_letter.into(),
             reader: Mutex::new(Reader::default()),
+            next_promotion: std::sync::Mutex::new(std::time::Instant::now()),
         })
     }
 }
@@ -399,6 +400,8 @@ pub struct WalRelay<P> {
     kind: WalReader,
     max_in_flight_bytes: usize,
     dead_letter: Arc<str>,
+    /// When to look for due scheduled messages next (see [`WalRelay::promote_due`]).
+    next_promotion: std::sync::Mutex<std::time::Instant>,
     reader: Mutex<Reader>,
 }
 
@@ -517,7 +520,7 @@ impl<P: Publisher> WalRelay<P> {
                 Ok((report, caught_up)) if report.read > 0 || (report.reader && !caught_up) => {
                     (Duration::ZERO, false)
                 }
-                Ok((report, _)) => (self.poll_interval, report.reader),
+                Ok((report, _)) => (self.sleep_for(), report.reader),
                 Err(e) => {
                     let failed = self.reader.lock().await.failed_rounds.clamp(1, 16);
                     let wait = self
@@ -563,6 +566,46 @@ impl<P: Publisher> WalRelay<P> {
         }
     }
 
+    /// Emits due scheduled messages into the WAL (each batch's delete and emit in one
+    /// transaction: exactly once), when one may be due (or `force`): at most once a poll
+    /// interval, or when the earliest scheduled message falls due. They then arrive through
+    /// the slot like any message. Returns how many it emitted.
+    async fn promote_due(&self, force: bool) -> Result<usize> {
+        let now = std::time::Instant::now();
+        if !force && *self.next_promotion.lock().expect("next promotion") > now {
+            return Ok(0);
+        }
+        let moved =
+            crate::outbox::scheduled::promote_into_wal(&self.pool, &self.schema, self.batch_size)
+                .await?;
+        let next = if moved >= self.batch_size {
+            now
+        } else {
+            let seconds = crate::outbox::scheduled::next_due(
+                &self.pool,
+                &crate::outbox::scheduled::next_due_sql(&self.schema),
+                false,
+            )
+            .await?;
+            now + seconds.map_or(self.poll_interval, |s| {
+                Duration::from_secs_f64(s.clamp(0.0, self.poll_interval.as_secs_f64()))
+            })
+        };
+        *self.next_promotion.lock().expect("next promotion") = next;
+        if moved > 0 {
+            tracing::debug!(messages = moved, "pgbox WAL relay emitted due scheduled messages");
+        }
+        Ok(moved)
+    }
+
+    /// How long to sleep at most: a poll interval, or less when a scheduled message falls
+    /// due sooner.
+    fn sleep_for(&self) -> Duration {
+        let next = *self.next_promotion.lock().expect("next promotion");
+        next.saturating_duration_since(std::time::Instant::now())
+            .clamp(Duration::from_millis(1), self.poll_interval)
+    }
+
     /// Takes the asleep lock (waiting at most a poll interval for producers in flight, which
     /// hold it shared), reads once more (what committed before it was taken), and then waits
     /// for a producer's notification, the poll interval, or shutdown; releases the lock.
@@ -587,8 +630,13 @@ impl<P: Publisher> WalRelay<P> {
         if matches!(&recheck, Ok((r, true)) if r.read == 0 && r.reader) {
             tokio::select! {
                 _ = shutdown.cancelled() => {}
-                _ = tokio::time::sleep(self.poll_interval) => {}
+                _ = tokio::time::sleep(self.sleep_for()) => {}
                 n = listener.try_recv() => {
+                    if let Ok(Some(n)) = &n
+                        && n.payload() == crate::outbox::scheduled::SCHEDULED_NOTICE
+                    {
+                        *self.next_promotion.lock().expect("next promotion") = std::time::Instant::now();
+                    }
                     if let Ok(Some(_)) = n {
                         tracing::trace!("pgbox WAL relay woken by a producer");
                     }
@@ -617,6 +665,8 @@ impl<P: Publisher> WalRelay<P> {
     }
 
     async fn drain_rounds(&self) -> Result<WalRoundReport> {
+        // What is due now goes into the WAL before the drain's target is taken.
+        while self.promote_due(true).await? >= self.batch_size {}
         let target = match self.kind {
             WalReader::Stream => Target::At(self.flush_position().await?),
             WalReader::SqlFunctions => Target::Now,
@@ -724,6 +774,7 @@ impl<P: Publisher> WalRelay<P> {
     /// position taken before it with everything in it settled (nothing of this schema left
     /// up to there).
     async fn round_once(&self, target: Target) -> Result<(WalRoundReport, bool)> {
+        self.promote_due(false).await?;
         let span = tracing::debug_span!("pgbox.wal_relay.round", slot = self.slot.name());
         let mut reader = self.reader.lock().await;
         let result = self.round(&mut reader, target).instrument(span).await;
@@ -810,7 +861,8 @@ impl<P: Publisher> WalRelay<P> {
             Target::Now => Some(self.flush_position().await?),
         };
         let wait = match target {
-            None => self.poll_interval,
+            // Continuous: at most until a scheduled message falls due.
+            None => self.sleep_for(),
             // A bounded call waits for the server to decode up to its target.
             Some(_) => self.poll_interval.max(Duration::from_secs(2)),
         };

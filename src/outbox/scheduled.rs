@@ -1,0 +1,312 @@
+//! Scheduled messages: held in `outbox_scheduled` until they are due, then promoted into
+//! the outbox (the table outbox: moved into `outbox` under the key's enqueue lock; the WAL
+//! outbox: emitted into the WAL), where they take their place in their key's order.
+//!
+//! The database's clock decides everything: a `deliver_after` delay is added to the
+//! enqueuing statement's `statement_timestamp()` on the server, and promotion compares due
+//! times with the server's `now()`. An application's clock skew plays no part.
+
+use std::time::Duration;
+
+use sqlx::types::Json;
+use sqlx::{AssertSqlSafe, Row};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use super::{ENQUEUE_LOCK_CLASS, InTransaction, Message};
+use crate::error::Result;
+use crate::ident::Identifier;
+
+/// The payload of the notification a scheduled enqueue sends a sleeping relay: look for
+/// due scheduled messages now, not at the time the relay had planned.
+pub(crate) const SCHEDULED_NOTICE: &str = "scheduled";
+
+/// The longest [`Message::deliver_after`] delay: 100 years (36,500 days).
+pub const MAX_SCHEDULE_DELAY: Duration = Duration::from_secs(36_500 * 24 * 60 * 60);
+
+/// What happens when a scheduled message meets a pending one under the same
+/// [`schedule_key`](Message::schedule_key) (and topic).
+///
+/// "Pending" means still in `outbox_scheduled`: not yet promoted. Whoever commits first
+/// wins a race with the relay's promotion: if the pending message was promoted first, the
+/// new one finds nothing and is scheduled anew, whatever the mode (neither is lost).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ScheduleConflict {
+    /// The new message replaces the pending one: its payload, headers, ordering key, id and
+    /// due time (debounce: "send the latest, `delay` after the last change").
+    #[default]
+    Replace,
+    /// The new message's payload, headers, ordering key and id replace the pending one's,
+    /// but the pending due time stays (throttle: "send the latest, at most once per
+    /// window").
+    ReplaceKeepDueTime,
+    /// The pending message stays as it is and the new one is dropped (first one wins);
+    /// `enqueue` returns the pending message's id.
+    KeepExisting,
+}
+
+/// When a scheduled message is due.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) enum Due {
+    /// Only a schedule key or a conflict mode was set: refused at validation.
+    #[default]
+    Unset,
+    At(OffsetDateTime),
+    After(Duration),
+}
+
+/// A message's schedule.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Schedule {
+    pub(crate) due: Due,
+    pub(crate) key: Option<String>,
+    pub(crate) conflict: ScheduleConflict,
+}
+
+/// The scheduled insert of `schema`, for `conflict`; `wake` is the outbox's
+/// "notify a sleeping relay" sub-select (one value).
+fn insert_sql(schema: &Identifier, conflict: ScheduleConflict, wake: &str) -> String {
+    let on_conflict = match conflict {
+        ScheduleConflict::Replace => {
+            "message_id = EXCLUDED.message_id, ordering_key = EXCLUDED.ordering_key, \
+             payload = EXCLUDED.payload, content_type = EXCLUDED.content_type, \
+             headers = EXCLUDED.headers, created_at = EXCLUDED.created_at, due_at = EXCLUDED.due_at"
+        }
+        ScheduleConflict::ReplaceKeepDueTime => {
+            "message_id = EXCLUDED.message_id, ordering_key = EXCLUDED.ordering_key, \
+             payload = EXCLUDED.payload, content_type = EXCLUDED.content_type, \
+             headers = EXCLUDED.headers, created_at = EXCLUDED.created_at"
+        }
+        // A no-op update rather than DO NOTHING: it waits for (and locks) the pending row, so
+        // its id can be returned, and a row promoted meanwhile is not a conflict any more.
+        ScheduleConflict::KeepExisting => "schedule_key = o.schedule_key",
+    };
+    format!(
+        "WITH ins AS (\
+           INSERT INTO {schema}.outbox_scheduled AS o \
+             (message_id, topic, ordering_key, payload, content_type, headers, due_at, schedule_key) \
+           VALUES ($1, $2, $3, $4, $5, $6, \
+             pg_catalog.coalesce($7::timestamptz, pg_catalog.statement_timestamp() + pg_catalog.make_interval(secs => $8::float8)), $9) \
+           ON CONFLICT (topic, schedule_key) WHERE schedule_key IS NOT NULL DO UPDATE SET {on_conflict} \
+           RETURNING o.message_id) \
+         SELECT ins.message_id, ({wake}) FROM ins"
+    )
+}
+
+/// Writes `m` (validated, scheduled) into `outbox_scheduled` in the caller's transaction;
+/// returns the id of the message now pending (the pending one's under
+/// [`ScheduleConflict::KeepExisting`]).
+pub(crate) async fn insert(
+    schema: &Identifier,
+    wake: &str,
+    persistent: bool,
+    tx: &mut impl InTransaction,
+    m: Message,
+) -> Result<Uuid> {
+    let schedule = m.schedule.clone().unwrap_or_default();
+    let (at, after) = match schedule.due {
+        // Far in the past is "due now"; the floor keeps it in PostgreSQL's range.
+        Due::At(at) => (Some(at.max(OffsetDateTime::UNIX_EPOCH)), None),
+        Due::After(delay) => (None, Some(delay.as_secs_f64())),
+        Due::Unset => (None, Some(0.0)),
+    };
+    let sql = insert_sql(schema, schedule.conflict, wake);
+    let done = sqlx::query(AssertSqlSafe(sql))
+        .persistent(persistent)
+        .bind(m.id)
+        .bind(m.topic)
+        .bind(m.ordering_key)
+        .bind(m.payload)
+        .bind(m.content_type)
+        .bind(Json(m.headers))
+        .bind(at)
+        .bind(after)
+        .bind(schedule.key)
+        .fetch_one(tx.connection())
+        .await;
+    if done.is_err() {
+        tx.statement_failed();
+    }
+    Ok(done?.try_get(0)?)
+}
+
+/// Deletes the pending message under (`topic`, `key`); whether there was one.
+pub(crate) async fn cancel(
+    schema: &Identifier,
+    persistent: bool,
+    tx: &mut impl InTransaction,
+    topic: &str,
+    key: &str,
+) -> Result<bool> {
+    let sql = format!(
+        "DELETE FROM {schema}.outbox_scheduled WHERE topic = $1 AND schedule_key = $2 \
+         RETURNING message_id"
+    );
+    let done = sqlx::query(AssertSqlSafe(sql))
+        .persistent(persistent)
+        .bind(topic)
+        .bind(key)
+        .fetch_optional(tx.connection())
+        .await;
+    if done.is_err() {
+        tx.statement_failed();
+    }
+    Ok(done?.is_some())
+}
+
+/// Moves the pending message under (`topic`, `key`) to a new due time; whether there was
+/// one.
+pub(crate) async fn reschedule(
+    schema: &Identifier,
+    persistent: bool,
+    tx: &mut impl InTransaction,
+    topic: &str,
+    key: &str,
+    at: OffsetDateTime,
+) -> Result<bool> {
+    let sql = format!(
+        "UPDATE {schema}.outbox_scheduled SET due_at = $3 WHERE topic = $1 AND schedule_key = $2"
+    );
+    let done = sqlx::query(AssertSqlSafe(sql))
+        .persistent(persistent)
+        .bind(topic)
+        .bind(key)
+        .bind(at.max(OffsetDateTime::UNIX_EPOCH))
+        .execute(tx.connection())
+        .await;
+    if done.is_err() {
+        tx.statement_failed();
+    }
+    Ok(done?.rows_affected() > 0)
+}
+
+/// The statement promoting up to `limit` due rows of `schema` into its `outbox` table, in
+/// due order then scheduling order; its row count is the number promoted.
+///
+/// The per-key enqueue locks are taken first (sorted, as a batch producer takes them), on
+/// the keys of the due candidates read without a lock; only then are the rows locked (`FOR
+/// UPDATE SKIP LOCKED`: another relay's, or a cancel's, are skipped) and moved, so that a
+/// promoted row's seq is drawn under its key's lock and "per key, seq order = commit order"
+/// holds. A candidate whose key changed (replaced) or whose due time moved meanwhile is
+/// left for the next round.
+pub(crate) fn promote_sql(schema: &Identifier, limit: usize) -> String {
+    format!(
+        "WITH cand AS MATERIALIZED (\
+           SELECT c.sched_seq, c.topic, c.ordering_key FROM {schema}.outbox_scheduled AS c \
+           WHERE c.due_at <= pg_catalog.now() ORDER BY c.due_at, c.sched_seq LIMIT {limit}), \
+         locks AS MATERIALIZED (\
+           SELECT pg_catalog.count(pg_catalog.pg_advisory_xact_lock({class}, \
+             pg_catalog.hashtext(k.topic || pg_catalog.chr(31) || k.ordering_key))) AS n \
+           FROM (SELECT DISTINCT topic, ordering_key FROM cand WHERE ordering_key IS NOT NULL \
+                 ORDER BY topic, ordering_key) AS k), \
+         due AS MATERIALIZED (\
+           SELECT o.sched_seq FROM {schema}.outbox_scheduled AS o \
+           CROSS JOIN locks JOIN cand ON cand.sched_seq = o.sched_seq \
+           WHERE o.due_at <= pg_catalog.now() AND o.topic = cand.topic \
+             AND o.ordering_key IS NOT DISTINCT FROM cand.ordering_key \
+           FOR UPDATE OF o SKIP LOCKED), \
+         moved AS (\
+           DELETE FROM {schema}.outbox_scheduled AS o USING due WHERE o.sched_seq = due.sched_seq \
+           RETURNING o.*) \
+         INSERT INTO {schema}.outbox (message_id, topic, ordering_key, payload, content_type, headers, created_at) \
+         SELECT message_id, topic, ordering_key, payload, content_type, headers, \
+           pg_catalog.greatest(created_at, due_at) \
+         FROM moved ORDER BY due_at, sched_seq",
+        class = ENQUEUE_LOCK_CLASS,
+    )
+}
+
+/// The statement taking up to `limit` due rows of `schema` off `outbox_scheduled` (locked,
+/// skipping rows another transaction holds), returning them for the WAL relay to emit in
+/// the same transaction.
+pub(crate) fn take_due_sql(schema: &Identifier, limit: usize) -> String {
+    format!(
+        "WITH due AS MATERIALIZED (\
+           SELECT sched_seq FROM {schema}.outbox_scheduled WHERE due_at <= pg_catalog.now() \
+           ORDER BY due_at, sched_seq LIMIT {limit} FOR UPDATE SKIP LOCKED) \
+         DELETE FROM {schema}.outbox_scheduled AS o USING due WHERE o.sched_seq = due.sched_seq \
+         RETURNING o.message_id, o.topic, o.ordering_key, o.payload, o.content_type, o.headers, \
+           o.due_at, o.sched_seq"
+    )
+}
+
+/// Seconds until the earliest scheduled message of `schema` is due (0 or less: due now),
+/// NULL when none is pending: one probe of the due-time index.
+pub(crate) fn next_due_sql(schema: &Identifier) -> String {
+    format!(
+        "SELECT extract(epoch FROM pg_catalog.min(due_at) - pg_catalog.now())::float8 \
+         FROM {schema}.outbox_scheduled"
+    )
+}
+
+/// Promotes due rows of `schema` into the WAL: takes them off `outbox_scheduled` and emits
+/// them (one transactional logical-decoding message, the producer's encoding, due order)
+/// in one transaction, so they are in the WAL exactly once. Returns how many, up to
+/// `limit`.
+pub(crate) async fn promote_into_wal(
+    pool: &sqlx::PgPool,
+    schema: &Identifier,
+    limit: usize,
+) -> Result<usize> {
+    let mut tx = pool.begin().await?;
+    let rows = sqlx::query(AssertSqlSafe(take_due_sql(schema, limit)))
+        .persistent(false)
+        .fetch_all(&mut *tx)
+        .await?;
+    if rows.is_empty() {
+        tx.rollback().await?;
+        return Ok(0);
+    }
+    let mut due = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let headers: Json<std::collections::BTreeMap<String, String>> = row.try_get("headers")?;
+        let at: OffsetDateTime = row.try_get("due_at")?;
+        let seq: i64 = row.try_get("sched_seq")?;
+        let message = Message {
+            id: row.try_get("message_id")?,
+            topic: row.try_get("topic")?,
+            ordering_key: row.try_get("ordering_key")?,
+            payload: row.try_get("payload")?,
+            content_type: row.try_get("content_type")?,
+            headers: headers.0,
+            schedule: None,
+        };
+        due.push((at, seq, message));
+    }
+    due.sort_by_key(|(at, seq, _)| (*at, *seq));
+    let messages: Vec<Message> = due.into_iter().map(|(_, _, m)| m).collect();
+    sqlx::query("SELECT pg_catalog.pg_logical_emit_message(true, $1::text, $2::bytea)")
+        .persistent(false)
+        .bind(super::wal::prefix(schema.as_str()))
+        .bind(super::wal::encode(&messages))
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(messages.len())
+}
+
+/// Promotes due rows of `schema` into its `outbox` table (see [`promote_sql`]).
+pub(crate) async fn promote_into_table(
+    pool: &sqlx::PgPool,
+    sql: &str,
+    persistent: bool,
+) -> Result<usize> {
+    let done = sqlx::query(AssertSqlSafe(sql.to_owned()))
+        .persistent(persistent)
+        .execute(pool)
+        .await?;
+    Ok(usize::try_from(done.rows_affected()).unwrap_or(usize::MAX))
+}
+
+/// Seconds until the earliest scheduled message is due (see [`next_due_sql`]).
+pub(crate) async fn next_due(
+    pool: &sqlx::PgPool,
+    sql: &str,
+    persistent: bool,
+) -> Result<Option<f64>> {
+    Ok(sqlx::query_scalar(AssertSqlSafe(sql.to_owned()))
+        .persistent(persistent)
+        .fetch_one(pool)
+        .await?)
+}
