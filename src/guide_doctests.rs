@@ -32,6 +32,7 @@ chapters! {
     Leases => "leases.md",
     Outbox => "outbox.md",
     WalOutbox => "wal-outbox.md",
+    Scheduled => "scheduled.md",
     Consumer => "consumer.md",
     Transports => "transports.md",
     #[cfg(feature = "rabbitmq")]

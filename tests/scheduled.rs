@@ -545,7 +545,7 @@ async fn bad_schedules_are_refused_before_any_sql_and_the_transaction_stays_usab
         (later(Message::bytes("t", "x").schedule_key("")), "empty"),
         (later(Message::bytes("t", "x").schedule_key("a\0b")), "nul"),
         (
-            later(Message::bytes("t", "x").schedule_key("k".repeat(513))),
+            later(Message::bytes("t", "x").schedule_key("k".repeat(pgbox::MAX_KEY_BYTES + 1))),
             "long",
         ),
         (

@@ -96,7 +96,7 @@ impl Message {
     /// At most one pending scheduled message per (topic, `key`): enqueuing another under the
     /// same key (in another transaction, or the same) meets the pending one, and
     /// [`on_schedule_conflict`](Self::on_schedule_conflict) says which wins. Validated like
-    /// an inbox key (not empty, no NUL, at most 512 bytes). Needs
+    /// an inbox key (not empty, no NUL, at most [`MAX_KEY_BYTES`](crate::MAX_KEY_BYTES)). Needs
     /// [`deliver_at`](Self::deliver_at) or [`deliver_after`](Self::deliver_after).
     ///
     /// A message already promoted (due, handed to the relay) is no longer pending: a new one

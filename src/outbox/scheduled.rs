@@ -87,7 +87,7 @@ fn insert_sql(schema: &Identifier, conflict: ScheduleConflict, wake: &str) -> St
            INSERT INTO {schema}.outbox_scheduled AS o \
              (message_id, topic, ordering_key, payload, content_type, headers, due_at, schedule_key) \
            VALUES ($1, $2, $3, $4, $5, $6, \
-             pg_catalog.coalesce($7::timestamptz, pg_catalog.statement_timestamp() + pg_catalog.make_interval(secs => $8::float8)), $9) \
+             COALESCE($7::timestamptz, pg_catalog.statement_timestamp() + pg_catalog.make_interval(secs => $8::float8)), $9) \
            ON CONFLICT (topic, schedule_key) WHERE schedule_key IS NOT NULL DO UPDATE SET {on_conflict} \
            RETURNING o.message_id) \
          SELECT ins.message_id, ({wake}) FROM ins"
@@ -211,7 +211,7 @@ pub(crate) fn promote_sql(schema: &Identifier, limit: usize) -> String {
            RETURNING o.*) \
          INSERT INTO {schema}.outbox (message_id, topic, ordering_key, payload, content_type, headers, created_at) \
          SELECT message_id, topic, ordering_key, payload, content_type, headers, \
-           pg_catalog.greatest(created_at, due_at) \
+           GREATEST(created_at, due_at) \
          FROM moved ORDER BY due_at, sched_seq",
         class = ENQUEUE_LOCK_CLASS,
     )
@@ -251,7 +251,6 @@ pub(crate) async fn promote_into_wal(
 ) -> Result<usize> {
     let mut tx = pool.begin().await?;
     let rows = sqlx::query(AssertSqlSafe(take_due_sql(schema, limit)))
-        .persistent(false)
         .fetch_all(&mut *tx)
         .await?;
     if rows.is_empty() {
@@ -277,7 +276,6 @@ pub(crate) async fn promote_into_wal(
     due.sort_by_key(|(at, seq, _)| (*at, *seq));
     let messages: Vec<Message> = due.into_iter().map(|(_, _, m)| m).collect();
     sqlx::query("SELECT pg_catalog.pg_logical_emit_message(true, $1::text, $2::bytea)")
-        .persistent(false)
         .bind(super::wal::prefix(schema.as_str()))
         .bind(super::wal::encode(&messages))
         .execute(&mut *tx)

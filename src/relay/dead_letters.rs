@@ -179,6 +179,7 @@ impl DeadLetters {
                             payload: r.try_get("payload")?,
                             content_type: r.try_get("content_type")?,
                             headers: headers.0,
+                            schedule: None,
                         },
                     ))
                 })

@@ -584,7 +584,7 @@ impl<P: Publisher> WalRelay<P> {
             let seconds = crate::outbox::scheduled::next_due(
                 &self.pool,
                 &crate::outbox::scheduled::next_due_sql(&self.schema),
-                false,
+                true,
             )
             .await?;
             now + seconds.map_or(self.poll_interval, |s| {
