@@ -21,14 +21,16 @@ fn relay(pool: &PgPool) -> Relay<PgQueue> {
 
 /// Payloads in the queue, in its order, for `topic`.
 async fn queued(pool: &PgPool, topic: &str) -> Vec<String> {
-    sqlx::query_scalar::<_, Vec<u8>>("SELECT payload FROM pgbox.queue WHERE topic = $1 ORDER BY seq")
-        .bind(topic)
-        .fetch_all(pool)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|p| String::from_utf8(p).unwrap())
-        .collect()
+    sqlx::query_scalar::<_, Vec<u8>>(
+        "SELECT payload FROM pgbox.queue WHERE topic = $1 ORDER BY seq",
+    )
+    .bind(topic)
+    .fetch_all(pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .map(|p| String::from_utf8(p).unwrap())
+    .collect()
 }
 
 async fn scalar(pool: &PgPool, sql: &str) -> i64 {
@@ -242,7 +244,11 @@ async fn a_scheduled_message_takes_its_place_in_its_key_at_promotion_and_holds_n
     // Among scheduled messages of one key: due time, then scheduling order.
     let now = OffsetDateTime::now_utc() - time::Duration::minutes(5);
     let mut tx = pool.begin().await.unwrap();
-    for (payload, at) in [("c", now + time::Duration::seconds(2)), ("a", now), ("b", now)] {
+    for (payload, at) in [
+        ("c", now + time::Duration::seconds(2)),
+        ("a", now),
+        ("b", now),
+    ] {
         outbox
             .enqueue(
                 &mut tx,
@@ -331,7 +337,12 @@ async fn schedule_keys_replace_keep_the_due_time_keep_the_first_and_cancel_trans
     assert!(row("r").await.is_none());
     // Another topic's key of the same name is another key.
     let mut tx = pool.begin().await.unwrap();
-    assert!(!outbox.cancel_scheduled(&mut tx, "other", "k").await.unwrap());
+    assert!(
+        !outbox
+            .cancel_scheduled(&mut tx, "other", "k")
+            .await
+            .unwrap()
+    );
     tx.commit().await.unwrap();
 
     // Reschedule into the past: due now, published.
@@ -404,7 +415,10 @@ async fn two_relays_promoting_at_once_neither_double_nor_lose() {
             m
         }
     });
-    let ids = Outbox::new().enqueue_batch(&mut tx, messages).await.unwrap();
+    let ids = Outbox::new()
+        .enqueue_batch(&mut tx, messages)
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     assert_eq!(ids.len(), 3000);
     let small = |pool: &PgPool| {
@@ -423,11 +437,12 @@ async fn two_relays_promoting_at_once_neither_double_nor_lose() {
         scalar(pool, "SELECT count(DISTINCT message_id) FROM pgbox.queue").await,
         3000
     );
-    let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.queue WHERE message_id = ANY($1)")
-        .bind(&ids)
-        .fetch_one(pool)
-        .await
-        .unwrap();
+    let kept: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM pgbox.queue WHERE message_id = ANY($1)")
+            .bind(&ids)
+            .fetch_one(pool)
+            .await
+            .unwrap();
     assert_eq!(kept, 3000, "every id kept through promotion");
 }
 
@@ -527,11 +542,12 @@ async fn cancel_and_replace_racing_promotion_first_commit_wins_and_nothing_is_lo
     support::wait_for_lock_waiter(pool).await;
     taker.commit().await.unwrap();
     let id = replacing.await.unwrap();
-    let pending_id: Uuid =
-        sqlx::query_scalar("SELECT message_id FROM pgbox.outbox_scheduled WHERE schedule_key = 's'")
-            .fetch_one(pool)
-            .await
-            .unwrap();
+    let pending_id: Uuid = sqlx::query_scalar(
+        "SELECT message_id FROM pgbox.outbox_scheduled WHERE schedule_key = 's'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
     assert_eq!(pending_id, id);
 }
 

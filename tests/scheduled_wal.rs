@@ -63,7 +63,10 @@ async fn due_scheduled_messages_enter_the_wal_once_in_due_order_and_keep_their_i
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(pending, 2, "scheduled messages wait in the table, not the WAL");
+    assert_eq!(
+        pending, 2,
+        "scheduled messages wait in the table, not the WAL"
+    );
 
     let relay = WalRelay::builder(pool.clone(), slot.clone(), PgQueue::new(pool.clone()))
         .build()
@@ -71,7 +74,11 @@ async fn due_scheduled_messages_enter_the_wal_once_in_due_order_and_keep_their_i
     relay.drain().await.unwrap();
     // The one due now was promoted after the producer's commit: after `immediate`.
     assert_eq!(
-        queued(&pool).await.iter().find(|(_, p)| p == "past").map(|(id, _)| *id),
+        queued(&pool)
+            .await
+            .iter()
+            .find(|(_, p)| p == "past")
+            .map(|(id, _)| *id),
         Some(now)
     );
     let got: Vec<String> = queued(&pool).await.into_iter().map(|(_, p)| p).collect();

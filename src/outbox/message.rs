@@ -196,10 +196,7 @@ impl Message {
                     );
                 }
                 Due::Unset => {
-                    return bad(
-                        "schedule",
-                        "needs a due time (deliver_at or deliver_after)",
-                    );
+                    return bad("schedule", "needs a due time (deliver_at or deliver_after)");
                 }
                 Due::After(delay) if delay > MAX_SCHEDULE_DELAY => {
                     return bad("deliver_after", "longer than 100 years");

@@ -301,9 +301,16 @@ impl Outbox {
 
     /// Writes a scheduled message into `outbox_scheduled` (both modes: in WAL mode it is
     /// emitted when the [`WalRelay`](crate::WalRelay) promotes it).
-    async fn enqueue_scheduled(&self, tx: &mut impl InTransaction, message: Message) -> Result<Uuid> {
+    async fn enqueue_scheduled(
+        &self,
+        tx: &mut impl InTransaction,
+        message: Message,
+    ) -> Result<Uuid> {
         let (channel, class) = match self.mode {
-            OutboxMode::Table => (format!("{}.outbox", self.schema.as_str()), ASLEEP_LOCK_CLASS),
+            OutboxMode::Table => (
+                format!("{}.outbox", self.schema.as_str()),
+                ASLEEP_LOCK_CLASS,
+            ),
             OutboxMode::Wal => (wal::channel(self.schema.as_str()), WAL_ASLEEP_LOCK_CLASS),
         };
         // A sleeping relay recomputes when to wake: this message may be due before then.

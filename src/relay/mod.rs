@@ -635,7 +635,10 @@ impl<P: Publisher> Relay<P> {
         };
         *self.next_promotion.lock().expect("next promotion") = next;
         if moved > 0 {
-            tracing::debug!(messages = moved, "pgbox relay promoted due scheduled messages");
+            tracing::debug!(
+                messages = moved,
+                "pgbox relay promoted due scheduled messages"
+            );
         }
         Ok(moved)
     }

@@ -593,7 +593,10 @@ impl<P: Publisher> WalRelay<P> {
         };
         *self.next_promotion.lock().expect("next promotion") = next;
         if moved > 0 {
-            tracing::debug!(messages = moved, "pgbox WAL relay emitted due scheduled messages");
+            tracing::debug!(
+                messages = moved,
+                "pgbox WAL relay emitted due scheduled messages"
+            );
         }
         Ok(moved)
     }
