@@ -9,6 +9,7 @@
 
 #[path = "../../tests/support/local_pg.rs"]
 mod local_pg;
+mod scheduled;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -823,6 +824,11 @@ async fn main() -> anyhow::Result<()> {
         background: Background::Nothing,
         notes: Vec::new(),
     };
+
+    // S1: scheduled messages (bench/src/scheduled.rs); only when asked for (`--only S1`).
+    if bench.args.only.iter().any(|p| p.starts_with('S')) {
+        scheduled::run(&bench.options, bench.args.quick).await?;
+    }
 
     // B0: the business write alone.
     let p = payload.clone();

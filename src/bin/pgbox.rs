@@ -670,6 +670,8 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                 "taken_at": time_json(Some(status.taken_at)),
                 "topics": topics,
                 "consumers": consumers,
+                "scheduled": status.scheduled,
+                "next_scheduled_due": time_json(status.next_scheduled_due),
             });
             print(json_mode, value, || {
                 let age = |t: Option<OffsetDateTime>| match t {
@@ -692,6 +694,13 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                         t.queue_backlog_estimate,
                         age(t.queue_oldest),
                         t.queue_dead_letters
+                    ));
+                }
+                if status.scheduled > 0 {
+                    out.push_str(&format!(
+                        "scheduled: {} pending (counted up to 10000), the next due {}\n",
+                        status.scheduled,
+                        time_text(status.next_scheduled_due)
                     ));
                 }
                 out.push_str("\nCONSUMER                 INBOX ROWS  OLDEST                          NEWEST                          LEASES LIVE  EXPIRED\n");

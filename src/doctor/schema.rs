@@ -354,6 +354,7 @@ pub(super) const TABLES: &[ExpectedTable] = &[
     ExpectedTable { name: "outbox_dead_letters", since: 3 },
     ExpectedTable { name: "queue", since: 3 },
     ExpectedTable { name: "queue_dead_letters", since: 3 },
+    ExpectedTable { name: "outbox_scheduled", since: 16 },
 ];
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -361,6 +362,8 @@ pub(super) enum IndexKind {
     PrimaryKey,
     Unique,
     Plain,
+    /// A unique index that backs no constraint (a partial one cannot).
+    UniqueIndex,
 }
 
 /// An index pgbox's migrations create: expected once migration `since` is applied, until
@@ -389,6 +392,10 @@ impl ExpectedIndex {
             IndexKind::Plain => format!(
                 "Recreate it without blocking writes: `CREATE INDEX CONCURRENTLY {name} ON \
                  {s}.{table} {def};`."
+            ),
+            IndexKind::UniqueIndex => format!(
+                "Recreate it without blocking writes: `CREATE UNIQUE INDEX CONCURRENTLY {name} \
+                 ON {s}.{table} {def};` (if it fails on duplicate rows, remove those first)."
             ),
             IndexKind::PrimaryKey | IndexKind::Unique => {
                 let constraint = if self.kind == IndexKind::PrimaryKey {
@@ -431,9 +438,9 @@ pub(super) const fn until(mut ix: ExpectedIndex, dropped_in: i32) -> ExpectedInd
     ix
 }
 
-use IndexKind::{Plain, PrimaryKey, Unique};
+use IndexKind::{Plain, PrimaryKey, Unique, UniqueIndex};
 
-/// Every index of migrations/V1..V15. A new migration that creates or drops an index adds a
+/// Every index of migrations/V1..V16. A new migration that creates or drops an index adds a
 /// line here (the unit test below fails until it does).
 #[rustfmt::skip]
 pub(super) const INDEXES: &[ExpectedIndex] = &[
@@ -503,6 +510,14 @@ pub(super) const INDEXES: &[ExpectedIndex] = &[
     index("queue", "queue_key_idx", 15, Plain,
         "(topic, ordering_key, seq) WHERE ordering_key IS NOT NULL",
         "receive's head-of-key checks"),
+    // V16
+    index("outbox_scheduled", "outbox_scheduled_pkey", 16, PrimaryKey, "(sched_seq)",
+        "promotion and cancels of scheduled messages"),
+    index("outbox_scheduled", "outbox_scheduled_due_idx", 16, Plain, "(due_at, sched_seq)",
+        "the relays' promotion of due scheduled messages"),
+    index("outbox_scheduled", "outbox_scheduled_key_idx", 16, UniqueIndex,
+        "(topic, schedule_key) WHERE schedule_key IS NOT NULL",
+        "one pending scheduled message per schedule key"),
 ];
 
 #[cfg(test)]

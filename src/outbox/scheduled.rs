@@ -249,7 +249,7 @@ pub(crate) async fn promote_into_wal(
     schema: &Identifier,
     limit: usize,
 ) -> Result<usize> {
-    let mut tx = pool.begin().await?;
+    let mut tx = crate::pooler::begin(pool, None).await?;
     let rows = sqlx::query(AssertSqlSafe(take_due_sql(schema, limit)))
         .fetch_all(&mut *tx)
         .await?;
