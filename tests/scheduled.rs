@@ -612,3 +612,79 @@ async fn bad_schedules_are_refused_before_any_sql_and_the_transaction_stays_usab
     assert_eq!(status.scheduled, 1);
     assert!(status.next_scheduled_due.unwrap() > status.taken_at + time::Duration::days(36_000));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_application_role_of_grant_to_schedules_replaces_cancels_and_promotes() {
+    use sqlx::{Connection, Executor};
+    let db = TestDb::empty().await;
+    let role = format!(
+        "pgbox_sched_{}",
+        &uuid::Uuid::now_v7().simple().to_string()[16..]
+    );
+    let server = support::server_url().await;
+    let mut admin = sqlx::PgConnection::connect(&server).await.unwrap();
+    admin
+        .execute(sqlx::AssertSqlSafe(format!("CREATE ROLE \"{role}\" LOGIN")))
+        .await
+        .unwrap();
+    let (owner, options, app_role) = (db.pool.clone(), db.options.clone(), role.clone());
+    let outcome = async move {
+        pgbox::Migrator::new()
+            .grant_to(&app_role)
+            .unwrap()
+            .run(&owner)
+            .await
+            .unwrap();
+        let app = sqlx::postgres::PgPoolOptions::new()
+            .max_connections(4)
+            .connect_with(options.username(&app_role))
+            .await
+            .unwrap();
+        let outbox = Outbox::new();
+        let mut tx = app.begin().await.unwrap();
+        for payload in ["first", "second"] {
+            outbox
+                .enqueue(
+                    &mut tx,
+                    Message::bytes("app", payload)
+                        .schedule_key("s")
+                        .deliver_after(Duration::from_secs(3600)),
+                )
+                .await
+                .unwrap();
+        }
+        assert!(
+            outbox
+                .reschedule(&mut tx, "app", "s", OffsetDateTime::UNIX_EPOCH)
+                .await
+                .unwrap()
+        );
+        outbox
+            .enqueue(
+                &mut tx,
+                Message::bytes("app", "cancelled")
+                    .schedule_key("c")
+                    .deliver_after(Duration::ZERO),
+            )
+            .await
+            .unwrap();
+        assert!(outbox.cancel_scheduled(&mut tx, "app", "c").await.unwrap());
+        tx.commit().await.unwrap();
+        relay(&app).drain().await.unwrap();
+        assert_eq!(queued(&app, "app").await, ["second"]);
+        let status = pgbox::status(&app, "pgbox").await.unwrap();
+        assert_eq!(status.scheduled, 0);
+        app.close().await;
+    };
+    let result = tokio::spawn(outcome).await;
+    // Clean up what this test created, whatever happened.
+    db.pool
+        .execute(sqlx::AssertSqlSafe(format!("DROP OWNED BY \"{role}\"")))
+        .await
+        .unwrap();
+    admin
+        .execute(sqlx::AssertSqlSafe(format!("DROP ROLE \"{role}\"")))
+        .await
+        .unwrap();
+    result.unwrap();
+}
