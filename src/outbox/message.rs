@@ -251,7 +251,8 @@ pub struct Envelope {
     pub content_type: String,
     /// Headers, including `traceparent` when one was propagated.
     pub headers: BTreeMap<String, String>,
-    /// When the producer's transaction enqueued it.
+    /// When the producer's transaction enqueued it; for a scheduled message, its due time
+    /// (or its enqueue time, if that was later): the publish lag is counted from there.
     pub created_at: OffsetDateTime,
     /// Publish attempts that failed before this one.
     pub attempts: i32,
