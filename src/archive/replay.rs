@@ -161,7 +161,9 @@ impl Replay {
         self
     }
 
-    /// At most this many messages per second (default: as fast as the database takes them).
+    /// At most this many messages per second on average (default: as fast as the database
+    /// takes them): chunks of at most a tenth of a second's worth, each started no earlier
+    /// than the rate allows since the replay's start.
     pub fn rate(mut self, per_second: u32) -> Self {
         self.rate = Some(per_second);
         self
@@ -360,7 +362,8 @@ impl Replay {
         loop {
             let mut limit = self.batch_size as u64;
             if let Some(rate) = self.rate {
-                limit = limit.min(u64::from(rate).max(1));
+                // A tenth of a second's worth per chunk: bursts stay small.
+                limit = limit.min((u64::from(rate) / 10).max(1));
             }
             if let Some(max) = self.max_messages {
                 if selected >= max {
