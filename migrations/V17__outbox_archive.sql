@@ -52,10 +52,11 @@ ALTER SEQUENCE outbox_archive_seq OWNED BY outbox_archive.seq;
 
 COMMENT ON TABLE outbox_archive IS 'pgbox: delivered messages, partitioned by time (expiry drops partitions)';
 
--- Replay reads in archive order, by topic, and looks earlier copies of a message id up.
+-- Replay reads in archive order (filters apply on the way: a replay reads its range once).
+-- The WAL relay's rows (source_seq NULL, possibly archived twice) are looked up by id, to
+-- replay the first copy only; the table relay's never are, and pay for no second index.
 CREATE INDEX outbox_archive_seq_idx ON outbox_archive (seq);
-CREATE INDEX outbox_archive_topic_idx ON outbox_archive (topic, seq);
-CREATE INDEX outbox_archive_message_idx ON outbox_archive (message_id);
+CREATE INDEX outbox_archive_wal_message_idx ON outbox_archive (message_id) WHERE source_seq IS NULL;
 
 CREATE TABLE outbox_archive_default PARTITION OF outbox_archive DEFAULT;
 

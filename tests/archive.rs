@@ -92,7 +92,10 @@ async fn archive_on_moves_published_messages_with_id_topic_key_payload_headers()
         .build()
         .unwrap();
     assert_eq!(relay.drain().await.unwrap().published, 40);
-    assert_eq!(count(&db.pool, "SELECT count(*) FROM pgbox.outbox").await, 0);
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM pgbox.outbox").await,
+        0
+    );
     let archived = table(&db.pool, "outbox_archive", "seq").await;
     assert_eq!(archived, before, "every column kept, in publication order");
     assert_eq!(
@@ -275,7 +278,10 @@ async fn expiry_drops_exactly_the_expired_partitions_and_never_the_current_one()
     assert_eq!(dropped, expected);
     let after = archive.partitions().await.unwrap();
     let now = time::OffsetDateTime::now_utc();
-    assert!(after.iter().any(|p| p.from <= now && now < p.to), "current kept");
+    assert!(
+        after.iter().any(|p| p.from <= now && now < p.to),
+        "current kept"
+    );
     assert_eq!(after.len(), before.len() - expected.len());
     // Every row younger than the retention is still there.
     assert_eq!(

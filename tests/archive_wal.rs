@@ -71,7 +71,10 @@ async fn wal_relay_archives_before_advancing_and_a_crash_between_replays_once() 
         .archive(ArchiveRetention::days(1))
         .build()
         .unwrap();
-    assert!(relay.relay_once().await.is_err(), "the advance's connection was dropped");
+    assert!(
+        relay.relay_once().await.is_err(),
+        "the advance's connection was dropped"
+    );
     let once: Vec<uuid::Uuid> = archived(&pool).await.iter().map(|r| r.0).collect();
     assert_eq!(once, ids, "archived before the advance, in order");
     // A relay started afresh (the crashed process's memory is gone) re-reads from the slot's

@@ -72,16 +72,42 @@ async fn archive_status_and_replay_with_json() {
     assert_eq!(status["default_rows"], 0);
     assert!(status["partitions"].as_array().unwrap().len() >= 4);
 
-    let dry = pgbox_cli(&url, &["--json", "replay", "--topic", "orders", "--key", "k1", "--dry-run"]);
+    let dry = pgbox_cli(
+        &url,
+        &[
+            "--json",
+            "replay",
+            "--topic",
+            "orders",
+            "--key",
+            "k1",
+            "--dry-run",
+        ],
+    );
     assert!(dry.status.success());
     assert_eq!(json(&dry)["would_replay"], 4);
     assert!(pending(&db).await.is_empty(), "a dry run enqueues nothing");
 
     let run = pgbox_cli(
         &url,
-        &["--json", "replay", "--topic", "orders", "--type", "created", "--limit", "5", "--batch-size", "2"],
+        &[
+            "--json",
+            "replay",
+            "--topic",
+            "orders",
+            "--type",
+            "created",
+            "--limit",
+            "5",
+            "--batch-size",
+            "2",
+        ],
     );
-    assert!(run.status.success(), "{}", String::from_utf8_lossy(&run.stderr));
+    assert!(
+        run.status.success(),
+        "{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
     let first = json(&run);
     assert_eq!(first["replayed"], 5);
     assert_eq!(first["complete"], false);
@@ -89,7 +115,18 @@ async fn archive_status_and_replay_with_json() {
     let id = first["replay_id"].as_str().unwrap().to_owned();
     let rest = pgbox_cli(
         &url,
-        &["--json", "replay", "--topic", "orders", "--type", "created", "--after", &cursor, "--replay-id", &id],
+        &[
+            "--json",
+            "replay",
+            "--topic",
+            "orders",
+            "--type",
+            "created",
+            "--after",
+            &cursor,
+            "--replay-id",
+            &id,
+        ],
     );
     let rest = json(&rest);
     // 8 orders, of which i % 4 == 0 (i = 4, 8) are "paid": 6 created.
@@ -98,12 +135,11 @@ async fn archive_status_and_replay_with_json() {
     let got = pending(&db).await;
     assert_eq!(got.len(), 6);
     assert!(got.iter().all(|(t, _)| t == "orders"));
-    let ids: Vec<String> = sqlx::query_scalar(
-        "SELECT DISTINCT headers->>'pgbox-replay-id' FROM pgbox.outbox",
-    )
-    .fetch_all(&db.pool)
-    .await
-    .unwrap();
+    let ids: Vec<String> =
+        sqlx::query_scalar("SELECT DISTINCT headers->>'pgbox-replay-id' FROM pgbox.outbox")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(ids, vec![id]);
 }
 
@@ -119,7 +155,14 @@ async fn replay_bad_input_is_refused_and_enqueues_nothing() {
     .await
     .unwrap();
     let cases: &[&[&str]] = &[
-        &["--json", "replay", "--since", "2026-11-02T00:00:00Z", "--until", "2026-11-01T00:00:00Z"],
+        &[
+            "--json",
+            "replay",
+            "--since",
+            "2026-11-02T00:00:00Z",
+            "--until",
+            "2026-11-01T00:00:00Z",
+        ],
         &["--json", "replay", "--topic", "no-such-topic"],
         &["--json", "replay", "--since", "yesterday"],
         &["--json", "replay", "--type-header", "a b", "--type", "x"],
@@ -131,7 +174,10 @@ async fn replay_bad_input_is_refused_and_enqueues_nothing() {
         assert!(!out.status.success(), "{args:?}");
         let code = out.status.code().unwrap();
         assert!((1..=6).contains(&code), "{args:?}: exit {code}");
-        assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"), "{args:?}");
+        assert!(
+            !String::from_utf8_lossy(&out.stderr).contains("panicked"),
+            "{args:?}"
+        );
     }
     assert!(pending(&db).await.is_empty());
 }

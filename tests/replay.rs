@@ -73,11 +73,11 @@ async fn filters_select_exactly_the_right_messages() {
     let ids = archive_rows(
         &db.pool,
         &[
-            ("orders", Some("a"), "created", 3), // 0
-            ("orders", Some("b"), "paid", 2),    // 1
-            ("orders", None, "created", 1),      // 2
+            ("orders", Some("a"), "created", 3),   // 0
+            ("orders", Some("b"), "paid", 2),      // 1
+            ("orders", None, "created", 1),        // 2
             ("invoices", Some("a"), "created", 1), // 3
-            ("orders", Some("a"), "paid", 0),    // 4
+            ("orders", Some("a"), "paid", 0),      // 4
         ],
     )
     .await;
@@ -88,10 +88,23 @@ async fn filters_select_exactly_the_right_messages() {
         (archive.replay(), vec![0, 1, 2, 3, 4]),
         (archive.replay().topic("orders"), vec![0, 1, 2, 4]),
         (archive.replay().ordering_key("a"), vec![0, 3, 4]),
-        (archive.replay().topic("orders").ordering_key("a"), vec![0, 4]),
+        (
+            archive.replay().topic("orders").ordering_key("a"),
+            vec![0, 4],
+        ),
         (archive.replay().message_type("paid"), vec![1, 4]),
-        (archive.replay().since(now - day * 2 - time::Duration::hours(1)), vec![1, 2, 3, 4]),
-        (archive.replay().until(now - day * 2 + time::Duration::hours(1)), vec![0, 1]),
+        (
+            archive
+                .replay()
+                .since(now - day * 2 - time::Duration::hours(1)),
+            vec![1, 2, 3, 4],
+        ),
+        (
+            archive
+                .replay()
+                .until(now - day * 2 + time::Duration::hours(1)),
+            vec![0, 1],
+        ),
         (
             archive
                 .replay()
@@ -100,12 +113,19 @@ async fn filters_select_exactly_the_right_messages() {
                 .until(now - time::Duration::hours(1)),
             vec![2],
         ),
-        (archive.replay().type_header("x-none").message_type("paid"), vec![]),
+        (
+            archive.replay().type_header("x-none").message_type("paid"),
+            vec![],
+        ),
     ];
     for (replay, expected) in cases {
         clear_outbox(&db.pool).await;
         let expected: Vec<uuid::Uuid> = expected.iter().map(|&i| ids[i]).collect();
-        assert_eq!(replay.count().await.unwrap(), expected.len() as u64, "{replay:?}");
+        assert_eq!(
+            replay.count().await.unwrap(),
+            expected.len() as u64,
+            "{replay:?}"
+        );
         let report = replay.run().await.unwrap();
         assert!(report.complete);
         assert_eq!(report.replayed, expected.len() as u64);
@@ -169,7 +189,11 @@ async fn kept_ids_are_duplicates_to_the_inbox_and_new_ids_are_processed_again() 
             .iter()
             .all(|e| e.headers.get(REPLAY_ID_HEADER) == Some(&replay_id))
     );
-    assert_eq!(consume(&db.pool, &inbox, &replayed).await, 0, "all Duplicate");
+    assert_eq!(
+        consume(&db.pool, &inbox, &replayed).await,
+        0,
+        "all Duplicate"
+    );
 
     let report = archive
         .replay()
@@ -188,7 +212,11 @@ async fn kept_ids_are_duplicates_to_the_inbox_and_new_ids_are_processed_again() 
         fresh.iter().map(|e| e.payload.clone()).collect::<Vec<_>>(),
         first.iter().map(|e| e.payload.clone()).collect::<Vec<_>>()
     );
-    assert_eq!(consume(&db.pool, &inbox, &fresh).await, 10, "processed again");
+    assert_eq!(
+        consume(&db.pool, &inbox, &fresh).await,
+        10,
+        "processed again"
+    );
 }
 
 #[tokio::test]
@@ -282,13 +310,18 @@ async fn per_key_order_is_kept_end_to_end_into_the_queue_and_replay_resumes() {
         assert_eq!(got, want, "key k{key} in order");
     }
     let id = first.replay_id.to_string();
-    assert!(queued.iter().all(|(_, _, h)| h[REPLAY_ID_HEADER] == id.as_str()));
+    assert!(
+        queued
+            .iter()
+            .all(|(_, _, h)| h[REPLAY_ID_HEADER] == id.as_str())
+    );
 }
 
 #[tokio::test]
 async fn the_rate_limit_is_honoured() {
     let db = TestDb::migrated().await;
-    let rows: Vec<(&str, Option<&str>, &str, i32)> = (0..300).map(|_| ("t", None, "x", 0)).collect();
+    let rows: Vec<(&str, Option<&str>, &str, i32)> =
+        (0..300).map(|_| ("t", None, "x", 0)).collect();
     archive_rows(&db.pool, &rows).await;
     let started = Instant::now();
     let report = Archive::new(db.pool.clone())
@@ -312,19 +345,32 @@ async fn bad_input_is_refused_with_typed_errors() {
     let archive = Archive::new(db.pool.clone());
     let now = time::OffsetDateTime::now_utc();
     assert!(matches!(
-        archive.replay().since(now).until(now - time::Duration::hours(1)).count().await,
+        archive
+            .replay()
+            .since(now)
+            .until(now - time::Duration::hours(1))
+            .count()
+            .await,
         Err(Error::InvalidConfig(_))
     ));
     assert!(matches!(
         archive.replay().topic("nope").run().await,
-        Err(Error::InvalidField { field: "replay topic", .. })
+        Err(Error::InvalidField {
+            field: "replay topic",
+            ..
+        })
     ));
     assert!(matches!(
         archive.replay().topic("or\0ders").run().await,
         Err(Error::InvalidField { .. })
     ));
     assert!(matches!(
-        archive.replay().type_header("ty pe").message_type("x").run().await,
+        archive
+            .replay()
+            .type_header("ty pe")
+            .message_type("x")
+            .run()
+            .await,
         Err(Error::InvalidField { .. })
     ));
     assert!(matches!(
@@ -342,7 +388,13 @@ async fn bad_input_is_refused_with_typed_errors() {
     // A hostile value is data, never SQL.
     let hostile = "'); DROP TABLE pgbox.outbox; --";
     assert_eq!(
-        archive.replay().ordering_key(hostile).message_type(hostile).count().await.unwrap(),
+        archive
+            .replay()
+            .ordering_key(hostile)
+            .message_type(hostile)
+            .count()
+            .await
+            .unwrap(),
         0
     );
     assert!(outbox_ids(&db.pool).await.is_empty());

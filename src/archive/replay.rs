@@ -237,7 +237,8 @@ impl Replay {
         let h = &self.type_header;
         if h.is_empty()
             || h.len() > MAX_HEADER_NAME_BYTES
-            || h.chars().any(|c| c.is_control() || c.is_whitespace() || c == ':')
+            || h.chars()
+                .any(|c| c.is_control() || c.is_whitespace() || c == ':')
         {
             return Err(Error::InvalidField {
                 field: "replay type header",
@@ -277,7 +278,7 @@ impl Replay {
              AND ($7::timestamptz IS NULL OR a.archived_at >= $7) \
              AND ($8::timestamptz IS NULL OR a.archived_at < $8) \
              AND (a.source_seq IS NOT NULL OR NOT EXISTS (SELECT 1 FROM {s}.outbox_archive AS b \
-                  WHERE b.message_id = a.message_id AND b.seq < a.seq))"
+                  WHERE b.message_id = a.message_id AND b.source_seq IS NULL AND b.seq < a.seq))"
         )
     }
 

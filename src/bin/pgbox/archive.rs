@@ -75,7 +75,10 @@ pub(crate) async fn status(
 ) -> Result<(), Failure> {
     let pool = connect(url).await?;
     ensure_schema(&pool, schema).await?;
-    let status = pgbox::Archive::new(pool).with_schema(schema)?.status().await?;
+    let status = pgbox::Archive::new(pool)
+        .with_schema(schema)?
+        .status()
+        .await?;
     let partitions: Vec<Value> = status
         .partitions
         .iter()
@@ -112,7 +115,9 @@ pub(crate) async fn status(
             "archived {} .. {}, last cursor {}\ndefault partition: {} rows\n",
             time_text(status.oldest),
             time_text(status.newest),
-            status.last_seq.map_or_else(|| "-".to_owned(), |n| n.to_string()),
+            status
+                .last_seq
+                .map_or_else(|| "-".to_owned(), |n| n.to_string()),
             status.default_rows
         ));
         for p in &status.partitions {
@@ -176,9 +181,11 @@ pub(crate) async fn replay(
     }
     if args.dry_run {
         let n = replay.count().await?;
-        print(json_mode, json!({ "dry_run": true, "would_replay": n }), || {
-            format!("would replay {n} messages\n")
-        });
+        print(
+            json_mode,
+            json!({ "dry_run": true, "would_replay": n }),
+            || format!("would replay {n} messages\n"),
+        );
         return Ok(());
     }
     let report = replay.run().await?;
