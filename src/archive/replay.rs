@@ -494,7 +494,7 @@ impl Replay {
             messages.push(m);
         }
         let outbox = Outbox::with_schema(self.archive.schema())?.mode(OutboxMode::Wal);
-        let mut tx = self.archive.pool().begin().await?;
+        let mut tx = crate::pooler::begin(self.archive.pool(), None).await?;
         outbox.enqueue_batch(&mut tx, messages).await?;
         tx.commit().await?;
         Ok(Chunk {

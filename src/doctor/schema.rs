@@ -503,6 +503,12 @@ pub(super) const INDEXES: &[ExpectedIndex] = &[
     index("queue", "queue_key_idx", 15, Plain,
         "(topic, ordering_key, seq) WHERE ordering_key IS NOT NULL",
         "receive's head-of-key checks"),
+    // V17
+    index("outbox_archive", "outbox_archive_seq_idx", 17, Plain, "(seq)",
+        "replay's walk of the archive in order"),
+    index("outbox_archive", "outbox_archive_wal_message_idx", 17, Plain,
+        "(message_id) WHERE source_seq IS NULL",
+        "replay's look-up of a WAL message archived twice"),
 ];
 
 #[cfg(test)]
