@@ -43,6 +43,11 @@ pub(crate) const TABLES: &[(&str, &[&str], i32)] = &[
         &["SELECT", "INSERT", "UPDATE", "DELETE"],
         16,
     ),
+    // The archive: the relays insert; replay and `pgbox archive status` read. Rows are never
+    // updated or deleted: expiry drops partitions (through outbox_archive_drop_expired).
+    ("outbox_archive", &["SELECT", "INSERT"], 17),
+    // Read by the janitor, replay and status; written through outbox_archive_configure.
+    ("outbox_archive_settings", &["SELECT"], 17),
 ];
 
 /// The migration history: read by the doctor and by `Migrator::applied` (the CLI's check
@@ -51,7 +56,11 @@ pub(crate) const HISTORY_PRIVILEGES: &[&str] = &["SELECT"];
 
 /// Sequences: lease mode draws its fencing tokens with `nextval`. (Identity columns need no
 /// grant on their sequence.)
-pub(crate) const SEQUENCES: &[(&str, &[&str], i32)] = &[("inbox_lease_token_seq", &["USAGE"], 7)];
+pub(crate) const SEQUENCES: &[(&str, &[&str], i32)] = &[
+    ("inbox_lease_token_seq", &["USAGE"], 7),
+    // The archive's order: drawn by the relays' archive inserts (a column default).
+    ("outbox_archive_seq", &["USAGE"], 17),
+];
 
 /// Functions the components call, by signature, with the migration creating them.
 pub(crate) const FUNCTIONS: &[(&str, i32)] = &[
@@ -66,6 +75,12 @@ pub(crate) const FUNCTIONS: &[(&str, i32)] = &[
     ("partitioned_inbox_check_isolation()", 12),
     // SECURITY DEFINER: the janitor creates partitions ahead through it.
     ("inbox_partitions_create_ahead()", 13),
+    ("outbox_archive_partitions()", 17),
+    // SECURITY DEFINER: the relays record the archive's retention and create partitions
+    // ahead; the janitor creates them ahead and drops expired ones.
+    ("outbox_archive_configure(interval, interval, integer)", 17),
+    ("outbox_archive_create_ahead()", 17),
+    ("outbox_archive_drop_expired()", 17),
 ];
 
 /// Objects the migrations create that the application role is deliberately not granted.
@@ -79,6 +94,12 @@ pub(crate) const NOT_GRANTED: &[&str] = &[
     "inbox_partitions_create",
     "enable_partitioned_inbox",
     "inbox_refuse_new_claims_install",
+    // The archive's default partition: inserts go through outbox_archive (privileges are
+    // checked on the parent only), so the partition needs none of its own.
+    "outbox_archive_default",
+    // DDL, for the owner only (reached through the SECURITY DEFINER functions above).
+    "outbox_archive_partition_add",
+    "outbox_archive_partitions_create",
 ];
 
 /// Validates the name of the role to grant to: an identifier (see [`Identifier`]), and not

@@ -471,6 +471,11 @@ pub struct PassReport {
     /// [`InboxPartitions::drop_expired`](crate::InboxPartitions::drop_expired)). Partitions
     /// are still created ahead. Run the expiry as the owner (`pgbox partitions drop`).
     pub partitions_expiry_needs_owner: bool,
+    /// Partitions of the archive of delivered messages created ahead (once a relay archived
+    /// with settings; see [`Archive`](crate::Archive)).
+    pub archive_partitions_created: Vec<String>,
+    /// Partitions of the archive dropped: every row older than its recorded retention.
+    pub archive_partitions_dropped: Vec<String>,
 }
 
 impl PassReport {
@@ -842,7 +847,24 @@ impl Janitor {
                 }
             }
         }
-        self.maintain_partitions(report).await
+        self.maintain_partitions(report).await?;
+        self.maintain_archive(report).await
+    }
+
+    /// The archive of delivered messages, once a relay recorded its retention: partitions
+    /// created ahead (the default partition's rows moved out), expired ones dropped. Both go
+    /// through `SECURITY DEFINER` functions, so the application role may run them.
+    async fn maintain_archive(&self, report: &mut PassReport) -> Result<()> {
+        let archive = crate::Archive::new(self.pool.clone()).with_schema(self.schema.as_str())?;
+        match archive.settings().await {
+            Ok(Some(_)) => {}
+            Ok(None) => return Ok(()),
+            Err(e) if e.db_kind() == Some(DbErrorKind::MissingSchema) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        report.archive_partitions_created = archive.create_ahead().await?;
+        report.archive_partitions_dropped = archive.drop_expired().await?;
+        Ok(())
     }
 
     /// The partitioned inbox, if the schema uses it: partitions created ahead, and expired

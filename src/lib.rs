@@ -8,6 +8,7 @@
     rust_2018_idioms
 )]
 
+mod archive;
 mod connect;
 mod consumer;
 pub mod doctor;
@@ -48,6 +49,10 @@ pub use sqlx;
 /// Cancels a [`Relay`] or [`Consumer`] run (re-exported from `tokio-util`).
 pub use tokio_util::sync::CancellationToken;
 
+pub use crate::archive::{
+    Archive, ArchivePartition, ArchiveRetention, ArchiveStatus, REPLAY_ID_HEADER, Replay,
+    ReplayCursor, ReplayReport,
+};
 pub use crate::connect::{FIRST_CONNECTION_TIMEOUT, connect};
 pub use crate::consumer::{
     Consumer, ConsumerBuilder, ConsumerStats, MAX_BATCH_SIZE, MAX_VISIBILITY_TIMEOUT,

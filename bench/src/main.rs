@@ -5,8 +5,10 @@
 //! cargo run --release -p pgbox-bench                 # full run
 //! cargo run --release -p pgbox-bench -- --quick      # under two minutes (CI)
 //! cargo run --release -p pgbox-bench -- --only P     # the time-partitioned inbox (P1-P3)
+//! cargo run --release -p pgbox-bench -- --only A1    # the archive: O2 with it off/on, replay
 //! ```
 
+mod archive;
 #[path = "../../tests/support/local_pg.rs"]
 mod local_pg;
 mod scheduled;
@@ -1571,6 +1573,9 @@ async fn main() -> anyhow::Result<()> {
 
     if bench.wanted("P3") {
         expiry(&pool, &bench.options, args.expiry_rows).await?;
+    }
+    if bench.wanted("A1") {
+        archive::run(&pool, args.quick, args.backlog, args.relay_batch).await?;
     }
     if !bench.notes.is_empty() {
         println!();

@@ -5,6 +5,9 @@
 //! found; 6 refused (a retention below the floor without `--force`); 7 `doctor` found
 //! warnings (and nothing critical); 8 `doctor` found critical findings.
 
+#[path = "pgbox/archive.rs"]
+mod archive;
+
 use std::collections::HashSet;
 use std::process::ExitCode;
 use std::time::Duration;
@@ -115,6 +118,14 @@ enum Command {
         #[command(subcommand)]
         action: WalAction,
     },
+    /// The archive of delivered messages (relays built with `archive(..)`).
+    Archive {
+        #[command(subcommand)]
+        action: archive::ArchiveAction,
+    },
+    /// Enqueue archived messages into the outbox again, in archive order (each ordering
+    /// key's order), in chunks of one transaction each; prints where it stopped.
+    Replay(archive::ReplayArgs),
     /// Delete old inbox rows in batches (index-backed).
     Purge {
         /// Delete rows older than this: `90s`, `30m`, `12h`, `7d`.
@@ -832,6 +843,12 @@ async fn run(cli: Cli) -> Result<(), Failure> {
                     });
                 }
             }
+        }
+        Command::Archive {
+            action: archive::ArchiveAction::Status,
+        } => archive::status(cli.database_url.as_deref(), schema, json_mode).await?,
+        Command::Replay(args) => {
+            archive::replay(cli.database_url.as_deref(), schema, json_mode, args).await?
         }
         Command::Partitions { action } => {
             let pool = connect(cli.database_url.as_deref()).await?;

@@ -518,6 +518,12 @@ pub(super) const INDEXES: &[ExpectedIndex] = &[
     index("outbox_scheduled", "outbox_scheduled_key_idx", 16, UniqueIndex,
         "(topic, schedule_key) WHERE schedule_key IS NOT NULL",
         "one pending scheduled message per schedule key"),
+    // V17
+    index("outbox_archive", "outbox_archive_seq_idx", 17, Plain, "(seq)",
+        "replay's walk of the archive in order"),
+    index("outbox_archive", "outbox_archive_wal_message_idx", 17, Plain,
+        "(message_id) WHERE source_seq IS NULL",
+        "replay's look-up of a WAL message archived twice"),
 ];
 
 #[cfg(test)]

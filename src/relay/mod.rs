@@ -71,6 +71,7 @@ pub struct RelayBuilder<P> {
     pooler: Pooler,
     session_pool: Option<PgPool>,
     publish_timeout: Duration,
+    archive: Option<crate::archive::ArchiveRetention>,
 }
 
 /// How long one call of [`Publisher::publish`] may take before the relay gives up on it, by
@@ -143,6 +144,20 @@ impl<P: Publisher> RelayBuilder<P> {
         self
     }
 
+    /// Archive published messages for `retention` (see [`Archive`](crate::Archive)): the
+    /// round's settling statement moves them from the outbox into `outbox_archive` (also
+    /// when the batch moves into the built-in queue in the same database: one `DELETE` feeds
+    /// both inserts), so a message is archived exactly when its publication is settled. The
+    /// relay records the retention and creates partitions ahead at its first round; the
+    /// [`Janitor`](crate::janitor::Janitor) keeps them coming and drops expired ones.
+    ///
+    /// Not with [`keep_published`](Self::keep_published): both keep published messages,
+    /// one in the outbox, the other beside it; [`build`](Self::build) refuses the pair.
+    pub fn archive(mut self, retention: crate::archive::ArchiveRetention) -> Self {
+        self.archive = Some(retention);
+        self
+    }
+
     /// How long one call of the publisher may take (default 2 min). A call that has not answered by then is dropped, and its messages are
     /// reported unavailable: an outage, never counted as an attempt, their topic backed off.
     /// Without a bound, a publisher that never answers (a user-written one waiting on a
@@ -182,13 +197,29 @@ impl<P: Publisher> RelayBuilder<P> {
                 "relay publish timeout must be positive".into(),
             ));
         }
-        let sql = Statements::new(&schema, self.keep_published, self.batch_size);
+        if let Some(archive) = &self.archive {
+            archive.validate()?;
+            if self.keep_published {
+                return Err(Error::InvalidConfig(
+                    "relay archive and keep_published exclude each other: the archive keeps \
+                     published messages (choose one)"
+                        .into(),
+                ));
+            }
+        }
+        let mut sql = Statements::new(&schema, self.keep_published, self.batch_size);
+        if self.archive.is_some() {
+            sql.done = crate::archive::settle_sql(&schema, None);
+        }
         let into_queue = self.publisher.as_pg_queue().map(|queue| {
             let queue_schema = queue.schema_identifier();
             IntoQueue {
                 queue_schema: queue_schema.as_str().to_owned(),
                 keyed_lock: keyed_lock_into_queue_sql(&sql.keyed_lock),
-                move_batch: move_sql(&sql.done, queue_schema),
+                move_batch: match self.archive {
+                    Some(_) => crate::archive::settle_sql(&schema, Some(queue_schema)),
+                    None => move_sql(&sql.done, queue_schema),
+                },
             }
         });
         let mut wake_up = self.wake_up;
@@ -226,6 +257,8 @@ impl<P: Publisher> RelayBuilder<P> {
             moving: std::sync::atomic::AtomicU8::new(0),
             outages: std::sync::Mutex::default(),
             next_promotion: std::sync::Mutex::new(Instant::now()),
+            archive: self.archive,
+            archive_ready: std::sync::atomic::AtomicBool::new(false),
         })
     }
 }
@@ -483,6 +516,10 @@ pub struct Relay<P> {
     /// When to look for due scheduled messages next: when the earliest falls due, at most a
     /// poll interval ahead, and at once after a producer scheduled one.
     next_promotion: std::sync::Mutex<Instant>,
+    /// Archiving's settings, when on.
+    archive: Option<crate::archive::ArchiveRetention>,
+    /// The archive's settings were recorded and its partitions created ahead.
+    archive_ready: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug)]
@@ -510,6 +547,7 @@ impl<P: Publisher> Relay<P> {
             pooler: Pooler::None,
             session_pool: None,
             publish_timeout: DEFAULT_PUBLISH_TIMEOUT,
+            archive: None,
         }
     }
 
@@ -771,6 +809,7 @@ impl<P: Publisher> Relay<P> {
     async fn round(&self) -> Result<RoundReport> {
         let span = tracing::debug_span!("pgbox.relay.round");
         async {
+            self.prepare_archive().await;
             // Into the built-in queue: which server run and database the queue's pool is on,
             // asked every round, so that a pool moved to another server is followed. Not
             // answering, it is published to (and fails) as any transport would.
@@ -957,6 +996,33 @@ impl<P: Publisher> Relay<P> {
 }
 
 impl<P: Publisher> Relay<P> {
+    /// With archiving on, once: records the retention and creates the archive's partitions
+    /// ahead. A failure is logged and tried again next round; archiving goes on meanwhile
+    /// (into the default partition if no range partition covers the time).
+    async fn prepare_archive(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(retention) = &self.archive else {
+            return;
+        };
+        if self.archive_ready.load(Relaxed) {
+            return;
+        }
+        match retention.apply(&self.pool, &self.schema).await {
+            Ok(created) => {
+                self.archive_ready.store(true, Relaxed);
+                tracing::info!(
+                    schema = self.schema.as_str(),
+                    retention = ?retention.retention(),
+                    created = created.len(),
+                    "pgbox relay archives published messages"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "pgbox relay could not prepare the archive's partitions; will retry")
+            }
+        }
+    }
+
     /// Logs which way the batches go into the built-in queue when it changes (and at the
     /// first round).
     fn note_path(&self, local: bool, same_database: bool, may_insert: bool, queue_schema: &str) {

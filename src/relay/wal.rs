@@ -203,6 +203,7 @@ pub struct WalRelayBuilder<P> {
     wake_up: WakeUp,
     reader: WalReader,
     max_in_flight_bytes: usize,
+    archive: Option<crate::archive::ArchiveRetention>,
 }
 
 /// How a [`WalRelay`] reads its slot.
@@ -284,6 +285,16 @@ impl<P: Publisher> WalRelayBuilder<P> {
         self
     }
 
+    /// Archive published messages for `retention` (see [`Archive`](crate::Archive)): after
+    /// the transport confirmed a batch and before the slot moves past it, its messages are
+    /// inserted into `outbox_archive` in one transaction. A crash between the two publishes
+    /// and archives the batch again (replay keeps one copy). The relay records the
+    /// retention and creates partitions ahead at its first archiving.
+    pub fn archive(mut self, retention: crate::archive::ArchiveRetention) -> Self {
+        self.archive = Some(retention);
+        self
+    }
+
     /// How often to read the slot when it had nothing (the streaming reader: how long a
     /// round of [`run`](WalRelay::run) waits for the server), and how often a relay that is
     /// not the reader tries to become it (default 100 ms).
@@ -334,6 +345,8 @@ impl<P: Publisher> WalRelayBuilder<P> {
             wake_up: self.wake_up,
             kind: self.reader,
             max_in_flight_bytes: self.max_in_flight_bytes,
+            archive: self.archive,
+            archive_ready: std::sync::atomic::AtomicBool::new(false),
             dead_letter: dead_letter.into(),
             reader: Mutex::new(Reader::default()),
             next_promotion: std::sync::Mutex::new(std::time::Instant::now()),
@@ -399,6 +412,10 @@ pub struct WalRelay<P> {
     wake_up: WakeUp,
     kind: WalReader,
     max_in_flight_bytes: usize,
+    /// Archiving's settings, when on.
+    archive: Option<crate::archive::ArchiveRetention>,
+    /// The archive's settings were recorded and its partitions created ahead.
+    archive_ready: std::sync::atomic::AtomicBool,
     dead_letter: Arc<str>,
     /// When to look for due scheduled messages next (see [`WalRelay::promote_due`]).
     next_promotion: std::sync::Mutex<std::time::Instant>,
@@ -482,6 +499,7 @@ impl<P: Publisher> WalRelay<P> {
             wake_up: WakeUp::Notify,
             reader: WalReader::default(),
             max_in_flight_bytes: 32 << 20,
+            archive: None,
         }
     }
 
@@ -712,6 +730,24 @@ impl<P: Publisher> WalRelay<P> {
         let result = self.round_once(Target::Now).await.map(|(report, _)| report);
         self.end_bounded_call().await;
         result
+    }
+
+    /// With archiving on, once: records the retention and creates partitions ahead (a
+    /// failure is logged and tried again; archiving goes on into the default partition).
+    async fn prepare_archive(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let Some(retention) = &self.archive else {
+            return;
+        };
+        if self.archive_ready.load(Relaxed) {
+            return;
+        }
+        match retention.apply(&self.pool, &self.schema).await {
+            Ok(_) => self.archive_ready.store(true, Relaxed),
+            Err(e) => {
+                tracing::warn!(error = %e, "pgbox WAL relay could not prepare the archive's partitions; will retry")
+            }
+        }
     }
 
     /// The server's WAL flush position now.
@@ -1091,6 +1127,12 @@ impl<P: Publisher> WalRelay<P> {
         }
         let caught_up = all_settled && reached;
         report.published = confirmed.len();
+        if self.archive.is_some() && !confirmed.is_empty() {
+            // Before the slot moves past them: a crash between archives them again after the
+            // re-read (replay keeps the first copy); never not at all.
+            self.prepare_archive().await;
+            crate::archive::archive_envelopes(&self.pool, &self.schema, &confirmed).await?;
+        }
         if let Some(lsn) = advance_to {
             self.advance(reader, lsn).await?;
             for m in &batch[..passed] {
