@@ -8,6 +8,7 @@
     rust_2018_idioms
 )]
 
+pub mod cloudevents;
 mod connect;
 mod consumer;
 pub mod doctor;
@@ -48,6 +49,7 @@ pub use sqlx;
 /// Cancels a [`Relay`] or [`Consumer`] run (re-exported from `tokio-util`).
 pub use tokio_util::sync::CancellationToken;
 
+pub use crate::cloudevents::{CloudEvents, ContentMode};
 pub use crate::connect::{FIRST_CONNECTION_TIMEOUT, connect};
 pub use crate::consumer::{
     Consumer, ConsumerBuilder, ConsumerStats, MAX_BATCH_SIZE, MAX_VISIBILITY_TIMEOUT,
