@@ -1057,11 +1057,15 @@ impl RabbitMq {
                 .await?;
             let Some(message) = got else { break };
             let d = &message.delivery;
-            let envelope = decode(topic, &d.properties, &d.data)?;
             let headers = d.properties.headers().clone().unwrap_or_default();
+            // A message that could not be decoded (how it got here) is shown as it is.
+            let (envelope, undecodable) = match decode(topic, &d.properties, &d.data) {
+                Ok(e) => (e, None),
+                Err(e) => (undecodable_envelope(topic, &d.properties, &d.data), Some(e.to_string())),
+            };
             out.push(RabbitDeadLetter {
                 envelope,
-                error: header_text(&headers, ERROR),
+                error: header_text(&headers, ERROR).or(undecodable),
                 deliveries: header_int(&headers, DELIVERIES).unwrap_or(0) as i32,
             });
         }
@@ -1331,6 +1335,26 @@ fn decode_cloudevent(
     } else {
         None
     }
+}
+
+/// A dead letter that does not decode, as far as it can be read: its message id when that
+/// is a UUID (else nil), its payload, content type and text headers.
+fn undecodable_envelope(topic: &str, properties: &BasicProperties, data: &[u8]) -> Envelope {
+    let id = properties
+        .message_id()
+        .as_ref()
+        .and_then(|id| Uuid::parse_str(id.as_str()).ok())
+        .unwrap_or(Uuid::nil());
+    let mut envelope = Envelope::new(id, topic, data.to_vec());
+    if let Some(ct) = properties.content_type() {
+        envelope.content_type = ct.to_string();
+    }
+    for (k, v) in properties.headers().clone().unwrap_or_default().inner() {
+        if let Some(text) = value_text(v) {
+            envelope.headers.insert(k.as_str().to_owned(), text);
+        }
+    }
+    envelope
 }
 
 fn decode(topic: &str, properties: &BasicProperties, data: &[u8]) -> Result<Envelope> {
