@@ -522,6 +522,10 @@ mod rabbitmq {
     async fn sdk_events_are_consumed_once_through_the_inbox() {
         let db = TestDb::migrated().await;
         let (url, prefix, topic) = fresh().await;
+        let structured_props = BasicProperties::default()
+            .with_content_type("application/cloudevents+json; charset=utf-8".into());
+        // First a malformed event (no source): dead-lettered, and the runner goes on.
+        publish_raw(&url, &topic, structured_props.clone(), MALFORMED).await;
         // Binary with the current prefix; a non-UUID id (UUIDv5 of source and id).
         let (props, data) = binary_props(&sdk_event("inv-7-paid"), "cloudEvents_");
         publish_raw(&url, &topic, props.clone(), &data).await;
@@ -532,12 +536,8 @@ mod rabbitmq {
         publish_raw(&url, &topic, props, &data).await;
         // Structured, twice.
         let structured = serde_json::to_vec(&sdk_event("inv-8-paid")).unwrap();
-        let props = BasicProperties::default()
-            .with_content_type("application/cloudevents+json; charset=utf-8".into());
-        publish_raw(&url, &topic, props.clone(), &structured).await;
-        publish_raw(&url, &topic, props.clone(), &structured).await;
-        // Malformed: a structured event without a source.
-        publish_raw(&url, &topic, props, MALFORMED).await;
+        publish_raw(&url, &topic, structured_props.clone(), &structured).await;
+        publish_raw(&url, &topic, structured_props, &structured).await;
 
         let subscriber = transport(&url, &prefix).build().unwrap();
         let dead_reader = subscriber.clone();
@@ -547,5 +547,313 @@ mod rabbitmq {
         })
         .await;
         dead_reader.close().await;
+    }
+}
+
+#[cfg(feature = "nats")]
+mod nats {
+    use async_nats::HeaderMap;
+    use async_nats::jetstream;
+    use futures_util::StreamExt;
+    use pgbox::transport::nats::{Nats, NatsBuilder};
+    use support::brokers;
+
+    use super::*;
+
+    fn transport(url: &str) -> NatsBuilder {
+        Nats::builder(url)
+            .stream("PGBOX_TEST")
+            .subject_prefix("pgbox-test")
+            .max_age(Duration::from_secs(3600))
+            .inactive_threshold(Duration::from_secs(600))
+            .receive_wait(Duration::from_millis(100))
+    }
+
+    async fn fresh() -> (String, String) {
+        support::init_tracing();
+        let url = brokers::nats_url().await;
+        let topic = format!("t.{}", uuid::Uuid::now_v7().simple());
+        transport(&url).build().unwrap().declare_topic(&topic).await.unwrap();
+        (url, topic)
+    }
+
+    /// The first `n` raw messages of `subject` in the stream (an ephemeral consumer).
+    async fn raw(url: &str, subject: &str, n: usize) -> Vec<Raw> {
+        let js = jetstream::new(async_nats::connect(url).await.unwrap());
+        let stream = js.get_stream("PGBOX_TEST").await.unwrap();
+        let consumer = stream
+            .create_consumer(jetstream::consumer::pull::Config {
+                filter_subject: subject.to_owned(),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let mut messages = consumer.messages().await.unwrap();
+        let mut out = Vec::new();
+        while out.len() < n {
+            let m = tokio::time::timeout(Duration::from_secs(10), messages.next())
+                .await
+                .unwrap_or_else(|_| panic!("got {} of {n}", out.len()))
+                .unwrap()
+                .unwrap();
+            let mut headers = HashMap::new();
+            for (k, v) in m.headers.iter().flat_map(|h| h.iter()) {
+                headers.insert(k.to_string(), v[0].as_str().to_owned());
+            }
+            out.push(Raw {
+                prefix: "ce-",
+                headers,
+                payload: m.payload.to_vec(),
+            });
+            m.ack().await.unwrap();
+        }
+        out
+    }
+
+    async fn publish_decodes_with_the_sdk(mode: ContentMode) {
+        let db = TestDb::migrated().await;
+        let (url, topic) = fresh().await;
+        let ce = CloudEvents::new("/payments").unwrap().mode(mode);
+        let publisher = transport(&url).cloudevents(ce).build().unwrap();
+        let messages = messages(&topic);
+        enqueue_and_relay(&db, publisher.clone(), &messages).await;
+        let raws = raw(&url, &publisher.subject(&topic), messages.len()).await;
+        let structured = mode == ContentMode::Structured;
+        for (raw, (m, key)) in raws.into_iter().zip(messages.iter().zip(["order-42", "order-43"])) {
+            assert_eq!(
+                raw.encoding(),
+                if structured { Encoding::STRUCTURED } else { Encoding::BINARY }
+            );
+            assert_eq!(raw.headers.get("Nats-Msg-Id"), Some(&m.id().to_string()), "JetStream dedup id");
+            if !structured {
+                assert!(raw.headers.contains_key("ce-id"), "the binding's prefix");
+            }
+            let payload = raw.payload.clone();
+            let event = MessageDeserializer::into_event(raw).expect("the SDK decodes it");
+            assert_same(&event, m, "/payments", key, &payload, structured);
+        }
+    }
+
+    #[tokio::test]
+    async fn binary_events_decode_with_the_sdk() {
+        publish_decodes_with_the_sdk(ContentMode::Binary).await;
+    }
+
+    #[tokio::test]
+    async fn structured_events_decode_with_the_sdk() {
+        publish_decodes_with_the_sdk(ContentMode::Structured).await;
+    }
+
+    async fn publish_raw(js: &jetstream::Context, subject: &str, headers: HeaderMap, body: &[u8]) {
+        js.publish_with_headers(subject.to_owned(), headers, body.to_vec().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// As on RabbitMQ: binary twice, binary with a UUID id, structured twice (as the NATS
+    /// binding's structured mode sends it: no headers at all), after a malformed event. NATS
+    /// terminates a message it cannot decode (it never comes back); the runner goes on.
+    #[tokio::test]
+    async fn sdk_events_are_consumed_once_through_the_inbox() {
+        let db = TestDb::migrated().await;
+        let (url, topic) = fresh().await;
+        let subscriber = transport(&url).build().unwrap();
+        let subject = subscriber.subject(&topic);
+        let js = jetstream::new(async_nats::connect(&url).await.unwrap());
+        let mut ct = HeaderMap::new();
+        ct.insert("content-type", "application/cloudevents+json");
+        publish_raw(&js, &subject, ct, MALFORMED).await;
+        let binary = |event: &Event| {
+            let (headers, ct, data) = sdk_binary(event, "ce-");
+            let mut map = HeaderMap::new();
+            for (k, v) in headers {
+                map.insert(k.as_str(), v.as_str());
+            }
+            if let Some(ct) = ct {
+                map.insert("content-type", ct.as_str());
+            }
+            (map, data)
+        };
+        let (h, d) = binary(&sdk_event("inv-7-paid"));
+        publish_raw(&js, &subject, h.clone(), &d).await;
+        publish_raw(&js, &subject, h, &d).await;
+        let uuid = uuid::Uuid::now_v7();
+        let (h, d) = binary(&sdk_event(&uuid.to_string()));
+        publish_raw(&js, &subject, h, &d).await;
+        let structured = serde_json::to_vec(&sdk_event("inv-8-paid")).unwrap();
+        publish_raw(&js, &subject, HeaderMap::new(), &structured).await;
+        publish_raw(&js, &subject, HeaderMap::new(), &structured).await;
+
+        let running = start_consumer(&db, subscriber, &topic).await;
+        assert_sdk_events_consumed(&db, running, uuid, async || 1).await;
+    }
+}
+
+#[cfg(feature = "kafka")]
+mod kafka {
+    use pgbox::transport::kafka::{Kafka, KafkaBuilder};
+    use rdkafka::ClientConfig;
+    use rdkafka::consumer::{BaseConsumer, Consumer as _};
+    use rdkafka::message::{Header, Headers, Message as _, OwnedHeaders};
+    use rdkafka::producer::{FutureProducer, FutureRecord};
+    use support::brokers::kafka::PrivateKafka;
+
+    use super::*;
+
+    fn transport(bootstrap: &str) -> KafkaBuilder {
+        Kafka::builder(bootstrap)
+            .partitions(1)
+            .session_timeout(Duration::from_secs(3))
+            .receive_wait(Duration::from_millis(100))
+            .set("batch.num.messages", "1")
+    }
+
+    async fn fresh() -> (PrivateKafka, String) {
+        support::init_tracing();
+        let broker = PrivateKafka::start().await;
+        let topic = format!("t.{}", uuid::Uuid::now_v7().simple());
+        transport(&broker.bootstrap())
+            .build()
+            .unwrap()
+            .declare_topic(&topic)
+            .await
+            .unwrap();
+        (broker, topic)
+    }
+
+    /// The first `n` raw records of `topic` (its one partition, from the start), with their
+    /// keys.
+    async fn raw(bootstrap: String, topic: String, n: usize) -> Vec<(Raw, Option<String>)> {
+        tokio::task::spawn_blocking(move || {
+            let consumer: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", &bootstrap)
+                .set("group.id", format!("ce-raw-{topic}"))
+                .set("enable.auto.commit", "false")
+                .set("auto.offset.reset", "earliest")
+                .create()
+                .unwrap();
+            consumer.subscribe(&[&topic]).unwrap();
+            let mut out = Vec::new();
+            let started = Instant::now();
+            while out.len() < n {
+                assert!(started.elapsed() < Duration::from_secs(30), "got {} of {n}", out.len());
+                let Some(m) = consumer.poll(Duration::from_millis(200)) else {
+                    continue;
+                };
+                let m = m.unwrap();
+                let mut headers = HashMap::new();
+                if let Some(h) = m.headers() {
+                    for h in h.iter() {
+                        headers.insert(
+                            h.key.to_owned(),
+                            String::from_utf8(h.value.unwrap_or_default().to_vec()).unwrap(),
+                        );
+                    }
+                }
+                let key = m.key().map(|k| String::from_utf8(k.to_vec()).unwrap());
+                out.push((
+                    Raw {
+                        prefix: "ce_",
+                        headers,
+                        payload: m.payload().unwrap_or_default().to_vec(),
+                    },
+                    key,
+                ));
+            }
+            out
+        })
+        .await
+        .unwrap()
+    }
+
+    async fn publish_decodes_with_the_sdk(mode: ContentMode) {
+        let db = TestDb::migrated().await;
+        let (broker, topic) = fresh().await;
+        let ce = CloudEvents::new("/payments").unwrap().mode(mode);
+        let publisher = transport(&broker.bootstrap()).cloudevents(ce).build().unwrap();
+        let messages = messages(&topic);
+        enqueue_and_relay(&db, publisher, &messages).await;
+        let raws = raw(broker.bootstrap(), topic.clone(), messages.len()).await;
+        let structured = mode == ContentMode::Structured;
+        for ((raw, record_key), (m, key)) in raws
+            .into_iter()
+            .zip(messages.iter().zip(["order-42", "order-43"]))
+        {
+            assert_eq!(
+                raw.encoding(),
+                if structured { Encoding::STRUCTURED } else { Encoding::BINARY }
+            );
+            assert_eq!(record_key.as_deref(), Some(key), "the record key is partitionkey");
+            if !structured {
+                assert!(raw.headers.contains_key("ce_id"), "the binding's prefix");
+            }
+            let payload = raw.payload.clone();
+            let event = MessageDeserializer::into_event(raw).expect("the SDK decodes it");
+            assert_same(&event, m, "/payments", key, &payload, structured);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn binary_events_decode_with_the_sdk() {
+        publish_decodes_with_the_sdk(ContentMode::Binary).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn structured_events_decode_with_the_sdk() {
+        publish_decodes_with_the_sdk(ContentMode::Structured).await;
+    }
+
+    /// As on RabbitMQ: a malformed event first (dead-lettered to the dead-letter topic),
+    /// binary twice, binary with a UUID id, structured twice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn sdk_events_are_consumed_once_through_the_inbox() {
+        let db = TestDb::migrated().await;
+        let (broker, topic) = fresh().await;
+        let producer: FutureProducer = ClientConfig::new()
+            .set("bootstrap.servers", broker.bootstrap())
+            .create()
+            .unwrap();
+        let send = async |headers: Vec<(String, String)>, key: Option<&str>, body: &[u8]| {
+            let mut h = OwnedHeaders::new();
+            for (k, v) in &headers {
+                h = h.insert(Header {
+                    key: k,
+                    value: Some(v.as_str()),
+                });
+            }
+            let mut record = FutureRecord::<str, [u8]>::to(&topic).payload(body).headers(h);
+            if let Some(key) = key {
+                record = record.key(key);
+            }
+            producer.send(record, Duration::from_secs(10)).await.unwrap();
+        };
+        let ct = |v: &str| vec![("content-type".to_owned(), v.to_owned())];
+        send(ct("application/cloudevents+json"), Some("customer-9"), MALFORMED).await;
+        let binary = |event: &Event| {
+            let (mut headers, ct, data) = sdk_binary(event, "ce_");
+            if let Some(ct) = ct {
+                headers.push(("content-type".into(), ct));
+            }
+            (headers, data)
+        };
+        let (h, d) = binary(&sdk_event("inv-7-paid"));
+        send(h.clone(), Some("customer-9"), &d).await;
+        send(h, Some("customer-9"), &d).await;
+        let uuid = uuid::Uuid::now_v7();
+        let (h, d) = binary(&sdk_event(&uuid.to_string()));
+        send(h, Some("customer-9"), &d).await;
+        let structured = serde_json::to_vec(&sdk_event("inv-8-paid")).unwrap();
+        send(ct("application/cloudevents+json"), Some("customer-9"), &structured).await;
+        send(ct("application/cloudevents+json"), Some("customer-9"), &structured).await;
+
+        let subscriber = transport(&broker.bootstrap()).build().unwrap();
+        let dead_reader = transport(&broker.bootstrap()).build().unwrap();
+        let running = start_consumer(&db, subscriber, &topic).await;
+        assert_sdk_events_consumed(&db, running, uuid, async || {
+            dead_reader.dead_letters(&topic, 10).await.map_or(0, |d| d.len())
+        })
+        .await;
     }
 }
