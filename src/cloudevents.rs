@@ -213,7 +213,10 @@ impl CloudEvents {
         for (name, value) in &envelope.headers {
             let used = Some(name) == self.type_header.as_ref()
                 || matches!(&self.subject, SubjectFrom::Header(h) if h == name);
-            if used || name.starts_with("ce-") {
+            // The ordering key is `partitionkey` already; a header of that name would be a
+            // second value of the attribute.
+            let shadowed = name == "partitionkey" && envelope.ordering_key.is_some();
+            if used || shadowed || name.starts_with("ce-") {
                 continue;
             }
             if name == TRACEPARENT || is_extension_name(name) {
@@ -485,7 +488,13 @@ pub fn event_uuid(source: &str, id: &str) -> Uuid {
 
 /// SHA-1 (RFC 3174), for UUIDv5 only: the `uuid` crate's `v5` feature is not enabled.
 fn sha1(data: &[u8]) -> [u8; 20] {
-    let mut h: [u32; 5] = [0x6745_2301, 0xEFCD_AB89, 0x98BA_DCFE, 0x1032_5476, 0xC3D2_E1F0];
+    let mut h: [u32; 5] = [
+        0x6745_2301,
+        0xEFCD_AB89,
+        0x98BA_DCFE,
+        0x1032_5476,
+        0xC3D2_E1F0,
+    ];
     let mut msg = data.to_vec();
     let bits = (data.len() as u64).wrapping_mul(8);
     msg.push(0x80);
@@ -632,7 +641,11 @@ mod tests {
         for bad in ["", "a b", "a\nb", "<x>", "a|b"] {
             assert!(CloudEvents::new(bad).is_err(), "{bad:?}");
         }
-        for good in ["/payments", "https://x.example/a?b=c#d", "urn:shop:payments"] {
+        for good in [
+            "/payments",
+            "https://x.example/a?b=c#d",
+            "urn:shop:payments",
+        ] {
             assert!(CloudEvents::new(good).is_ok(), "{good:?}");
         }
     }

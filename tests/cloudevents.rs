@@ -58,7 +58,8 @@ impl BinaryDeserializer for Raw {
         let names = spec.attribute_names();
         visitor = visitor.set_spec_version(spec)?;
         if let Some(ct) = self.content_type().cloned() {
-            visitor = visitor.set_attribute("datacontenttype", MessageAttributeValue::String(ct))?;
+            visitor =
+                visitor.set_attribute("datacontenttype", MessageAttributeValue::String(ct))?;
         }
         for (k, v) in self.headers {
             let Some(name) = k.strip_prefix(self.prefix) else {
@@ -137,7 +138,14 @@ fn messages(topic: &str) -> Vec<Message> {
 }
 
 /// The SDK's reading of what pgbox published, compared with the message it came from.
-fn assert_same(event: &Event, m: &Message, source: &str, ordering_key: &str, raw_payload: &[u8], structured: bool) {
+fn assert_same(
+    event: &Event,
+    m: &Message,
+    source: &str,
+    ordering_key: &str,
+    raw_payload: &[u8],
+    structured: bool,
+) {
     assert_eq!(event.specversion(), SpecVersion::V10);
     assert_eq!(event.id(), m.id().to_string());
     assert_eq!(event.source().to_string(), source);
@@ -158,7 +166,10 @@ fn assert_same(event: &Event, m: &Message, source: &str, ordering_key: &str, raw
     let (want_ct, want): (&str, Vec<u8>) = if m.topic().is_empty() {
         unreachable!()
     } else if event.extension("traceparent").is_some() {
-        ("application/json", br#"{"amount":"12.50","order":42}"#.to_vec())
+        (
+            "application/json",
+            br#"{"amount":"12.50","order":42}"#.to_vec(),
+        )
     } else {
         ("application/octet-stream", vec![0u8, 1, 2, 255, 128])
     };
@@ -179,13 +190,21 @@ fn assert_same(event: &Event, m: &Message, source: &str, ordering_key: &str, raw
         assert_eq!(data, want, "binary data, byte for byte");
     }
     if !structured {
-        assert_eq!(raw_payload, &want[..], "the body is the payload, byte for byte");
+        assert_eq!(
+            raw_payload,
+            &want[..],
+            "the body is the payload, byte for byte"
+        );
         assert_eq!(data, want);
     }
 }
 
 /// Enqueues `messages` and relays them through `publisher` (bounded rounds).
-async fn enqueue_and_relay<P: Publisher + 'static>(db: &TestDb, publisher: P, messages: &[Message]) {
+async fn enqueue_and_relay<P: Publisher + 'static>(
+    db: &TestDb,
+    publisher: P,
+    messages: &[Message],
+) {
     let outbox = Outbox::new();
     let mut tx = db.pool.begin().await.unwrap();
     for m in messages {
@@ -229,23 +248,28 @@ async fn start_consumer<S: pgbox::transport::Subscriber + 'static>(
         .unwrap();
     let seen: Arc<Mutex<Vec<Envelope>>> = Arc::default();
     let keys: Arc<Mutex<BTreeMap<String, usize>>> = Arc::default();
-    let consumer = Consumer::builder(db.pool.clone(), subscriber, topic, Inbox::new("ce").unwrap())
-        .poll_interval(Duration::from_millis(20))
-        .key({
-            let keys = keys.clone();
-            move |e: &Envelope| {
-                let key = format!(
-                    "{}|{}",
-                    e.cloudevent_attribute("source").unwrap_or("-"),
-                    e.cloudevent_attribute("id").unwrap_or("-")
-                );
-                *keys.lock().unwrap().entry(key.clone()).or_default() += 1;
-                key
-            }
-        })
-        .max_deliveries(2)
-        .build()
-        .unwrap();
+    let consumer = Consumer::builder(
+        db.pool.clone(),
+        subscriber,
+        topic,
+        Inbox::new("ce").unwrap(),
+    )
+    .poll_interval(Duration::from_millis(20))
+    .key({
+        let keys = keys.clone();
+        move |e: &Envelope| {
+            let key = format!(
+                "{}|{}",
+                e.cloudevent_attribute("source").unwrap_or("-"),
+                e.cloudevent_attribute("id").unwrap_or("-")
+            );
+            *keys.lock().unwrap().entry(key.clone()).or_default() += 1;
+            key
+        }
+    })
+    .max_deliveries(2)
+    .build()
+    .unwrap();
     let shutdown = CancellationToken::new();
     let run = tokio::spawn({
         let seen = seen.clone();
@@ -289,7 +313,12 @@ impl Running {
 
 /// Checks what pgbox's consumer made of the SDK's events (see the callers): each handled
 /// once, attributes reachable, the inbox holding one row per event.
-async fn assert_sdk_events_consumed(db: &TestDb, running: Running, uuid: uuid::Uuid, dead: impl AsyncFn() -> usize) {
+async fn assert_sdk_events_consumed(
+    db: &TestDb,
+    running: Running,
+    uuid: uuid::Uuid,
+    dead: impl AsyncFn() -> usize,
+) {
     let started = Instant::now();
     loop {
         let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
@@ -320,9 +349,15 @@ async fn assert_sdk_events_consumed(db: &TestDb, running: Running, uuid: uuid::U
     );
     assert_eq!(first.ordering_key.as_deref(), Some("customer-9"));
     assert_eq!(first.cloudevent_attribute("subject"), Some("invoice-7"));
-    assert_eq!(first.cloudevent_attribute("type"), Some("com.example.invoice.paid"));
+    assert_eq!(
+        first.cloudevent_attribute("type"),
+        Some("com.example.invoice.paid")
+    );
     assert_eq!(first.cloudevent_attribute("tenant"), Some("acme"));
-    assert_eq!(first.headers.get("tenant").map(String::as_str), Some("acme"));
+    assert_eq!(
+        first.headers.get("tenant").map(String::as_str),
+        Some("acme")
+    );
     assert_eq!(first.content_type, "application/json");
     assert_eq!(
         first.json::<serde_json::Value>().unwrap(),
@@ -448,18 +483,31 @@ mod rabbitmq {
         publisher.close().await;
         let queue = transport(&url, &prefix).build().unwrap().queue_name(&topic);
         let raws = raw(&url, &queue, messages.len()).await;
-        for (raw, (m, key)) in raws.into_iter().zip(messages.iter().zip(["order-42", "order-43"])) {
+        for (raw, (m, key)) in raws
+            .into_iter()
+            .zip(messages.iter().zip(["order-42", "order-43"]))
+        {
             let structured = mode == ContentMode::Structured;
             assert_eq!(
                 raw.encoding(),
-                if structured { Encoding::STRUCTURED } else { Encoding::BINARY }
+                if structured {
+                    Encoding::STRUCTURED
+                } else {
+                    Encoding::BINARY
+                }
             );
             if !structured {
                 // The header that is not an extension name travels as a plain header.
                 if m.id() == messages[0].id() {
-                    assert_eq!(raw.headers.get("x-Request").map(String::as_str), Some("r-1"));
+                    assert_eq!(
+                        raw.headers.get("x-Request").map(String::as_str),
+                        Some("r-1")
+                    );
                 }
-                assert!(raw.headers.contains_key("cloudEvents_id"), "the binding's prefix");
+                assert!(
+                    raw.headers.contains_key("cloudEvents_id"),
+                    "the binding's prefix"
+                );
             }
             let payload = raw.payload.clone();
             let event = MessageDeserializer::into_event(raw).expect("the SDK decodes it");
@@ -482,10 +530,7 @@ mod rabbitmq {
             .await
             .unwrap();
         let channel = conn.create_channel().await.unwrap();
-        channel
-            .confirm_select(Default::default())
-            .await
-            .unwrap();
+        channel.confirm_select(Default::default()).await.unwrap();
         channel
             .basic_publish(
                 "pgbox-test".into(),
@@ -505,7 +550,10 @@ mod rabbitmq {
         let (headers, ct, data) = sdk_binary(event, prefix);
         let mut table = FieldTable::default();
         for (k, v) in headers {
-            table.insert(k.into(), AMQPValue::LongString(LongString::from(v.as_bytes())));
+            table.insert(
+                k.into(),
+                AMQPValue::LongString(LongString::from(v.as_bytes())),
+            );
         }
         let mut props = BasicProperties::default().with_headers(table);
         if let Some(ct) = ct {
@@ -573,7 +621,12 @@ mod nats {
         support::init_tracing();
         let url = brokers::nats_url().await;
         let topic = format!("t.{}", uuid::Uuid::now_v7().simple());
-        transport(&url).build().unwrap().declare_topic(&topic).await.unwrap();
+        transport(&url)
+            .build()
+            .unwrap()
+            .declare_topic(&topic)
+            .await
+            .unwrap();
         (url, topic)
     }
 
@@ -619,12 +672,23 @@ mod nats {
         enqueue_and_relay(&db, publisher.clone(), &messages).await;
         let raws = raw(&url, &publisher.subject(&topic), messages.len()).await;
         let structured = mode == ContentMode::Structured;
-        for (raw, (m, key)) in raws.into_iter().zip(messages.iter().zip(["order-42", "order-43"])) {
+        for (raw, (m, key)) in raws
+            .into_iter()
+            .zip(messages.iter().zip(["order-42", "order-43"]))
+        {
             assert_eq!(
                 raw.encoding(),
-                if structured { Encoding::STRUCTURED } else { Encoding::BINARY }
+                if structured {
+                    Encoding::STRUCTURED
+                } else {
+                    Encoding::BINARY
+                }
             );
-            assert_eq!(raw.headers.get("Nats-Msg-Id"), Some(&m.id().to_string()), "JetStream dedup id");
+            assert_eq!(
+                raw.headers.get("Nats-Msg-Id"),
+                Some(&m.id().to_string()),
+                "JetStream dedup id"
+            );
             if !structured {
                 assert!(raw.headers.contains_key("ce-id"), "the binding's prefix");
             }
@@ -738,7 +802,11 @@ mod kafka {
             let mut out = Vec::new();
             let started = Instant::now();
             while out.len() < n {
-                assert!(started.elapsed() < Duration::from_secs(30), "got {} of {n}", out.len());
+                assert!(
+                    started.elapsed() < Duration::from_secs(30),
+                    "got {} of {n}",
+                    out.len()
+                );
                 let Some(m) = consumer.poll(Duration::from_millis(200)) else {
                     continue;
                 };
@@ -772,7 +840,10 @@ mod kafka {
         let db = TestDb::migrated().await;
         let (broker, topic) = fresh().await;
         let ce = CloudEvents::new("/payments").unwrap().mode(mode);
-        let publisher = transport(&broker.bootstrap()).cloudevents(ce).build().unwrap();
+        let publisher = transport(&broker.bootstrap())
+            .cloudevents(ce)
+            .build()
+            .unwrap();
         let messages = messages(&topic);
         enqueue_and_relay(&db, publisher, &messages).await;
         let raws = raw(broker.bootstrap(), topic.clone(), messages.len()).await;
@@ -783,9 +854,17 @@ mod kafka {
         {
             assert_eq!(
                 raw.encoding(),
-                if structured { Encoding::STRUCTURED } else { Encoding::BINARY }
+                if structured {
+                    Encoding::STRUCTURED
+                } else {
+                    Encoding::BINARY
+                }
             );
-            assert_eq!(record_key.as_deref(), Some(key), "the record key is partitionkey");
+            assert_eq!(
+                record_key.as_deref(),
+                Some(key),
+                "the record key is partitionkey"
+            );
             if !structured {
                 assert!(raw.headers.contains_key("ce_id"), "the binding's prefix");
             }
@@ -823,14 +902,24 @@ mod kafka {
                     value: Some(v.as_str()),
                 });
             }
-            let mut record = FutureRecord::<str, [u8]>::to(&topic).payload(body).headers(h);
+            let mut record = FutureRecord::<str, [u8]>::to(&topic)
+                .payload(body)
+                .headers(h);
             if let Some(key) = key {
                 record = record.key(key);
             }
-            producer.send(record, Duration::from_secs(10)).await.unwrap();
+            producer
+                .send(record, Duration::from_secs(10))
+                .await
+                .unwrap();
         };
         let ct = |v: &str| vec![("content-type".to_owned(), v.to_owned())];
-        send(ct("application/cloudevents+json"), Some("customer-9"), MALFORMED).await;
+        send(
+            ct("application/cloudevents+json"),
+            Some("customer-9"),
+            MALFORMED,
+        )
+        .await;
         let binary = |event: &Event| {
             let (mut headers, ct, data) = sdk_binary(event, "ce_");
             if let Some(ct) = ct {
@@ -845,14 +934,27 @@ mod kafka {
         let (h, d) = binary(&sdk_event(&uuid.to_string()));
         send(h, Some("customer-9"), &d).await;
         let structured = serde_json::to_vec(&sdk_event("inv-8-paid")).unwrap();
-        send(ct("application/cloudevents+json"), Some("customer-9"), &structured).await;
-        send(ct("application/cloudevents+json"), Some("customer-9"), &structured).await;
+        send(
+            ct("application/cloudevents+json"),
+            Some("customer-9"),
+            &structured,
+        )
+        .await;
+        send(
+            ct("application/cloudevents+json"),
+            Some("customer-9"),
+            &structured,
+        )
+        .await;
 
         let subscriber = transport(&broker.bootstrap()).build().unwrap();
         let dead_reader = transport(&broker.bootstrap()).build().unwrap();
         let running = start_consumer(&db, subscriber, &topic).await;
         assert_sdk_events_consumed(&db, running, uuid, async || {
-            dead_reader.dead_letters(&topic, 10).await.map_or(0, |d| d.len())
+            dead_reader
+                .dead_letters(&topic, 10)
+                .await
+                .map_or(0, |d| d.len())
         })
         .await;
     }

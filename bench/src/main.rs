@@ -754,7 +754,8 @@ async fn main() -> anyhow::Result<()> {
         args.expiry_rows = args.expiry_rows.min(20_000);
     }
     // CE1 needs no database: run it first, and alone when it is all that was asked for.
-    let wanted = |id: &str| args.only.is_empty() || args.only.iter().any(|p| id.starts_with(p.as_str()));
+    let wanted =
+        |id: &str| args.only.is_empty() || args.only.iter().any(|p| id.starts_with(p.as_str()));
     if wanted("CE1") {
         cloudevents::run();
         if !args.only.is_empty() && args.only.iter().all(|p| "CE1".starts_with(p.as_str())) {

@@ -1832,7 +1832,10 @@ fn decode_cloudevent<M: Message>(topic: &str, message: &M) -> Option<Result<Enve
         .map(str::to_owned);
     let mut event = if attrs.contains_key("specversion") {
         cloudevents::decode_binary(topic, attrs, content_type, others, payload)
-    } else if content_type.as_deref().is_some_and(cloudevents::is_structured) {
+    } else if content_type
+        .as_deref()
+        .is_some_and(cloudevents::is_structured)
+    {
         cloudevents::decode_structured(topic, payload, others)
     } else {
         return None;

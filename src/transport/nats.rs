@@ -1183,7 +1183,9 @@ fn decode_cloudevent(topic: &str, headers: &HeaderMap, payload: &[u8]) -> Option
     let mut content_type = None;
     for (name, values) in headers.iter() {
         let name: &str = name.as_ref();
-        let Some(value) = values.first() else { continue };
+        let Some(value) = values.first() else {
+            continue;
+        };
         let value = value.as_str().to_owned();
         let lower = name.to_ascii_lowercase();
         if lower == CONTENT_TYPE {
@@ -1195,9 +1197,19 @@ fn decode_cloudevent(topic: &str, headers: &HeaderMap, payload: &[u8]) -> Option
         }
     }
     if attrs.contains_key("specversion") {
-        Some(cloudevents::decode_binary(topic, attrs, content_type, others, payload))
-    } else if content_type.as_deref().is_some_and(cloudevents::is_structured)
-        || (headers.get(META).is_none() && payload.first() == Some(&b'{') && looks_structured(payload))
+        Some(cloudevents::decode_binary(
+            topic,
+            attrs,
+            content_type,
+            others,
+            payload,
+        ))
+    } else if content_type
+        .as_deref()
+        .is_some_and(cloudevents::is_structured)
+        || (headers.get(META).is_none()
+            && payload.first() == Some(&b'{')
+            && looks_structured(payload))
     {
         Some(cloudevents::decode_structured(topic, payload, others))
     } else {

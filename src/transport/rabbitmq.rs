@@ -1061,7 +1061,10 @@ impl RabbitMq {
             // A message that could not be decoded (how it got here) is shown as it is.
             let (envelope, undecodable) = match decode(topic, &d.properties, &d.data) {
                 Ok(e) => (e, None),
-                Err(e) => (undecodable_envelope(topic, &d.properties, &d.data), Some(e.to_string())),
+                Err(e) => (
+                    undecodable_envelope(topic, &d.properties, &d.data),
+                    Some(e.to_string()),
+                ),
             };
             out.push(RabbitDeadLetter {
                 envelope,
@@ -1274,10 +1277,7 @@ fn wire<'e>(
         ),
         _ => {
             for (name, value) in &attributes.attrs {
-                headers.insert(
-                    format!("{AMQP_PREFIX}{name}").into(),
-                    long_value(value),
-                );
+                headers.insert(format!("{AMQP_PREFIX}{name}").into(), long_value(value));
             }
             (
                 envelope.content_type.clone(),
@@ -1330,7 +1330,10 @@ fn decode_cloudevent(
             others,
             data,
         ))
-    } else if content_type.as_deref().is_some_and(cloudevents::is_structured) {
+    } else if content_type
+        .as_deref()
+        .is_some_and(cloudevents::is_structured)
+    {
         Some(cloudevents::decode_structured(topic, data, others))
     } else {
         None
@@ -1534,11 +1537,12 @@ impl RabbitMq {
         let publish_channel = &conn.publish;
         let bound = &self.inner.bound;
         let sends = batch.iter().map(|envelope| {
-            let prepared = wire(self.inner.config.cloudevents.as_ref(), envelope).and_then(|(p, body)| {
-                short(&envelope.topic)
-                    .map(|k| (p, body, k))
-                    .map_err(|e| PublishError::refused(e.to_string()))
-            });
+            let prepared =
+                wire(self.inner.config.cloudevents.as_ref(), envelope).and_then(|(p, body)| {
+                    short(&envelope.topic)
+                        .map(|k| (p, body, k))
+                        .map_err(|e| PublishError::refused(e.to_string()))
+                });
             let exchange = exchange.clone();
             async move {
                 let (props, body, routing_key) = prepared.map_err(|e| (e, false))?;
