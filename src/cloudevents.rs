@@ -267,18 +267,18 @@ impl CloudEvents {
     /// let ce = CloudEvents::new("/payments")?;
     /// let mut e = pgbox::Envelope::new(uuid::Uuid::now_v7(), "payment-succeeded", br#"{"order":42}"#.to_vec());
     /// e.content_type = "application/json".into();
-    /// let (headers, body) = ce.http(&e)?;
-    /// assert!(headers.contains(&("ce-type".into(), "payment-succeeded".into())));
-    /// assert!(headers.contains(&("content-type".into(), "application/json".into())));
-    /// assert_eq!(body, e.payload);
+    /// let http = ce.http(&e)?;
+    /// assert!(http.headers.contains(&("ce-type".into(), "payment-succeeded".into())));
+    /// assert!(http.headers.contains(&("content-type".into(), "application/json".into())));
+    /// assert_eq!(http.body, e.payload);
     /// # Ok(()) }
     /// ```
-    pub fn http(&self, envelope: &Envelope) -> Result<(Vec<(String, String)>, Vec<u8>)> {
+    pub fn http(&self, envelope: &Envelope) -> Result<HttpEvent> {
         if self.mode == ContentMode::Structured {
-            return Ok((
-                vec![("content-type".into(), STRUCTURED_CONTENT_TYPE.into())],
-                self.to_json(envelope)?,
-            ));
+            return Ok(HttpEvent {
+                headers: vec![("content-type".into(), STRUCTURED_CONTENT_TYPE.into())],
+                body: self.to_json(envelope)?,
+            });
         }
         let a = self.attributes(envelope)?;
         let mut headers: Vec<(String, String)> = a
@@ -288,8 +288,22 @@ impl CloudEvents {
             .collect();
         headers.push(("content-type".into(), envelope.content_type.clone()));
         headers.extend(a.transport);
-        Ok((headers, envelope.payload.clone()))
+        Ok(HttpEvent {
+            headers,
+            body: envelope.payload.clone(),
+        })
     }
+}
+
+/// An event in the HTTP binding ([`CloudEvents::http`]): the headers to send, in order,
+/// and the body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HttpEvent {
+    /// Header names and values (`ce-<attribute>`, `content-type`, the other headers).
+    pub headers: Vec<(String, String)>,
+    /// The body: the payload (binary mode) or the JSON event (structured mode).
+    pub body: Vec<u8>,
 }
 
 /// An event's context attributes (without `datacontenttype`) and the headers that are not

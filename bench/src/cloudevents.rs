@@ -89,8 +89,8 @@ pub(crate) fn run() {
         let arms: [&dyn Fn(&Envelope) -> usize; 3] = [
             &native,
             &|e| {
-                let (h, b) = binary.http(e).expect("encodes");
-                h.len() + b.len()
+                let http = binary.http(e).expect("encodes");
+                http.headers.len() + http.body.len()
             },
             &|e| structured.to_json(e).expect("encodes").len(),
         ];
