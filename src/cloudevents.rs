@@ -360,6 +360,10 @@ fn is_json(content_type: &str) -> bool {
 }
 
 /// Whether a content type says the payload is a structured event in the JSON format.
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "nats", feature = "kafka")),
+    allow(dead_code)
+)]
 pub(crate) fn is_structured(content_type: &str) -> bool {
     content_type
         .split(';')
@@ -372,6 +376,10 @@ pub(crate) fn is_structured(content_type: &str) -> bool {
 /// A message received in binary mode: `attr` gives an attribute's value by name (the binding's
 /// prefix already stripped: `"specversion"`, `"id"`, ...), `names` every attribute present,
 /// `content_type` the protocol's content type, `others` the headers that are not attributes.
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "nats", feature = "kafka")),
+    allow(dead_code)
+)]
 pub(crate) fn decode_binary(
     topic: &str,
     attrs: BTreeMap<String, String>,
@@ -387,6 +395,10 @@ pub(crate) fn decode_binary(
 }
 
 /// A structured event in the JSON format; `others` the protocol's headers.
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "nats", feature = "kafka")),
+    allow(dead_code)
+)]
 pub(crate) fn decode_structured(
     topic: &str,
     payload: &[u8],
@@ -439,6 +451,10 @@ pub(crate) fn decode_structured(
     finish(topic, attrs, others, payload)
 }
 
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "nats", feature = "kafka")),
+    allow(dead_code)
+)]
 fn finish(
     topic: &str,
     attrs: BTreeMap<String, String>,
@@ -574,6 +590,10 @@ fn base64_encode(data: &[u8]) -> String {
     out
 }
 
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "nats", feature = "kafka")),
+    allow(dead_code)
+)]
 fn base64_decode(text: &str) -> Option<Vec<u8>> {
     let text = text.trim_end_matches('=');
     let mut out = Vec::with_capacity(text.len() * 3 / 4);
