@@ -41,6 +41,8 @@ chapters! {
     Nats => "nats.md",
     #[cfg(feature = "kafka")]
     Kafka => "kafka.md",
+    #[cfg(feature = "rabbitmq")]
+    CloudEvents => "cloudevents.md",
     // The test kit's chapter may show `pgbox::testing`.
     #[cfg(feature = "testing")]
     Testing => "testing.md",

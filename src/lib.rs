@@ -9,6 +9,7 @@
 )]
 
 mod archive;
+pub mod cloudevents;
 mod connect;
 mod consumer;
 pub mod doctor;
@@ -53,6 +54,7 @@ pub use crate::archive::{
     Archive, ArchivePartition, ArchiveRetention, ArchiveStatus, REPLAY_ID_HEADER, Replay,
     ReplayCursor, ReplayReport,
 };
+pub use crate::cloudevents::{CloudEvents, ContentMode};
 pub use crate::connect::{FIRST_CONNECTION_TIMEOUT, connect};
 pub use crate::consumer::{
     Consumer, ConsumerBuilder, ConsumerStats, MAX_BATCH_SIZE, MAX_VISIBILITY_TIMEOUT,

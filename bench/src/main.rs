@@ -6,9 +6,11 @@
 //! cargo run --release -p pgbox-bench -- --quick      # under two minutes (CI)
 //! cargo run --release -p pgbox-bench -- --only P     # the time-partitioned inbox (P1-P3)
 //! cargo run --release -p pgbox-bench -- --only A1    # the archive: O2 with it off/on, replay
+//! cargo run --release -p pgbox-bench -- --only CE1   # CloudEvents' encode cost (no database)
 //! ```
 
 mod archive;
+mod cloudevents;
 #[path = "../../tests/support/local_pg.rs"]
 mod local_pg;
 mod scheduled;
@@ -753,6 +755,15 @@ async fn main() -> anyhow::Result<()> {
         args.backlog = args.backlog.min(10_000);
         args.peer_backlog = args.peer_backlog.min(10_000);
         args.expiry_rows = args.expiry_rows.min(20_000);
+    }
+    // CE1 needs no database: run it first, and alone when it is all that was asked for.
+    let wanted =
+        |id: &str| args.only.is_empty() || args.only.iter().any(|p| id.starts_with(p.as_str()));
+    if wanted("CE1") {
+        cloudevents::run();
+        if !args.only.is_empty() && args.only.iter().all(|p| "CE1".starts_with(p.as_str())) {
+            return Ok(());
+        }
     }
     PING.set(!args.no_ping).expect("set once");
     statements::install()?;

@@ -104,6 +104,7 @@
 //! own logs go to `tracing` (target `librdkafka`); librdkafka redacts its sensitive
 //! settings even in its `debug=conf` dump, and the builder's `Debug` shows none.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::path::PathBuf;
@@ -128,6 +129,7 @@ use uuid::Uuid;
 
 use super::{PublishError, Publisher, Subscriber, truncate};
 use crate::Secret;
+use crate::cloudevents::{self, CloudEvents, ContentMode, STRUCTURED_CONTENT_TYPE};
 use crate::error::{Error, Result, TlsProblem};
 use crate::outbox::{Envelope, TRACEPARENT};
 
@@ -252,6 +254,7 @@ pub struct KafkaBuilder {
     root_certificates: Option<PathBuf>,
     client_certificate: Option<(PathBuf, PathBuf)>,
     allow_insecure_credentials: bool,
+    cloudevents: Option<CloudEvents>,
 }
 
 impl fmt::Debug for KafkaBuilder {
@@ -295,6 +298,7 @@ impl fmt::Debug for KafkaBuilder {
                 "allow_insecure_credentials",
                 &self.allow_insecure_credentials,
             )
+            .field("cloudevents", &self.cloudevents)
             .field("settings", &settings)
             .finish()
     }
@@ -377,6 +381,15 @@ impl KafkaBuilder {
     /// session after it open to reading and tampering. For a network you trust completely.
     pub fn allow_insecure_credentials(mut self, allow: bool) -> Self {
         self.allow_insecure_credentials = allow;
+        self
+    }
+
+    /// Publishes every message as a CloudEvent ([`crate::cloudevents`]): in binary mode the
+    /// attributes are headers `ce_<name>` and `datacontenttype` is `content-type` (the Kafka
+    /// binding); the record key stays the ordering key (`partitionkey`). Receiving reads
+    /// CloudEvents and native messages alike, with or without this.
+    pub fn cloudevents(mut self, config: CloudEvents) -> Self {
+        self.cloudevents = Some(config);
         self
     }
 
@@ -1300,6 +1313,7 @@ impl Kafka {
             root_certificates: None,
             client_certificate: None,
             allow_insecure_credentials: false,
+            cloudevents: None,
         }
     }
 
@@ -1740,7 +1754,104 @@ fn within_record_extra(
     Ok(headers)
 }
 
+/// The CloudEvents Kafka binding's attribute prefix.
+const CE_PREFIX: &str = "ce_";
+/// The binding's content type header.
+const CONTENT_TYPE: &str = "content-type";
+
+/// The headers and payload of `envelope`: native, or a CloudEvent when configured.
+fn wire<'e>(
+    cloudevents: Option<&CloudEvents>,
+    envelope: &'e Envelope,
+) -> Result<(OwnedHeaders, Cow<'e, [u8]>), PublishError> {
+    let Some(ce) = cloudevents else {
+        return headers(envelope).map(|h| (h, Cow::Borrowed(&envelope.payload[..])));
+    };
+    let bad = |e: Error| PublishError::refused(format!("message {}: {e}", envelope.id));
+    let attributes = ce.attributes(envelope).map_err(bad)?;
+    let mut map = OwnedHeaders::new();
+    for (name, value) in &attributes.transport {
+        if name.starts_with("pgbox-") || name == CONTENT_TYPE {
+            return Err(PublishError::refused(format!(
+                "message {}: header name {name} is reserved",
+                envelope.id
+            )));
+        }
+        map = map.insert(Header {
+            key: name,
+            value: Some(value.as_str()),
+        });
+    }
+    let body = match ce.content_mode() {
+        ContentMode::Structured => {
+            map = map.insert(Header {
+                key: CONTENT_TYPE,
+                value: Some(STRUCTURED_CONTENT_TYPE),
+            });
+            Cow::Owned(ce.to_json(envelope).map_err(bad)?)
+        }
+        _ => {
+            for (name, value) in &attributes.attrs {
+                map = map.insert(Header {
+                    key: &format!("{CE_PREFIX}{name}"),
+                    value: Some(value.as_str()),
+                });
+            }
+            map = map.insert(Header {
+                key: CONTENT_TYPE,
+                value: Some(envelope.content_type.as_str()),
+            });
+            Cow::Borrowed(&envelope.payload[..])
+        }
+    };
+    Ok((map, body))
+}
+
+/// A CloudEvent's envelope, when the record is one (binary: a `ce_specversion` header;
+/// structured: its content type). The record key is `partitionkey` when the event has none.
+fn decode_cloudevent<M: Message>(topic: &str, message: &M) -> Option<Result<Envelope>> {
+    let mut attrs = BTreeMap::new();
+    let mut others = BTreeMap::new();
+    let mut content_type = None;
+    for h in message.headers()?.iter() {
+        let Some(value) = h.value.and_then(|v| std::str::from_utf8(v).ok()) else {
+            continue;
+        };
+        if h.key.eq_ignore_ascii_case(CONTENT_TYPE) {
+            content_type = Some(value.to_owned());
+        } else if let Some(attr) = h.key.strip_prefix(CE_PREFIX) {
+            attrs.insert(attr.to_owned(), value.to_owned());
+        } else if !h.key.starts_with("pgbox-") {
+            others.insert(h.key.to_owned(), value.to_owned());
+        }
+    }
+    let payload = message.payload().unwrap_or_default();
+    let key = message
+        .key()
+        .and_then(|k| std::str::from_utf8(k).ok())
+        .map(str::to_owned);
+    let mut event = if attrs.contains_key("specversion") {
+        cloudevents::decode_binary(topic, attrs, content_type, others, payload)
+    } else if content_type
+        .as_deref()
+        .is_some_and(cloudevents::is_structured)
+    {
+        cloudevents::decode_structured(topic, payload, others)
+    } else {
+        return None;
+    };
+    if let Ok(e) = &mut event
+        && e.ordering_key.is_none()
+    {
+        e.ordering_key = key;
+    }
+    Some(event)
+}
+
 fn decode<M: Message>(topic: &str, message: &M) -> Result<Envelope> {
+    if let Some(event) = decode_cloudevent(topic, message) {
+        return event;
+    }
     let bad = |reason| Error::InvalidField {
         field: "kafka message",
         reason,
@@ -1856,10 +1967,12 @@ impl Publisher for Kafka {
                     envelope.payload.len()
                 )))
             } else {
-                match headers(envelope).and_then(|h| within_record_extra(envelope, h)) {
-                    Ok(h) => {
+                match wire(self.inner.config.cloudevents.as_ref(), envelope)
+                    .and_then(|(h, body)| Ok((within_record_extra(envelope, h)?, body)))
+                {
+                    Ok((h, body)) => {
                         let mut record = FutureRecord::to(&envelope.topic)
-                            .payload(&envelope.payload[..])
+                            .payload(&body[..])
                             .headers(h);
                         if let Some(key) = &envelope.ordering_key {
                             record = record.key(key.as_bytes());

@@ -107,6 +107,7 @@ use tokio::sync::OnceCell;
 use uuid::Uuid;
 
 use super::{PublishError, Publisher, Subscriber, truncate};
+use crate::cloudevents::{self, CloudEvents, ContentMode, STRUCTURED_CONTENT_TYPE};
 use crate::error::{Error, Result, TlsProblem};
 use crate::outbox::{Envelope, TRACEPARENT};
 use crate::secret::Secret;
@@ -471,6 +472,7 @@ pub struct NatsBuilder {
     replicas: usize,
     receive_wait: Duration,
     inactive_threshold: Option<Duration>,
+    cloudevents: Option<CloudEvents>,
 }
 
 impl fmt::Debug for NatsBuilder {
@@ -621,6 +623,16 @@ impl NatsBuilder {
     /// tests and throwaway topics.
     pub fn inactive_threshold(mut self, idle: Duration) -> Self {
         self.inactive_threshold = Some(idle);
+        self
+    }
+
+    /// Publishes every message as a CloudEvent ([`crate::cloudevents`]): in binary mode the
+    /// attributes are headers `ce-<name>` and `datacontenttype` is `content-type` (the NATS
+    /// binding's binary mode); `Nats-Msg-Id` stays the message id, so JetStream still drops
+    /// re-publishes. Receiving reads CloudEvents and native messages alike, with or without
+    /// this.
+    pub fn cloudevents(mut self, config: CloudEvents) -> Self {
+        self.cloudevents = Some(config);
         self
     }
 
@@ -790,6 +802,7 @@ impl Nats {
             replicas: 1,
             receive_wait: Duration::from_millis(200),
             inactive_threshold: None,
+            cloudevents: None,
         }
     }
 
@@ -1120,7 +1133,101 @@ fn api_error(e: &jetstream::context::PublishError) -> Option<&jetstream::Error> 
     std::error::Error::source(e)?.downcast_ref::<jetstream::Error>()
 }
 
+/// The CloudEvents NATS binding's attribute prefix.
+const CE_PREFIX: &str = "ce-";
+/// The content type header of the binding.
+const CONTENT_TYPE: &str = "content-type";
+
+/// The headers and payload of `envelope`: native, or a CloudEvent when configured.
+fn wire(
+    cloudevents: Option<&CloudEvents>,
+    envelope: &Envelope,
+) -> Result<(HeaderMap, Bytes), PublishError> {
+    let Some(ce) = cloudevents else {
+        return headers(envelope).map(|h| (h, Bytes::copy_from_slice(&envelope.payload)));
+    };
+    let bad = |e: Error| PublishError::refused(format!("message {}: {e}", envelope.id));
+    let attributes = ce.attributes(envelope).map_err(bad)?;
+    let mut map = HeaderMap::new();
+    map.insert(MSG_ID, envelope.id.to_string().as_str());
+    for (name, value) in &attributes.transport {
+        if name.starts_with("Pgbox-") || name.starts_with("Nats-") || name == CONTENT_TYPE {
+            return Err(PublishError::refused(format!(
+                "message {}: header name {name} is reserved",
+                envelope.id
+            )));
+        }
+        map.insert(name.as_str(), value.as_str());
+    }
+    let payload = match ce.content_mode() {
+        ContentMode::Structured => {
+            map.insert(CONTENT_TYPE, STRUCTURED_CONTENT_TYPE);
+            Bytes::from(ce.to_json(envelope).map_err(bad)?)
+        }
+        _ => {
+            for (name, value) in &attributes.attrs {
+                map.insert(format!("{CE_PREFIX}{name}").as_str(), value.as_str());
+            }
+            map.insert(CONTENT_TYPE, envelope.content_type.as_str());
+            Bytes::copy_from_slice(&envelope.payload)
+        }
+    };
+    Ok((map, payload))
+}
+
+/// A CloudEvent's envelope, when the message is one (binary: a `ce-specversion` header;
+/// structured: its content type).
+fn decode_cloudevent(topic: &str, headers: &HeaderMap, payload: &[u8]) -> Option<Result<Envelope>> {
+    let mut attrs = BTreeMap::new();
+    let mut others = BTreeMap::new();
+    let mut content_type = None;
+    for (name, values) in headers.iter() {
+        let name: &str = name.as_ref();
+        let Some(value) = values.first() else {
+            continue;
+        };
+        let value = value.as_str().to_owned();
+        let lower = name.to_ascii_lowercase();
+        if lower == CONTENT_TYPE {
+            content_type = Some(value);
+        } else if let Some(attr) = lower.strip_prefix(CE_PREFIX) {
+            attrs.insert(attr.to_owned(), value);
+        } else if !name.starts_with("Nats-") && !name.starts_with("Pgbox-") {
+            others.insert(name.to_owned(), value);
+        }
+    }
+    if attrs.contains_key("specversion") {
+        Some(cloudevents::decode_binary(
+            topic,
+            attrs,
+            content_type,
+            others,
+            payload,
+        ))
+    } else if content_type
+        .as_deref()
+        .is_some_and(cloudevents::is_structured)
+        || (headers.get(META).is_none()
+            && payload.first() == Some(&b'{')
+            && looks_structured(payload))
+    {
+        Some(cloudevents::decode_structured(topic, payload, others))
+    } else {
+        None
+    }
+}
+
+/// Whether a payload without pgbox's headers is a structured event (the NATS binding's
+/// structured mode sets no content type): a JSON object with a `specversion` member.
+fn looks_structured(payload: &[u8]) -> bool {
+    serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(payload)
+        .is_ok_and(|doc| doc.contains_key("specversion"))
+}
+
 fn decode(topic: &str, headers: &HeaderMap, payload: &[u8]) -> Result<Envelope> {
+    if let Some(event) = decode_cloudevent(topic, headers, payload) {
+        return event;
+    }
     let bad = |reason| Error::InvalidField {
         field: "nats message",
         reason,
@@ -1163,12 +1270,12 @@ impl Publisher for Nats {
             // Send the chunk, then await its acks together.
             let mut pending = Vec::with_capacity(chunk.len());
             for envelope in chunk {
-                let sent = match headers(envelope) {
-                    Ok(h) => context
+                let sent = match wire(self.inner.config.cloudevents.as_ref(), envelope) {
+                    Ok((h, payload)) => context
                         .send_publish(
                             self.subject(&envelope.topic),
                             jetstream::message::PublishMessage::build()
-                                .payload(Bytes::copy_from_slice(&envelope.payload))
+                                .payload(payload)
                                 .headers(h),
                         )
                         .await

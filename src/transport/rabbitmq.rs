@@ -128,6 +128,7 @@
 //! [`Inbox::process_in_order`](crate::Inbox::process_in_order) where order must survive
 //! delayed retries.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -155,6 +156,7 @@ use tokio::sync::Mutex;
 use uuid::Uuid;
 
 use super::{PublishError, Publisher, Subscriber, truncate};
+use crate::cloudevents::{self, CloudEvents, ContentMode, STRUCTURED_CONTENT_TYPE};
 use crate::error::{Error, Result, TlsProblem};
 use crate::outbox::Envelope;
 use crate::secret::{Secret, redact_url};
@@ -166,6 +168,10 @@ const DELIVERIES: &str = "x-pgbox-deliveries";
 const ERROR: &str = "x-pgbox-error";
 const DELIVERY_COUNT: &str = "x-delivery-count";
 const MAX_ERROR_BYTES: usize = 4096;
+/// The CloudEvents AMQP binding's attribute prefix (JMS-compatible; the one pgbox writes).
+const AMQP_PREFIX: &str = "cloudEvents_";
+/// The binding's older prefix, still read.
+const AMQP_PREFIX_COLON: &str = "cloudEvents:";
 
 /// Awaits one broker operation for at most `limit`. lapin resolves an operation when its
 /// frame is written, or its reply arrives, or the connection fails; a connection cut at the
@@ -240,9 +246,19 @@ pub struct RabbitMqBuilder {
     confirm_timeout: Duration,
     operation_timeout: Duration,
     queue_expires: Option<Duration>,
+    cloudevents: Option<CloudEvents>,
 }
 
 impl RabbitMqBuilder {
+    /// Publishes every message as a CloudEvent ([`crate::cloudevents`]): in binary mode the
+    /// attributes are headers `cloudEvents_<name>` (the AMQP binding's prefix; receiving
+    /// takes `cloudEvents:` too), the content type is `datacontenttype`, the body the payload.
+    /// Receiving reads CloudEvents and native messages alike, with or without this.
+    pub fn cloudevents(mut self, config: CloudEvents) -> Self {
+        self.cloudevents = Some(config);
+        self
+    }
+
     /// The exchange messages are published to (default `pgbox`).
     pub fn exchange(mut self, name: impl Into<String>) -> Self {
         self.exchange = name.into();
@@ -573,6 +589,7 @@ impl fmt::Debug for RabbitMqBuilder {
             .field("confirm_timeout", &self.confirm_timeout)
             .field("operation_timeout", &self.operation_timeout)
             .field("queue_expires", &self.queue_expires)
+            .field("cloudevents", &self.cloudevents)
             .finish()
     }
 }
@@ -737,6 +754,7 @@ impl RabbitMq {
             confirm_timeout: Duration::from_secs(30),
             operation_timeout: Duration::from_secs(10),
             queue_expires: None,
+            cloudevents: None,
             credentials: None,
             tls_roots: None,
             tls_identity: None,
@@ -1039,11 +1057,18 @@ impl RabbitMq {
                 .await?;
             let Some(message) = got else { break };
             let d = &message.delivery;
-            let envelope = decode(topic, &d.properties, &d.data)?;
             let headers = d.properties.headers().clone().unwrap_or_default();
+            // A message that could not be decoded (how it got here) is shown as it is.
+            let (envelope, undecodable) = match decode(topic, &d.properties, &d.data) {
+                Ok(e) => (e, None),
+                Err(e) => (
+                    undecodable_envelope(topic, &d.properties, &d.data),
+                    Some(e.to_string()),
+                ),
+            };
             out.push(RabbitDeadLetter {
                 envelope,
-                error: header_text(&headers, ERROR),
+                error: header_text(&headers, ERROR).or(undecodable),
                 deliveries: header_int(&headers, DELIVERIES).unwrap_or(0) as i32,
             });
         }
@@ -1215,7 +1240,130 @@ fn properties(envelope: &Envelope) -> Result<BasicProperties, PublishError> {
         .with_headers(headers))
 }
 
+/// The properties and body of `envelope`: native, or a CloudEvent when configured.
+fn wire<'e>(
+    cloudevents: Option<&CloudEvents>,
+    envelope: &'e Envelope,
+) -> Result<(BasicProperties, Cow<'e, [u8]>), PublishError> {
+    let Some(ce) = cloudevents else {
+        return properties(envelope).map(|p| (p, Cow::Borrowed(&envelope.payload[..])));
+    };
+    let bad = |e: Error| PublishError::refused(format!("message {}: {e}", envelope.id));
+    let attributes = ce.attributes(envelope).map_err(bad)?;
+    let mut headers = FieldTable::default();
+    for (k, v) in &attributes.transport {
+        let name = ShortString::try_new(k.as_str()).map_err(|_| {
+            PublishError::refused(format!(
+                "message {}: header name longer than 255 bytes",
+                envelope.id
+            ))
+        })?;
+        if k.starts_with("x-pgbox-") || is_broker_header(k) {
+            return Err(PublishError::refused(format!(
+                "message {}: header name is reserved",
+                envelope.id
+            )));
+        }
+        headers.insert(name, long_value(v));
+    }
+    let base = BasicProperties::default()
+        .with_message_id(envelope.id.to_string().into())
+        .with_delivery_mode(2)
+        .with_timestamp(envelope.created_at.unix_timestamp().max(0) as u64);
+    let (content_type, body) = match ce.content_mode() {
+        ContentMode::Structured => (
+            STRUCTURED_CONTENT_TYPE.to_owned(),
+            Cow::Owned(ce.to_json(envelope).map_err(bad)?),
+        ),
+        _ => {
+            for (name, value) in &attributes.attrs {
+                headers.insert(format!("{AMQP_PREFIX}{name}").into(), long_value(value));
+            }
+            (
+                envelope.content_type.clone(),
+                Cow::Borrowed(&envelope.payload[..]),
+            )
+        }
+    };
+    let content_type = ShortString::try_new(content_type).map_err(|_| {
+        PublishError::refused(format!(
+            "message {}: content type longer than 255 bytes",
+            envelope.id
+        ))
+    })?;
+    Ok((
+        base.with_content_type(content_type).with_headers(headers),
+        body,
+    ))
+}
+
+/// A CloudEvent's envelope, when the message is one (binary: a `specversion` header with
+/// either of the AMQP binding's prefixes; structured: its content type).
+fn decode_cloudevent(
+    topic: &str,
+    properties: &BasicProperties,
+    data: &[u8],
+) -> Option<Result<Envelope>> {
+    let table = properties.headers().clone().unwrap_or_default();
+    let content_type = properties.content_type().as_ref().map(|c| c.to_string());
+    let mut attrs = BTreeMap::new();
+    let mut others = BTreeMap::new();
+    for (k, v) in table.inner() {
+        let k = k.as_str();
+        if k.starts_with("x-pgbox-") || is_broker_header(k) {
+            continue;
+        }
+        let Some(text) = value_text(v) else { continue };
+        match k
+            .strip_prefix(AMQP_PREFIX)
+            .or_else(|| k.strip_prefix(AMQP_PREFIX_COLON))
+        {
+            Some(name) => attrs.insert(name.to_owned(), text),
+            None => others.insert(k.to_owned(), text),
+        };
+    }
+    if attrs.contains_key("specversion") {
+        Some(cloudevents::decode_binary(
+            topic,
+            attrs,
+            content_type,
+            others,
+            data,
+        ))
+    } else if content_type
+        .as_deref()
+        .is_some_and(cloudevents::is_structured)
+    {
+        Some(cloudevents::decode_structured(topic, data, others))
+    } else {
+        None
+    }
+}
+
+/// A dead letter that does not decode, as far as it can be read: its message id when that
+/// is a UUID (else nil), its payload, content type and text headers.
+fn undecodable_envelope(topic: &str, properties: &BasicProperties, data: &[u8]) -> Envelope {
+    let id = properties
+        .message_id()
+        .as_ref()
+        .and_then(|id| Uuid::parse_str(id.as_str()).ok())
+        .unwrap_or(Uuid::nil());
+    let mut envelope = Envelope::new(id, topic, data.to_vec());
+    if let Some(ct) = properties.content_type() {
+        envelope.content_type = ct.to_string();
+    }
+    for (k, v) in properties.headers().clone().unwrap_or_default().inner() {
+        if let Some(text) = value_text(v) {
+            envelope.headers.insert(k.as_str().to_owned(), text);
+        }
+    }
+    envelope
+}
+
 fn decode(topic: &str, properties: &BasicProperties, data: &[u8]) -> Result<Envelope> {
+    if let Some(event) = decode_cloudevent(topic, properties, data) {
+        return event;
+    }
     let bad = |reason| Error::InvalidField {
         field: "rabbitmq message",
         reason,
@@ -1389,14 +1537,15 @@ impl RabbitMq {
         let publish_channel = &conn.publish;
         let bound = &self.inner.bound;
         let sends = batch.iter().map(|envelope| {
-            let prepared = properties(envelope).and_then(|p| {
-                short(&envelope.topic)
-                    .map(|k| (p, k))
-                    .map_err(|e| PublishError::refused(e.to_string()))
-            });
+            let prepared =
+                wire(self.inner.config.cloudevents.as_ref(), envelope).and_then(|(p, body)| {
+                    short(&envelope.topic)
+                        .map(|k| (p, body, k))
+                        .map_err(|e| PublishError::refused(e.to_string()))
+                });
             let exchange = exchange.clone();
             async move {
-                let (props, routing_key) = prepared.map_err(|e| (e, false))?;
+                let (props, body, routing_key) = prepared.map_err(|e| (e, false))?;
                 let publish = publish_channel.basic_publish(
                     exchange,
                     routing_key,
@@ -1404,7 +1553,7 @@ impl RabbitMq {
                         mandatory: true,
                         ..Default::default()
                     },
-                    &envelope.payload,
+                    &body,
                     props,
                 );
                 match tokio::time::timeout(bound.limit, publish).await {
