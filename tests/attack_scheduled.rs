@@ -147,7 +147,11 @@ impl Publisher for Recording {
     }
 }
 
-async fn wait_for(got: &Arc<Mutex<Vec<(String, Instant)>>>, payload: &str, limit: Duration) -> Option<Instant> {
+async fn wait_for(
+    got: &Arc<Mutex<Vec<(String, Instant)>>>,
+    payload: &str,
+    limit: Duration,
+) -> Option<Instant> {
     let started = Instant::now();
     while started.elapsed() < limit {
         if let Some((_, at)) = got.lock().unwrap().iter().find(|(p, _)| p == payload) {
@@ -158,7 +162,15 @@ async fn wait_for(got: &Arc<Mutex<Vec<(String, Instant)>>>, payload: &str, limit
     None
 }
 
-fn spawn_relay(pool: &PgPool, got: &Arc<Mutex<Vec<(String, Instant)>>>, poll: Duration, slow: Duration) -> (CancellationToken, tokio::task::JoinHandle<pgbox::Result<()>>) {
+fn spawn_relay(
+    pool: &PgPool,
+    got: &Arc<Mutex<Vec<(String, Instant)>>>,
+    poll: Duration,
+    slow: Duration,
+) -> (
+    CancellationToken,
+    tokio::task::JoinHandle<pgbox::Result<()>>,
+) {
     let relay = Relay::builder(
         pool.clone(),
         Recording {
@@ -257,7 +269,11 @@ async fn holds_a_message_scheduled_while_the_relay_sleeps_is_published_at_its_du
     let (shutdown, run) = spawn_relay(pool, &got, Duration::from_secs(20), Duration::ZERO);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let at = Instant::now();
-    schedule(pool, Message::bytes("s", "past").deliver_at(OffsetDateTime::UNIX_EPOCH)).await;
+    schedule(
+        pool,
+        Message::bytes("s", "past").deliver_at(OffsetDateTime::UNIX_EPOCH),
+    )
+    .await;
     schedule(
         pool,
         Message::bytes("s", "soon").deliver_after(Duration::from_millis(700)),
@@ -351,5 +367,258 @@ async fn finding_a_due_row_held_by_an_open_producer_transaction_makes_the_relay_
         held < 200,
         "a relay with a poll interval of 5 s scanned outbox_scheduled {held} times in 2 s while \
          a due row was held ({idle} times with nothing due)"
+    );
+}
+
+/// The WAL relay's promotion (`take_due_sql`): the same skip, the same overtaking, in the
+/// WAL's order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_wal_a_held_due_message_is_overtaken_by_a_later_one_of_its_key() {
+    use pgbox::{OutboxMode, WalRelay};
+    let (_cluster, pool, slot) = support::wal::logical(&[]).await;
+    let wal = Outbox::new().mode(OutboxMode::Wal);
+    let now = OffsetDateTime::now_utc();
+    let mut tx = pool.begin().await.unwrap();
+    for (payload, key, ago) in [("first", "a", 10), ("second", "b", 5)] {
+        wal.enqueue(
+            &mut tx,
+            Message::bytes("w", payload)
+                .ordering_key("order-1")
+                .schedule_key(key)
+                .deliver_at(now - time::Duration::minutes(ago)),
+        )
+        .await
+        .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let mut producer = pool.begin().await.unwrap();
+    assert!(
+        wal.reschedule(&mut producer, "w", "a", now - time::Duration::minutes(20))
+            .await
+            .unwrap()
+    );
+    let relay = WalRelay::builder(pool.clone(), slot.clone(), PgQueue::new(pool.clone()))
+        .build()
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(20), relay.drain())
+        .await
+        .unwrap()
+        .unwrap();
+    producer.rollback().await.unwrap();
+    let started = Instant::now();
+    loop {
+        tokio::time::timeout(Duration::from_secs(20), relay.drain())
+            .await
+            .unwrap()
+            .unwrap();
+        let got = queued(&pool, "w").await;
+        if got.len() == 2 {
+            assert_eq!(got, ["first", "second"]);
+            break;
+        }
+        assert!(started.elapsed() < Duration::from_secs(10), "{got:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// `KeepExisting` returns the pending message's id; once the pending one was promoted, the
+/// new one is scheduled anew and its own id is returned. Replace in one batch: one pending,
+/// the last; the ids returned for the batch name what is pending or published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_keep_existing_returns_the_pending_id_and_a_batch_with_one_key_twice_keeps_one() {
+    let db = TestDb::migrated().await;
+    let pool = &db.pool;
+    let outbox = Outbox::new();
+    let first = schedule(
+        pool,
+        Message::bytes("k", "first")
+            .schedule_key("s")
+            .deliver_after(Duration::from_secs(3600)),
+    )
+    .await;
+    let second = Message::bytes("k", "second")
+        .schedule_key("s")
+        .on_schedule_conflict(ScheduleConflict::KeepExisting)
+        .deliver_at(OffsetDateTime::UNIX_EPOCH);
+    let second_id = second.id();
+    assert_eq!(schedule(pool, second).await, first);
+    assert_ne!(first, second_id);
+    // Due now, promoted: the next KeepExisting meets nothing and is its own.
+    let mut tx = pool.begin().await.unwrap();
+    assert!(
+        outbox
+            .reschedule(&mut tx, "k", "s", OffsetDateTime::UNIX_EPOCH)
+            .await
+            .unwrap()
+    );
+    tx.commit().await.unwrap();
+    drain(pool).await;
+    let third = Message::bytes("k", "third")
+        .schedule_key("s")
+        .on_schedule_conflict(ScheduleConflict::KeepExisting)
+        .deliver_at(OffsetDateTime::UNIX_EPOCH);
+    let third_id = third.id();
+    assert_eq!(schedule(pool, third).await, third_id);
+    drain(pool).await;
+    assert_eq!(queued(pool, "k").await, ["first", "third"]);
+
+    // A batch: immediate, keyed, two under one schedule key (Replace), then KeepExisting.
+    let batch = vec![
+        Message::bytes("b", "x1")
+            .schedule_key("one")
+            .ordering_key("o")
+            .deliver_at(OffsetDateTime::UNIX_EPOCH),
+        Message::bytes("b", "now").ordering_key("o"),
+        Message::bytes("b", "x2")
+            .schedule_key("one")
+            .ordering_key("o")
+            .deliver_at(OffsetDateTime::UNIX_EPOCH),
+        Message::bytes("b", "x3")
+            .schedule_key("one")
+            .ordering_key("o")
+            .on_schedule_conflict(ScheduleConflict::KeepExisting)
+            .deliver_at(OffsetDateTime::UNIX_EPOCH),
+    ];
+    let x2 = batch[2].id();
+    let mut tx = pool.begin().await.unwrap();
+    let ids = outbox.enqueue_batch(&mut tx, batch).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(ids.len(), 4);
+    assert_eq!(
+        ids[3], x2,
+        "KeepExisting in the batch returns the pending one"
+    );
+    drain(pool).await;
+    assert_eq!(queued(pool, "b").await, ["now", "x2"]);
+    let published: Vec<Uuid> =
+        sqlx::query_scalar("SELECT message_id FROM pgbox.queue WHERE topic = 'b' ORDER BY seq")
+            .fetch_all(pool)
+            .await
+            .unwrap();
+    assert_eq!(published[1], x2);
+}
+
+/// Keys at the documented limit (1,024 bytes of multi-byte UTF-8) and one byte over; due
+/// times at the ends of `OffsetDateTime`; status counts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_keys_at_the_limit_extreme_due_times_and_status() {
+    let db = TestDb::migrated().await;
+    let pool = &db.pool;
+    let outbox = Outbox::new();
+    // "€" is 3 bytes, "😀" 4: 340 * 3 + 4 = 1,024.
+    let key = format!("{}😀", "€".repeat(340));
+    assert_eq!(key.len(), 1024);
+    let over = format!("{}😀", "€".repeat(341));
+    let mut tx = pool.begin().await.unwrap();
+    outbox
+        .enqueue(
+            &mut tx,
+            Message::bytes("x".repeat(255), "max")
+                .schedule_key(key.clone())
+                .deliver_at(time::Date::MAX.midnight().assume_utc()),
+        )
+        .await
+        .unwrap();
+    let err = outbox
+        .enqueue(
+            &mut tx,
+            Message::bytes("t", "over")
+                .schedule_key(over.clone())
+                .deliver_after(Duration::from_secs(1)),
+        )
+        .await
+        .unwrap_err();
+    assert!(matches!(err, pgbox::Error::KeyTooLong { .. }), "{err:?}");
+    assert!(outbox.cancel_scheduled(&mut tx, "t", &over).await.is_err());
+    outbox
+        .enqueue(
+            &mut tx,
+            Message::bytes("min", "min").deliver_at(
+                time::Date::MIN
+                    .midnight()
+                    .assume_offset(time::UtcOffset::from_hms(-23, 59, 59).unwrap()),
+            ),
+        )
+        .await
+        .unwrap();
+    // Nearly-too-long delays: a nanosecond under the maximum.
+    outbox
+        .enqueue(
+            &mut tx,
+            Message::bytes("far", "far")
+                .deliver_after(pgbox::MAX_SCHEDULE_DELAY - Duration::from_nanos(1)),
+        )
+        .await
+        .unwrap();
+    assert!(
+        outbox
+            .enqueue(
+                &mut tx,
+                Message::bytes("far", "too far")
+                    .deliver_after(pgbox::MAX_SCHEDULE_DELAY + Duration::from_nanos(1)),
+            )
+            .await
+            .is_err()
+    );
+    tx.commit().await.unwrap();
+    drain(pool).await;
+    assert_eq!(queued(pool, "min").await, ["min"]);
+    let status = pgbox::status(pool, "pgbox").await.unwrap();
+    assert_eq!(status.scheduled, 2);
+    let mut tx = pool.begin().await.unwrap();
+    assert!(
+        outbox
+            .cancel_scheduled(&mut tx, &"x".repeat(255), &key)
+            .await
+            .unwrap()
+    );
+    tx.commit().await.unwrap();
+    assert_eq!(pgbox::status(pool, "pgbox").await.unwrap().scheduled, 1);
+}
+
+/// The WAL relay (default streaming reader), idle, with a long poll interval: a message
+/// scheduled due in 200 ms waits for the poll interval. The streaming reader never sleeps
+/// under the WAL asleep lock, so a scheduled enqueue never notifies it, and its read waits
+/// until the next look planned before the message existed. (Promise: "at once when a
+/// producer scheduled a message while it slept"; the existing WAL test uses `drain`.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_wal_an_idle_relay_publishes_a_message_due_soon_only_after_a_poll_interval() {
+    use pgbox::{OutboxMode, WalRelay};
+    let (_cluster, pool, slot) = support::wal::logical(&[]).await;
+    let wal = Outbox::new().mode(OutboxMode::Wal);
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let relay = WalRelay::builder(
+        pool.clone(),
+        slot.clone(),
+        Recording {
+            got: got.clone(),
+            slow: Duration::ZERO,
+        },
+    )
+    .poll_interval(Duration::from_secs(10))
+    .build()
+    .unwrap();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { relay.run(shutdown).await }
+    });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let at = Instant::now();
+    let mut tx = pool.begin().await.unwrap();
+    wal.enqueue(
+        &mut tx,
+        Message::bytes("t", "soon").deliver_after(Duration::from_millis(200)),
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let published = wait_for(&got, "soon", Duration::from_secs(8)).await;
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    let published = published.map(|p| p - at);
+    assert!(
+        published.is_some_and(|d| d < Duration::from_secs(5)),
+        "due in 200 ms, published after {published:?} (None: not within 8 s; poll interval 10 s)"
     );
 }
