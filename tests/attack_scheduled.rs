@@ -622,3 +622,48 @@ async fn finding_wal_an_idle_relay_publishes_a_message_due_soon_only_after_a_pol
         "due in 200 ms, published after {published:?} (None: not within 8 s; poll interval 10 s)"
     );
 }
+
+/// Promise: a scheduled message "never holds back its key's other messages", and pending
+/// scheduled messages "cost the immediate path nothing". A producer's transaction that
+/// enqueued a message of key K and is still open holds K's enqueue lock; a due scheduled
+/// message of K makes the promotion wait for that lock, and the relay runs promotion before
+/// every round: nothing else (other keys, other topics, unkeyed) is published until the
+/// producer's transaction ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_a_long_producer_transaction_on_a_due_key_stalls_the_whole_relay() {
+    let db = TestDb::migrated().await;
+    let pool = &db.pool;
+    let got = Arc::new(Mutex::new(Vec::new()));
+    let (shutdown, run) = spawn_relay(pool, &got, Duration::from_secs(1), Duration::ZERO);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut producer = pool.begin().await.unwrap();
+    Outbox::new()
+        .enqueue(
+            &mut producer,
+            Message::bytes("orders", "paid").ordering_key("order-1"),
+        )
+        .await
+        .unwrap();
+    schedule(
+        pool,
+        Message::bytes("orders", "reminder")
+            .ordering_key("order-1")
+            .deliver_at(OffsetDateTime::UNIX_EPOCH),
+    )
+    .await;
+    support::wait_for_lock_waiter(pool).await;
+    let at = Instant::now();
+    schedule(pool, Message::bytes("other", "unrelated")).await;
+    let published = wait_for(&got, "unrelated", Duration::from_secs(4)).await;
+    producer.commit().await.unwrap();
+    let reminder = wait_for(&got, "reminder", Duration::from_secs(5)).await;
+    shutdown.cancel();
+    run.await.unwrap().unwrap();
+    assert!(reminder.is_some());
+    let published = published.map(|p| p - at);
+    assert!(
+        published.is_some_and(|d| d < Duration::from_secs(2)),
+        "an unrelated message waited {published:?} (None: over 4 s, until the producer of \
+         another key committed)"
+    );
+}
