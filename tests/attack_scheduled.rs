@@ -651,7 +651,9 @@ async fn finding_a_long_producer_transaction_on_a_due_key_stalls_the_whole_relay
             .deliver_at(OffsetDateTime::UNIX_EPOCH),
     )
     .await;
-    support::wait_for_lock_waiter(pool).await;
+    // The relay has been woken by the schedule and is promoting (before the fix: waiting
+    // for the producer's key lock).
+    tokio::time::sleep(Duration::from_millis(600)).await;
     let at = Instant::now();
     schedule(pool, Message::bytes("other", "unrelated")).await;
     let published = wait_for(&got, "unrelated", Duration::from_secs(4)).await;
