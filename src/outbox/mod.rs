@@ -299,13 +299,9 @@ impl Outbox {
         Ok(id)
     }
 
-    /// Writes a scheduled message into `outbox_scheduled` (both modes: in WAL mode it is
-    /// emitted when the [`WalRelay`](crate::WalRelay) promotes it).
-    async fn enqueue_scheduled(
-        &self,
-        tx: &mut impl InTransaction,
-        message: Message,
-    ) -> Result<Uuid> {
+    /// The "notify a sleeping relay: look for due scheduled messages" sub-select (one value)
+    /// of a scheduled enqueue or a reschedule.
+    fn scheduled_wake(&self) -> String {
         let (channel, class) = match self.mode {
             OutboxMode::Table => (
                 format!("{}.outbox", self.schema.as_str()),
@@ -314,12 +310,22 @@ impl Outbox {
             OutboxMode::Wal => (wal::channel(self.schema.as_str()), WAL_ASLEEP_LOCK_CLASS),
         };
         // A sleeping relay recomputes when to wake: this message may be due before then.
-        let wake = format!(
+        format!(
             "SELECT pg_catalog.pg_notify('{channel}', '{notice}') \
              WHERE NOT pg_catalog.pg_try_advisory_xact_lock_shared({class}, pg_catalog.hashtext('{name}'))",
             name = self.schema.as_str(),
             notice = scheduled::SCHEDULED_NOTICE,
-        );
+        )
+    }
+
+    /// Writes a scheduled message into `outbox_scheduled` (both modes: in WAL mode it is
+    /// emitted when the [`WalRelay`](crate::WalRelay) promotes it).
+    async fn enqueue_scheduled(
+        &self,
+        tx: &mut impl InTransaction,
+        message: Message,
+    ) -> Result<Uuid> {
+        let wake = self.scheduled_wake();
         let span = tracing::debug_span!("pgbox.outbox.schedule");
         let id = scheduled::insert(
             &self.schema,
@@ -361,7 +367,16 @@ impl Outbox {
         at: time::OffsetDateTime,
     ) -> Result<bool> {
         crate::inbox::Key::new(schedule_key).validate()?;
-        scheduled::reschedule(&self.schema, self.persistent(), tx, topic, schedule_key, at).await
+        scheduled::reschedule(
+            &self.schema,
+            &self.scheduled_wake(),
+            self.persistent(),
+            tx,
+            topic,
+            schedule_key,
+            at,
+        )
+        .await
     }
 
     /// Writes many messages in one statement, in the given order; returns their ids. `tx` as

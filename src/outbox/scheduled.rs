@@ -159,26 +159,33 @@ pub(crate) async fn cancel(
 /// one.
 pub(crate) async fn reschedule(
     schema: &Identifier,
+    wake: &str,
     persistent: bool,
     tx: &mut impl InTransaction,
     topic: &str,
     key: &str,
     at: OffsetDateTime,
 ) -> Result<bool> {
+    // A sleeping relay is told (as by a scheduled enqueue): the new due time may be sooner
+    // than the one it sleeps towards.
     let sql = format!(
-        "UPDATE {schema}.outbox_scheduled SET due_at = $3 WHERE topic = $1 AND schedule_key = $2"
+        "WITH moved AS (\
+           UPDATE {schema}.outbox_scheduled SET due_at = $3 WHERE topic = $1 AND schedule_key = $2 \
+           RETURNING 1) \
+         SELECT (SELECT pg_catalog.count(*) FROM moved)::int8, ({wake})"
     );
     let done = sqlx::query(AssertSqlSafe(sql))
         .persistent(persistent)
         .bind(topic)
         .bind(key)
         .bind(at.max(OffsetDateTime::UNIX_EPOCH))
-        .execute(tx.connection())
+        .fetch_one(tx.connection())
         .await;
     if done.is_err() {
         tx.statement_failed();
     }
-    Ok(done?.rows_affected() > 0)
+    let moved: i64 = done?.try_get(0)?;
+    Ok(moved > 0)
 }
 
 /// The statement promoting up to `limit` due rows of `schema` into its `outbox` table, in
@@ -189,11 +196,13 @@ pub(crate) async fn reschedule(
 /// UPDATE SKIP LOCKED`: another relay's, or a cancel's, are skipped) and moved, so that a
 /// promoted row's seq is drawn under its key's lock and "per key, seq order = commit order"
 /// holds. A candidate whose key changed (replaced) or whose due time moved meanwhile is
-/// left for the next round.
+/// left for the next round, and so is every later candidate of its ordering key: a row held
+/// by a producer (a cancel, a reschedule, a replacement or a `KeepExisting` enqueue in an
+/// open transaction) is skipped, and the key's later messages must not overtake it.
 pub(crate) fn promote_sql(schema: &Identifier, limit: usize) -> String {
     format!(
         "WITH cand AS MATERIALIZED (\
-           SELECT c.sched_seq, c.topic, c.ordering_key FROM {schema}.outbox_scheduled AS c \
+           SELECT c.sched_seq, c.topic, c.ordering_key, c.due_at FROM {schema}.outbox_scheduled AS c \
            WHERE c.due_at <= pg_catalog.now() ORDER BY c.due_at, c.sched_seq LIMIT {limit}), \
          locks AS MATERIALIZED (\
            SELECT pg_catalog.count(pg_catalog.pg_advisory_xact_lock({class}, \
@@ -207,29 +216,73 @@ pub(crate) fn promote_sql(schema: &Identifier, limit: usize) -> String {
              AND o.ordering_key IS NOT DISTINCT FROM cand.ordering_key \
            FOR UPDATE OF o SKIP LOCKED), \
          moved AS (\
-           DELETE FROM {schema}.outbox_scheduled AS o USING due WHERE o.sched_seq = due.sched_seq \
+           DELETE FROM {schema}.outbox_scheduled AS o USING ({in_order}) AS ok \
+           WHERE o.sched_seq = ok.sched_seq \
            RETURNING o.*) \
          INSERT INTO {schema}.outbox (message_id, topic, ordering_key, payload, content_type, headers, created_at) \
          SELECT message_id, topic, ordering_key, payload, content_type, headers, \
            GREATEST(created_at, due_at) \
          FROM moved ORDER BY due_at, sched_seq",
         class = ENQUEUE_LOCK_CLASS,
+        in_order = IN_KEY_ORDER,
     )
 }
 
+/// The locked candidates (`due`) that no earlier candidate of their (topic, ordering key)
+/// left behind (`cand` minus `due`: skipped, locked by another transaction, or changed):
+/// a key's scheduled messages are promoted in its due order or not at all this round.
+const IN_KEY_ORDER: &str = "SELECT d.sched_seq FROM due AS d JOIN cand AS c ON c.sched_seq = d.sched_seq \
+    WHERE c.ordering_key IS NULL OR NOT EXISTS (\
+      SELECT 1 FROM cand AS h WHERE h.topic = c.topic AND h.ordering_key = c.ordering_key \
+        AND (h.due_at, h.sched_seq) < (c.due_at, c.sched_seq) \
+        AND NOT EXISTS (SELECT 1 FROM due AS x WHERE x.sched_seq = h.sched_seq))";
+
 /// The statement taking up to `limit` due rows of `schema` off `outbox_scheduled` (locked,
-/// skipping rows another transaction holds), returning them for the WAL relay to emit in
+/// skipping rows another transaction holds, and the later rows of their ordering keys),
+/// returning them for the WAL relay to emit in
 /// the same transaction.
 pub(crate) fn take_due_sql(schema: &Identifier, limit: usize) -> String {
     format!(
-        "WITH due AS MATERIALIZED (\
-           SELECT sched_seq FROM {schema}.outbox_scheduled WHERE due_at <= pg_catalog.now() \
-           ORDER BY due_at, sched_seq LIMIT {limit} FOR UPDATE SKIP LOCKED) \
-         DELETE FROM {schema}.outbox_scheduled AS o USING due WHERE o.sched_seq = due.sched_seq \
+        "WITH cand AS MATERIALIZED (\
+           SELECT c.sched_seq, c.topic, c.ordering_key, c.due_at FROM {schema}.outbox_scheduled AS c \
+           WHERE c.due_at <= pg_catalog.now() ORDER BY c.due_at, c.sched_seq LIMIT {limit}), \
+         due AS MATERIALIZED (\
+           SELECT o.sched_seq FROM {schema}.outbox_scheduled AS o JOIN cand ON cand.sched_seq = o.sched_seq \
+           WHERE o.due_at <= pg_catalog.now() AND o.topic = cand.topic \
+             AND o.ordering_key IS NOT DISTINCT FROM cand.ordering_key \
+           FOR UPDATE OF o SKIP LOCKED) \
+         DELETE FROM {schema}.outbox_scheduled AS o USING ({in_order}) AS ok \
+         WHERE o.sched_seq = ok.sched_seq \
          RETURNING o.message_id, o.topic, o.ordering_key, o.payload, o.content_type, o.headers, \
-           o.due_at, o.sched_seq"
+           o.due_at, o.sched_seq",
+        in_order = IN_KEY_ORDER,
     )
 }
+
+/// How long after a promotion that moved `moved` (of at most `batch_size`) to look again,
+/// given the seconds until the earliest pending message is due (`next_due`): at once after
+/// a full batch; when the earliest falls due, at most `poll_interval` ahead; and, when one is
+/// due but none was moved (a producer's open transaction holds it, or holds an earlier one
+/// of its key), after [`HELD_BACKOFF`] rather than at once, so that a relay does not spin on
+/// it for as long as that transaction lasts.
+pub(crate) fn next_look(
+    moved: usize,
+    batch_size: usize,
+    next_due: Option<f64>,
+    poll_interval: Duration,
+) -> Duration {
+    if moved >= batch_size {
+        return Duration::ZERO;
+    }
+    match next_due {
+        None => poll_interval,
+        Some(s) if s <= 0.0 && moved == 0 => HELD_BACKOFF.min(poll_interval),
+        Some(s) => Duration::from_secs_f64(s.clamp(0.0, poll_interval.as_secs_f64())),
+    }
+}
+
+/// How long a relay waits before it looks again at a due message it could not move.
+pub(crate) const HELD_BACKOFF: Duration = Duration::from_millis(250);
 
 /// Seconds until the earliest scheduled message of `schema` is due (0 or less: due now),
 /// NULL when none is pending: one probe of the due-time index.

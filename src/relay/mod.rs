@@ -581,9 +581,14 @@ impl<P: Publisher> Relay<P> {
                     // Asleep: producers that commit from now on notify. Sleep until one
                     // does, or the poll interval passes (backoffs expire without a notice).
                     Ok(true) => {
+                        // Scheduled while this relay was awake: no notice came.
+                        if let Err(e) = self.refresh_next_promotion().await {
+                            tracing::warn!(error = %e, "pgbox relay cannot read the next due time");
+                        }
                         if !self.run_rounds(&shutdown).await {
                             return Ok(());
                         }
+                        let wait = tokio::time::sleep(self.sleep_for());
                         tokio::select! {
                             _ = shutdown.cancelled() => return Ok(()),
                             _ = wait => {}
@@ -637,6 +642,27 @@ impl<P: Publisher> Relay<P> {
             .clamp(Duration::from_millis(1), self.poll_interval)
     }
 
+    /// Brings the next look for due scheduled messages forward to the earliest due time, if
+    /// that is sooner: run once the asleep lock is held, it sees what producers scheduled
+    /// while the relay was awake (they sent no notice). One probe of the due-time index.
+    async fn refresh_next_promotion(&self) -> Result<()> {
+        let seconds = crate::outbox::scheduled::next_due(
+            &self.pool,
+            &self.sql.scheduled_next_due,
+            self.persistent,
+        )
+        .await?;
+        if let Some(s) = seconds {
+            let at = Instant::now()
+                + Duration::from_secs_f64(s.clamp(0.0, self.poll_interval.as_secs_f64()));
+            let mut next = self.next_promotion.lock().expect("next promotion");
+            if at < *next {
+                *next = at;
+            }
+        }
+        Ok(())
+    }
+
     /// Looks for due scheduled messages at the next round.
     fn promote_soon(&self) {
         *self.next_promotion.lock().expect("next promotion") = Instant::now();
@@ -666,10 +692,12 @@ impl<P: Publisher> Relay<P> {
                 self.persistent,
             )
             .await?;
-            let wait = seconds.map_or(self.poll_interval, |s| {
-                Duration::from_secs_f64(s.clamp(0.0, self.poll_interval.as_secs_f64()))
-            });
-            now + wait
+            now + crate::outbox::scheduled::next_look(
+                moved,
+                self.batch_size,
+                seconds,
+                self.poll_interval,
+            )
         };
         *self.next_promotion.lock().expect("next promotion") = next;
         if moved > 0 {

@@ -605,9 +605,12 @@ impl<P: Publisher> WalRelay<P> {
                 true,
             )
             .await?;
-            now + seconds.map_or(self.poll_interval, |s| {
-                Duration::from_secs_f64(s.clamp(0.0, self.poll_interval.as_secs_f64()))
-            })
+            now + crate::outbox::scheduled::next_look(
+                moved,
+                self.batch_size,
+                seconds,
+                self.poll_interval,
+            )
         };
         *self.next_promotion.lock().expect("next promotion") = next;
         if moved > 0 {
