@@ -212,12 +212,20 @@ async fn a_scheduled_message_takes_its_place_in_its_key_at_promotion_and_holds_n
         ["paid", "reminder", "shipped"]
     );
 
-    // A producer of the key in flight when the scheduled one falls due: promotion waits for
-    // its commit (the key's enqueue lock), so seq order stays commit order.
+    // A producer of the key in flight when the scheduled one falls due: promotion leaves the
+    // key for a later round (its enqueue lock is taken) and promotes everything else, so seq
+    // order stays commit order and nothing else waits for that producer.
     schedule(
         pool,
         Message::bytes("orders", "second reminder")
             .ordering_key("order-1")
+            .deliver_at(OffsetDateTime::now_utc() - time::Duration::hours(1)),
+    )
+    .await;
+    schedule(
+        pool,
+        Message::bytes("orders", "unrelated")
+            .ordering_key("order-2")
             .deliver_at(OffsetDateTime::now_utc() - time::Duration::hours(1)),
     )
     .await;
@@ -229,17 +237,32 @@ async fn a_scheduled_message_takes_its_place_in_its_key_at_promotion_and_holds_n
         )
         .await
         .unwrap();
-    let promoting = tokio::spawn({
-        let pool = pool.clone();
-        async move { relay(&pool).drain().await }
-    });
-    support::wait_for_lock_waiter(pool).await;
+    tokio::time::timeout(Duration::from_secs(10), relay(pool).drain())
+        .await
+        .expect("a producer in flight does not hold the relay")
+        .unwrap();
+    assert_eq!(
+        queued(pool, "orders").await,
+        ["paid", "reminder", "shipped", "unrelated"],
+        "the other key's message went; the held key's waits"
+    );
+    assert_eq!(
+        pending(pool).await,
+        1,
+        "the held key's message is still scheduled"
+    );
     producer.commit().await.unwrap();
-    promoting.await.unwrap().unwrap();
     relay(pool).drain().await.unwrap();
     assert_eq!(
         queued(pool, "orders").await,
-        ["paid", "reminder", "shipped", "refunded", "second reminder"]
+        [
+            "paid",
+            "reminder",
+            "shipped",
+            "unrelated",
+            "refunded",
+            "second reminder"
+        ]
     );
     // Among scheduled messages of one key: due time, then scheduling order.
     let now = OffsetDateTime::now_utc() - time::Duration::minutes(5);
@@ -457,18 +480,18 @@ async fn a_relay_whose_connection_drops_in_promotion_moves_nothing_and_the_next_
             .deliver_at(OffsetDateTime::UNIX_EPOCH),
     )
     .await;
-    // Hold the key's enqueue lock: the promotion statement stops inside, waiting for it.
+    // Hold the outbox table against writes: the promotion statement, which inserts into it,
+    // stops inside, waiting for the lock.
     let mut holder = pool.begin().await.unwrap();
-    sqlx::query("SELECT pg_advisory_xact_lock(1885499256, hashtext('crash' || chr(31) || 'k'))")
+    sqlx::query("LOCK TABLE pgbox.outbox IN SHARE MODE")
         .execute(&mut *holder)
         .await
         .unwrap();
-    let victim = support::wait_for_lock_waiter;
     let promoting = tokio::spawn({
         let pool = pool.clone();
         async move { relay(&pool).relay_once().await }
     });
-    victim(pool).await;
+    support::wait_for_lock_waiter(pool).await;
     // Drop the promoting relay's connection mid-statement.
     let killed: i64 = scalar(
         pool,

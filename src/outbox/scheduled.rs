@@ -205,15 +205,19 @@ pub(crate) fn promote_sql(schema: &Identifier, limit: usize) -> String {
            SELECT c.sched_seq, c.topic, c.ordering_key, c.due_at FROM {schema}.outbox_scheduled AS c \
            WHERE c.due_at <= pg_catalog.now() ORDER BY c.due_at, c.sched_seq LIMIT {limit}), \
          locks AS MATERIALIZED (\
-           SELECT pg_catalog.count(pg_catalog.pg_advisory_xact_lock({class}, \
-             pg_catalog.hashtext(k.topic || pg_catalog.chr(31) || k.ordering_key))) AS n \
+           SELECT k.topic, k.ordering_key \
            FROM (SELECT DISTINCT topic, ordering_key FROM cand WHERE ordering_key IS NOT NULL \
-                 ORDER BY topic, ordering_key) AS k), \
+                 ORDER BY topic, ordering_key) AS k \
+           WHERE pg_catalog.pg_try_advisory_xact_lock({class}, \
+             pg_catalog.hashtext(k.topic || pg_catalog.chr(31) || k.ordering_key))), \
+         locked AS MATERIALIZED (SELECT pg_catalog.count(*) AS n FROM locks), \
          due AS MATERIALIZED (\
            SELECT o.sched_seq FROM {schema}.outbox_scheduled AS o \
-           CROSS JOIN locks JOIN cand ON cand.sched_seq = o.sched_seq \
+           CROSS JOIN locked JOIN cand ON cand.sched_seq = o.sched_seq \
            WHERE o.due_at <= pg_catalog.now() AND o.topic = cand.topic \
              AND o.ordering_key IS NOT DISTINCT FROM cand.ordering_key \
+             AND (cand.ordering_key IS NULL OR EXISTS (SELECT 1 FROM locks AS l \
+               WHERE l.topic = cand.topic AND l.ordering_key = cand.ordering_key)) \
            FOR UPDATE OF o SKIP LOCKED), \
          moved AS (\
            DELETE FROM {schema}.outbox_scheduled AS o USING ({in_order}) AS ok \
