@@ -33,6 +33,7 @@ chapters! {
     Outbox => "outbox.md",
     WalOutbox => "wal-outbox.md",
     Scheduled => "scheduled.md",
+    Archive => "archive.md",
     Consumer => "consumer.md",
     Transports => "transports.md",
     #[cfg(feature = "rabbitmq")]
