@@ -183,7 +183,8 @@ impl Replay {
         self
     }
 
-    /// Stops after this many messages selected (the report is then not `complete`).
+    /// Stops after this many messages selected (the report is then not `complete`, unless no
+    /// selected message was left).
     pub fn max_messages(mut self, n: u64) -> Self {
         self.max_messages = Some(n);
         self
@@ -368,6 +369,9 @@ impl Replay {
             }
             if let Some(max) = self.max_messages {
                 if selected >= max {
+                    // Complete if nothing selected is left (max_messages exactly what was
+                    // left is not a stop short of the end).
+                    report.complete = !self.any_left(after, end).await?;
                     break;
                 }
                 limit = limit.min(max - selected);
@@ -407,6 +411,20 @@ impl Replay {
             "pgbox replay"
         );
         Ok(report)
+    }
+
+    /// Whether any selected message is left after `after` (up to `end`).
+    async fn any_left(&self, after: i64, end: i64) -> Result<bool> {
+        let s = self.archive.schema_identifier().quoted();
+        let sql = format!(
+            "SELECT EXISTS (SELECT 1 FROM {s}.outbox_archive AS a WHERE {})",
+            self.filter()
+        );
+        Ok(self
+            .bind(sqlx::query(AssertSqlSafe(sql)), after, end)
+            .fetch_one(self.archive.pool())
+            .await?
+            .try_get(0)?)
     }
 
     /// One chunk into the outbox table, in one statement: selected, locked per key as an
