@@ -22,7 +22,7 @@ CREATE TABLE outbox_archive_settings (
     -- possible row is older.
     retention     interval    NOT NULL CHECK (retention >= interval '1 second'),
     -- Partitions kept created ahead of the current one.
-    ahead         integer     NOT NULL CHECK (ahead BETWEEN 1 AND 1000),
+    ahead         integer     NOT NULL CHECK (ahead BETWEEN 1 AND 100),
     configured_at timestamptz NOT NULL DEFAULT now()
 );
 
@@ -180,26 +180,41 @@ REVOKE ALL ON FUNCTION outbox_archive_create_ahead() FROM PUBLIC;
 
 -- For the relay's role: records the archive's settings (the relay built with `archive(..)`
 -- calls it at start) and creates partitions ahead. The table's CHECKs validate them.
-CREATE FUNCTION outbox_archive_configure(p_every interval, p_retention interval, p_ahead integer)
+CREATE FUNCTION outbox_archive_configure(p_every interval, p_retention interval, p_ahead integer,
+                                         p_lengthen_only boolean DEFAULT false)
 RETURNS SETOF text
 LANGUAGE plpgsql
 SECURITY DEFINER
 SET search_path FROM CURRENT
 AS $fn$
 BEGIN
-    INSERT INTO outbox_archive_settings (every, retention, ahead)
-    VALUES (p_every, p_retention, p_ahead)
-    ON CONFLICT (singleton) DO UPDATE
-        SET every = EXCLUDED.every, retention = EXCLUDED.retention, ahead = EXCLUDED.ahead,
-            configured_at = pg_catalog.now()
-        WHERE (outbox_archive_settings.every, outbox_archive_settings.retention,
-               outbox_archive_settings.ahead) IS DISTINCT FROM
-              (EXCLUDED.every, EXCLUDED.retention, EXCLUDED.ahead);
+    IF p_lengthen_only THEN
+        -- A relay starting: its settings apply only where nothing is recorded, and its
+        -- retention and margin may only lengthen what is (another relay, or an operator's
+        -- explicit configure, may keep messages longer; a relay never shortens that).
+        INSERT INTO outbox_archive_settings (every, retention, ahead)
+        VALUES (p_every, p_retention, p_ahead)
+        ON CONFLICT (singleton) DO UPDATE
+            SET retention = GREATEST(outbox_archive_settings.retention, EXCLUDED.retention),
+                ahead = GREATEST(outbox_archive_settings.ahead, EXCLUDED.ahead),
+                configured_at = pg_catalog.now()
+            WHERE outbox_archive_settings.retention < EXCLUDED.retention
+               OR outbox_archive_settings.ahead < EXCLUDED.ahead;
+    ELSE
+        INSERT INTO outbox_archive_settings (every, retention, ahead)
+        VALUES (p_every, p_retention, p_ahead)
+        ON CONFLICT (singleton) DO UPDATE
+            SET every = EXCLUDED.every, retention = EXCLUDED.retention, ahead = EXCLUDED.ahead,
+                configured_at = pg_catalog.now()
+            WHERE (outbox_archive_settings.every, outbox_archive_settings.retention,
+                   outbox_archive_settings.ahead) IS DISTINCT FROM
+                  (EXCLUDED.every, EXCLUDED.retention, EXCLUDED.ahead);
+    END IF;
     RETURN QUERY SELECT * FROM outbox_archive_partitions_create(pg_catalog.now());
 END
 $fn$;
 
-REVOKE ALL ON FUNCTION outbox_archive_configure(interval, interval, integer) FROM PUBLIC;
+REVOKE ALL ON FUNCTION outbox_archive_configure(interval, interval, integer, boolean) FROM PUBLIC;
 
 -- For the janitor's role: drops the partitions whose every row is older than the configured
 -- retention (upper bound at or before now() - retention), oldest first; never the current

@@ -83,7 +83,7 @@ impl ArchiveRetention {
         self
     }
 
-    /// Partitions kept created after the current one (1 to 1000): the margin for when no
+    /// Partitions kept created after the current one (1 to 100): the margin for when no
     /// janitor runs. Past it, messages go to the default partition (never refused), which
     /// the next partition creation empties.
     pub fn ahead(mut self, partitions: u32) -> Self {
@@ -124,9 +124,9 @@ impl ArchiveRetention {
                 self.retention
             )));
         }
-        if !(1..=1000).contains(&self.ahead) {
+        if !(1..=100).contains(&self.ahead) {
             return Err(Error::InvalidConfig(format!(
-                "archive partitions ahead must be 1 to 1000, not {}",
+                "archive partitions ahead must be 1 to 100, not {}",
                 self.ahead
             )));
         }
@@ -136,16 +136,26 @@ impl ArchiveRetention {
     /// Records these settings and creates partitions ahead (through the `SECURITY DEFINER`
     /// `outbox_archive_configure`, so an application role may). Returns the partitions
     /// created.
-    pub(crate) async fn apply(&self, pool: &PgPool, schema: &Identifier) -> Result<Vec<String>> {
+    ///
+    /// `lengthen_only` (a relay starting): where settings are recorded, only a longer
+    /// retention or margin is taken, so a relay never shortens what another relay or an
+    /// explicit [`Archive::configure`] set.
+    pub(crate) async fn apply(
+        &self,
+        pool: &PgPool,
+        schema: &Identifier,
+        lengthen_only: bool,
+    ) -> Result<Vec<String>> {
         let sql = format!(
             "SELECT * FROM {}.outbox_archive_configure(\
-               $1 * interval '1 microsecond', $2 * interval '1 microsecond', $3)",
+               $1 * interval '1 microsecond', $2 * interval '1 microsecond', $3, $4)",
             schema.quoted()
         );
         Ok(sqlx::query_scalar(AssertSqlSafe(sql))
             .bind(micros(self.every))
             .bind(micros(self.retention))
             .bind(self.ahead as i32)
+            .bind(lengthen_only)
             .fetch_all(pool)
             .await?)
     }
@@ -184,8 +194,23 @@ pub(crate) fn settle_sql(s: &Identifier, queue_schema: Option<&Identifier>) -> S
     )
 }
 
+/// Advisory-lock class of the archive's order lock, keyed by `hashtext(schema)`.
+const ARCHIVE_ORDER_CLASS: i32 = 0x7062_6f61; // "pboa"
+
+/// Taken (transaction level) before a transaction draws archive `seq`s, and held until it
+/// commits: archiving transactions then commit in `seq` order, so a replay that read up to
+/// some `seq` has seen every row below it (a row drawn earlier but committed later would be
+/// skipped by a replay resumed past it). Costs the relays' archiving rounds their concurrency
+/// between the archive insert and the commit.
+pub(crate) fn order_lock_sql(schema: &Identifier) -> String {
+    format!(
+        "SELECT pg_catalog.pg_advisory_xact_lock({ARCHIVE_ORDER_CLASS}, pg_catalog.hashtext('{name}'))",
+        name = schema.as_str()
+    )
+}
+
 /// Archives messages the WAL relay's transport confirmed, in the given order, in one
-/// transaction (one statement).
+/// transaction (under the archive's order lock).
 pub(crate) async fn archive_envelopes(
     pool: &PgPool,
     schema: &Identifier,
@@ -221,6 +246,10 @@ pub(crate) async fn archive_envelopes(
          ORDER BY m.n",
         s = schema.quoted()
     );
+    let mut tx = crate::pooler::begin(pool, None).await?;
+    sqlx::query(AssertSqlSafe(order_lock_sql(schema)))
+        .execute(&mut *tx)
+        .await?;
     sqlx::query(AssertSqlSafe(sql))
         .bind(ids)
         .bind(topics)
@@ -229,8 +258,9 @@ pub(crate) async fn archive_envelopes(
         .bind(types)
         .bind(headers)
         .bind(created)
-        .execute(pool)
+        .execute(&mut *tx)
         .await?;
+    tx.commit().await?;
     Ok(())
 }
 
@@ -321,7 +351,7 @@ impl Archive {
     /// the partitions created. A relay built with `archive(..)` does this at start.
     pub async fn configure(&self, retention: ArchiveRetention) -> Result<Vec<String>> {
         retention.validate()?;
-        retention.apply(&self.pool, &self.schema).await
+        retention.apply(&self.pool, &self.schema, false).await
     }
 
     /// The recorded settings, if any.

@@ -959,6 +959,14 @@ impl<P: Publisher> Relay<P> {
                 }
             }
             if !done.is_empty() {
+                if self.archive.is_some() {
+                    // Archive seqs are drawn below: commit them in seq order (see
+                    // `archive::order_lock_sql`).
+                    sqlx::query(AssertSqlSafe(crate::archive::order_lock_sql(&self.schema)))
+                        .persistent(self.persistent)
+                        .execute(&mut *tx)
+                        .await?;
+                }
                 let settle = local.unwrap_or(&self.sql.done);
                 let settled = sqlx::query(AssertSqlSafe(settle.to_owned()))
                     .persistent(self.persistent)
@@ -1035,7 +1043,7 @@ impl<P: Publisher> Relay<P> {
         if self.archive_ready.load(Relaxed) {
             return;
         }
-        match retention.apply(&self.pool, &self.schema).await {
+        match retention.apply(&self.pool, &self.schema, true).await {
             Ok(created) => {
                 self.archive_ready.store(true, Relaxed);
                 tracing::info!(
