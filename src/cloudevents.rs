@@ -31,7 +31,7 @@
 //!
 //! # From an event to an [`Envelope`]
 //!
-//! - the id is the event's `id` when that is a UUID; else a UUIDv5 of `source` and `id`
+//! - the id is the event's `id` when that is a UUID (hyphenated); else a UUIDv5 of `source` and `id`
 //!   (which CloudEvents makes unique together), so a redelivery has the same id;
 //! - the ordering key is `partitionkey`; the content type `datacontenttype`
 //!   (`application/json` for structured events with JSON `data`); `created_at` is `time`
@@ -239,27 +239,34 @@ impl CloudEvents {
             "datacontenttype".to_owned(),
             Value::String(envelope.content_type.clone()),
         );
-        match is_json(&envelope.content_type)
-            .then(|| serde_json::from_slice::<Value>(&envelope.payload).ok())
-            .flatten()
-        {
-            Some(data) => {
-                doc.insert("data".to_owned(), data);
-            }
-            None if envelope.payload.is_empty() => {}
-            None => {
-                doc.insert(
-                    "data_base64".to_owned(),
-                    Value::String(base64_encode(&envelope.payload)),
-                );
-            }
+        // JSON data goes in as the producer wrote it: through `serde_json::Value` an integer
+        // past 64 bits would become an f64 (another number on the wire).
+        let json_data = is_json(&envelope.content_type)
+            && std::str::from_utf8(&envelope.payload).is_ok()
+            && serde_json::from_slice::<serde::de::IgnoredAny>(&envelope.payload).is_ok();
+        if !json_data && !envelope.payload.is_empty() {
+            doc.insert(
+                "data_base64".to_owned(),
+                Value::String(base64_encode(&envelope.payload)),
+            );
         }
-        serde_json::to_vec(&Value::Object(doc)).map_err(Error::SerializePayload)
+        let mut out = serde_json::to_vec(&Value::Object(doc)).map_err(Error::SerializePayload)?;
+        if json_data {
+            // `doc` is a non-empty object: its text ends with '}'.
+            out.pop();
+            out.extend_from_slice(b",\"data\":");
+            out.extend_from_slice(&envelope.payload);
+            out.push(b'}');
+        }
+        Ok(out)
     }
 
     /// The HTTP binding of `envelope` in binary mode, for webhooks: the headers to send
     /// (`ce-<attribute>` for every attribute, `content-type` for `datacontenttype`, then the
-    /// headers that are not attributes, under their own names) and the body.
+    /// headers that are not attributes, under their own names) and the body. Attribute
+    /// values are percent-encoded as the binding asks; a header that is not an attribute and
+    /// that HTTP cannot carry (a name that is not a token, such as `größe`) is refused
+    /// ([`Error::InvalidField`]).
     ///
     /// ```
     /// # fn main() -> pgbox::Result<()> {
@@ -287,6 +294,16 @@ impl CloudEvents {
             .map(|(n, v)| (format!("ce-{n}"), percent_encode_header(&v)))
             .collect();
         headers.push(("content-type".into(), envelope.content_type.clone()));
+        // The headers that stay headers: only names HTTP can carry (a token), values without
+        // controls (the outbox accepts `größe` as a name; no HTTP client sends it).
+        for (name, value) in &a.transport {
+            let token = name
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
+            if !token || value.chars().any(char::is_control) {
+                return Err(invalid("a header that HTTP cannot carry"));
+            }
+        }
         headers.extend(a.transport);
         Ok(HttpEvent {
             headers,
@@ -404,17 +421,23 @@ pub(crate) fn decode_structured(
     payload: &[u8],
     others: BTreeMap<String, String>,
 ) -> Result<Envelope> {
-    let doc: Value =
-        serde_json::from_slice(payload).map_err(|_| invalid("the event is not valid JSON"))?;
-    let Value::Object(doc) = doc else {
-        return Err(invalid("the event is not a JSON object"));
-    };
+    // Members as raw text: `data` reaches the handler as the producer wrote it (through
+    // `serde_json::Value` an integer past 64 bits would become another number).
+    let doc: BTreeMap<String, Box<serde_json::value::RawValue>> = serde_json::from_slice(payload)
+        .map_err(|_| {
+        match serde_json::from_slice::<serde::de::IgnoredAny>(payload) {
+            Ok(_) => invalid("the event is not a JSON object"),
+            Err(_) => invalid("the event is not valid JSON"),
+        }
+    })?;
     let mut attrs = BTreeMap::new();
     let mut data = None;
     let mut data_base64 = None;
-    for (name, value) in doc {
+    for (name, raw) in doc {
+        let value: Value =
+            serde_json::from_str(raw.get()).map_err(|_| invalid("the event is not valid JSON"))?;
         match name.as_str() {
-            "data" => data = Some(value),
+            "data" => data = Some((value, raw)),
             "data_base64" => data_base64 = Some(value),
             _ => {
                 let text = match value {
@@ -434,17 +457,18 @@ pub(crate) fn decode_structured(
             base64_decode(&b).ok_or(invalid("data_base64 is not base64"))?
         }
         (None, Some(_)) => return Err(invalid("data_base64 is not a string")),
-        (Some(Value::String(s)), None)
-            if !attrs.get("datacontenttype").is_some_and(|ct| is_json(ct)) =>
+        (Some((Value::String(s), _)), None)
+            if attrs.get("datacontenttype").is_some_and(|ct| !is_json(ct)) =>
         {
-            // Text data of a non-JSON content type travels as a JSON string.
+            // Text data of a non-JSON content type travels as a JSON string (without a
+            // content type the data is JSON: the JSON format, 3.1).
             s.into_bytes()
         }
-        (Some(v), None) => {
+        (Some((_, raw)), None) => {
             attrs
                 .entry("datacontenttype".to_owned())
                 .or_insert_with(|| "application/json".to_owned());
-            serde_json::to_vec(&v).map_err(Error::SerializePayload)?
+            raw.get().as_bytes().to_vec()
         }
         (None, None) => Vec::new(),
     };
@@ -474,6 +498,11 @@ fn finish(
         .get("source")
         .filter(|s| !s.is_empty())
         .ok_or(invalid("no source"))?;
+    // CloudEvents forbids control characters in String attributes; in `source` or `id` they
+    // would also let two pairs meet in one UUIDv5 name (`source NUL id`).
+    if [source, id].iter().any(|s| s.chars().any(char::is_control)) {
+        return Err(invalid("source or id holds a control character"));
+    }
     if attrs.get("type").is_none_or(String::is_empty) {
         return Err(invalid("no type"));
     }
@@ -498,9 +527,14 @@ fn finish(
     Ok(envelope)
 }
 
-/// The envelope id of an event: its `id` when that is a UUID, else a UUIDv5 of source and id.
+/// The envelope id of an event: its `id` when that is a UUID in the hyphenated form (36
+/// characters), else a UUIDv5 of source and id.
 pub fn event_uuid(source: &str, id: &str) -> Uuid {
-    if let Ok(uuid) = Uuid::parse_str(id) {
+    // The hyphenated form only: `Uuid::parse_str` also takes 32 bare hex digits (an MD5
+    // digest, a common event id), braces and `urn:uuid:`, which would drop the source.
+    if id.len() == 36
+        && let Ok(uuid) = Uuid::parse_str(id)
+    {
         return uuid;
     }
     let mut name = Vec::with_capacity(source.len() + 1 + id.len());
@@ -525,11 +559,11 @@ fn base64_decode(text: &str) -> Option<Vec<u8>> {
 }
 
 /// HTTP header values: printable ASCII stays, the rest is percent-encoded as the HTTP
-/// binding asks (and so is `%`).
+/// binding asks (space, `"` and `%` too: an HTTP stack trims a value's outer spaces).
 fn percent_encode_header(value: &str) -> String {
     let mut out = String::with_capacity(value.len());
     for b in value.bytes() {
-        if (0x20..0x7f).contains(&b) && b != b'%' && b != b'"' {
+        if (0x21..0x7f).contains(&b) && b != b'%' && b != b'"' {
             out.push(b as char);
         } else {
             out.push_str(&format!("%{b:02X}"));

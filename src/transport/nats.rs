@@ -1157,7 +1157,7 @@ fn wire(
                 envelope.id
             )));
         }
-        map.insert(name.as_str(), value.as_str());
+        insert_checked(&mut map, name, value, envelope)?;
     }
     let payload = match ce.content_mode() {
         ContentMode::Structured => {
@@ -1166,13 +1166,38 @@ fn wire(
         }
         _ => {
             for (name, value) in &attributes.attrs {
-                map.insert(format!("{CE_PREFIX}{name}").as_str(), value.as_str());
+                insert_checked(&mut map, &format!("{CE_PREFIX}{name}"), value, envelope)?;
             }
             map.insert(CONTENT_TYPE, envelope.content_type.as_str());
             Bytes::copy_from_slice(&envelope.payload)
         }
     };
     Ok((map, payload))
+}
+
+/// Inserts a header of a CloudEvent, refusing the message when NATS cannot carry it (a name
+/// with non-ASCII, a control or ':'; a value with CR or LF: the outbox accepts both, the
+/// native form carries them inside `Pgbox-Meta`, and async-nats panics on them).
+fn insert_checked(
+    map: &mut HeaderMap,
+    name: &str,
+    value: &str,
+    envelope: &Envelope,
+) -> Result<(), PublishError> {
+    let name: async_nats::header::HeaderName = name.parse().map_err(|_| {
+        PublishError::refused(format!(
+            "message {}: header name {name:?} is not one NATS can carry (non-ASCII, a control or ':')",
+            envelope.id
+        ))
+    })?;
+    let value: async_nats::HeaderValue = value.parse().map_err(|_| {
+        PublishError::refused(format!(
+            "message {}: the value of {name} holds CR or LF, which a NATS header cannot carry",
+            envelope.id
+        ))
+    })?;
+    map.insert(name, value);
+    Ok(())
 }
 
 /// A CloudEvent's envelope, when the message is one (binary: a `ce-specversion` header;

@@ -1305,6 +1305,11 @@ fn decode_cloudevent(
     data: &[u8],
 ) -> Option<Result<Envelope>> {
     let table = properties.headers().clone().unwrap_or_default();
+    // pgbox's native form (its creation-time header, never sent with an event) is native,
+    // whatever headers of a binding's naming the message's producer added.
+    if table.inner().contains_key(CREATED_AT) {
+        return None;
+    }
     let content_type = properties.content_type().as_ref().map(|c| c.to_string());
     let mut attrs = BTreeMap::new();
     let mut others = BTreeMap::new();
@@ -1318,6 +1323,19 @@ fn decode_cloudevent(
             .strip_prefix(AMQP_PREFIX)
             .or_else(|| k.strip_prefix(AMQP_PREFIX_COLON))
         {
+            // The AMQP binding maps the Timestamp type to the protocol's timestamp (seconds
+            // since the epoch in AMQP 0-9-1's field tables): the attribute is its RFC 3339.
+            Some("time") => {
+                let time = match v {
+                    AMQPValue::Timestamp(t) => i64::try_from(*t)
+                        .ok()
+                        .and_then(|t| OffsetDateTime::from_unix_timestamp(t).ok())
+                        .and_then(|t| t.format(&Rfc3339).ok())
+                        .unwrap_or(text),
+                    _ => text,
+                };
+                attrs.insert("time".to_owned(), time)
+            }
             Some(name) => attrs.insert(name.to_owned(), text),
             None => others.insert(k.to_owned(), text),
         };
