@@ -235,11 +235,15 @@ pub(crate) fn promote_sql(schema: &Identifier, limit: usize) -> String {
 /// The locked candidates (`due`) that no earlier candidate of their (topic, ordering key)
 /// left behind (`cand` minus `due`: skipped, locked by another transaction, or changed):
 /// a key's scheduled messages are promoted in its due order or not at all this round.
-const IN_KEY_ORDER: &str = "SELECT d.sched_seq FROM due AS d JOIN cand AS c ON c.sched_seq = d.sched_seq \
-    WHERE c.ordering_key IS NULL OR NOT EXISTS (\
-      SELECT 1 FROM cand AS h WHERE h.topic = c.topic AND h.ordering_key = c.ordering_key \
-        AND (h.due_at, h.sched_seq) < (c.due_at, c.sched_seq) \
-        AND NOT EXISTS (SELECT 1 FROM due AS x WHERE x.sched_seq = h.sched_seq))";
+///
+/// One pass over the candidates in each key's due order (a window), not a correlated search
+/// per row: a keyed candidate goes if it and every earlier candidate of its key were locked.
+const IN_KEY_ORDER: &str = "SELECT x.sched_seq FROM (\
+      SELECT c.sched_seq, c.ordering_key, d.sched_seq IS NOT NULL AS taken, \
+        pg_catalog.bool_and(d.sched_seq IS NOT NULL) OVER (PARTITION BY c.topic, c.ordering_key \
+          ORDER BY c.due_at, c.sched_seq) AS all_taken \
+      FROM cand AS c LEFT JOIN due AS d ON d.sched_seq = c.sched_seq) AS x \
+    WHERE x.taken AND (x.ordering_key IS NULL OR x.all_taken)";
 
 /// The statement taking up to `limit` due rows of `schema` off `outbox_scheduled` (locked,
 /// skipping rows another transaction holds, and the later rows of their ordering keys),
