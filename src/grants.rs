@@ -78,7 +78,10 @@ pub(crate) const FUNCTIONS: &[(&str, i32)] = &[
     ("outbox_archive_partitions()", 17),
     // SECURITY DEFINER: the relays record the archive's retention and create partitions
     // ahead; the janitor creates them ahead and drops expired ones.
-    ("outbox_archive_configure(interval, interval, integer, boolean)", 17),
+    (
+        "outbox_archive_configure(interval, interval, integer, boolean)",
+        17,
+    ),
     ("outbox_archive_create_ahead()", 17),
     ("outbox_archive_drop_expired()", 17),
 ];
