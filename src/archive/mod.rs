@@ -378,29 +378,21 @@ impl Archive {
 
     /// The range partitions, oldest first.
     pub async fn partitions(&self) -> Result<Vec<ArchivePartition>> {
-        let sql = format!(
-            "SELECT p.r_name, p.r_from, p.r_to, c.reltuples::int8 \
-             FROM {s}.outbox_archive_partitions() AS p \
-             JOIN pg_catalog.pg_class AS c ON c.relname = p.r_name \
-               AND c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = $1) \
-             ORDER BY p.r_from",
-            s = self.schema.quoted()
-        );
-        let rows = sqlx::query(AssertSqlSafe(sql))
-            .bind(self.schema.as_str())
-            .fetch_all(&self.pool)
-            .await?;
-        rows.iter()
-            .map(|r| {
-                let rows: i64 = r.try_get(3)?;
-                Ok(ArchivePartition {
-                    name: r.try_get(0)?,
-                    from: r.try_get(1)?,
-                    to: r.try_get(2)?,
-                    rows_estimate: (rows >= 0).then_some(rows),
-                })
+        let partitions = crate::inbox::partitions::range_partitions(
+            &self.pool,
+            &self.schema,
+            "outbox_archive_partitions",
+        )
+        .await?;
+        Ok(partitions
+            .into_iter()
+            .map(|p| ArchivePartition {
+                name: p.name,
+                from: p.from,
+                to: p.to,
+                rows_estimate: p.rows_estimate,
             })
-            .collect()
+            .collect())
     }
 
     /// Settings, partitions, and the span of what is archived.

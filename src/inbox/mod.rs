@@ -15,7 +15,7 @@ mod connection;
 mod key;
 mod lease;
 mod outcome;
-mod partitions;
+pub(crate) mod partitions;
 mod retention;
 mod sequence;
 

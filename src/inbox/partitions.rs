@@ -248,29 +248,16 @@ impl InboxPartitions {
 
     /// The attached partitions, oldest first.
     pub async fn list(&self) -> Result<Vec<InboxPartition>> {
-        let sql = format!(
-            "SELECT p.r_name, p.r_from, p.r_to, c.reltuples::int8 \
-             FROM {s}.inbox_partitions() AS p \
-             JOIN pg_catalog.pg_class AS c ON c.relname = p.r_name \
-               AND c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = $1) \
-             ORDER BY p.r_from",
-            s = self.schema.quoted()
-        );
-        let rows = sqlx::query(AssertSqlSafe(sql))
-            .bind(self.schema.as_str())
-            .fetch_all(&self.pool)
-            .await?;
-        rows.iter()
-            .map(|r| {
-                let rows: i64 = r.try_get(3)?;
-                Ok(InboxPartition {
-                    name: r.try_get(0)?,
-                    from: r.try_get(1)?,
-                    to: r.try_get(2)?,
-                    rows_estimate: (rows >= 0).then_some(rows),
-                })
+        let partitions = range_partitions(&self.pool, &self.schema, "inbox_partitions").await?;
+        Ok(partitions
+            .into_iter()
+            .map(|p| InboxPartition {
+                name: p.name,
+                from: p.from,
+                to: p.to,
+                rows_estimate: p.rows_estimate,
             })
-            .collect()
+            .collect())
     }
 
     /// Creates the partitions missing up to [`InboxPartitioning::ahead`] after the current
@@ -474,6 +461,46 @@ pub(crate) fn layout_error(e: Error) -> Error {
         _ => return e,
     };
     Error::InboxLayout(problem.to_owned())
+}
+
+/// One range partition as `<schema>.<lister>()` lists it, with the planner's row estimate.
+pub(crate) struct RangePartition {
+    pub(crate) name: String,
+    pub(crate) from: OffsetDateTime,
+    pub(crate) to: OffsetDateTime,
+    pub(crate) rows_estimate: Option<i64>,
+}
+
+/// The range partitions a pgbox listing function of `schema` returns (`inbox_partitions`,
+/// `outbox_archive_partitions`: columns `r_name, r_from, r_to`), oldest first.
+pub(crate) async fn range_partitions(
+    pool: &PgPool,
+    schema: &Identifier,
+    lister: &'static str,
+) -> Result<Vec<RangePartition>> {
+    let sql = format!(
+        "SELECT p.r_name, p.r_from, p.r_to, c.reltuples::int8 \
+         FROM {s}.{lister}() AS p \
+         JOIN pg_catalog.pg_class AS c ON c.relname = p.r_name \
+           AND c.relnamespace = (SELECT oid FROM pg_catalog.pg_namespace WHERE nspname = $1) \
+         ORDER BY p.r_from",
+        s = schema.quoted()
+    );
+    let rows = sqlx::query(AssertSqlSafe(sql))
+        .bind(schema.as_str())
+        .fetch_all(pool)
+        .await?;
+    rows.iter()
+        .map(|r| {
+            let rows: i64 = r.try_get(3)?;
+            Ok(RangePartition {
+                name: r.try_get(0)?,
+                from: r.try_get(1)?,
+                to: r.try_get(2)?,
+                rows_estimate: (rows >= 0).then_some(rows),
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
