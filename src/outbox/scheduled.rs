@@ -289,6 +289,24 @@ pub(crate) fn next_look(
     }
 }
 
+/// How long until a relay that just moved `moved` due messages looks again: at once after a
+/// full batch (without asking), else [`next_look`] from one probe of the due-time index
+/// (`next_due_sql`).
+pub(crate) async fn wait_before_next_look(
+    pool: &sqlx::PgPool,
+    next_due_sql: &str,
+    persistent: bool,
+    moved: usize,
+    batch_size: usize,
+    poll_interval: Duration,
+) -> Result<Duration> {
+    if moved >= batch_size {
+        return Ok(Duration::ZERO);
+    }
+    let seconds = next_due(pool, next_due_sql, persistent).await?;
+    Ok(next_look(moved, batch_size, seconds, poll_interval))
+}
+
 /// How long a relay waits before it looks again at a due message it could not move.
 pub(crate) const HELD_BACKOFF: Duration = Duration::from_millis(250);
 

@@ -683,22 +683,16 @@ impl<P: Publisher> Relay<P> {
             self.persistent,
         )
         .await?;
-        let next = if moved >= self.batch_size {
-            now
-        } else {
-            let seconds = crate::outbox::scheduled::next_due(
+        let next = now
+            + crate::outbox::scheduled::wait_before_next_look(
                 &self.pool,
                 &self.sql.scheduled_next_due,
                 self.persistent,
-            )
-            .await?;
-            now + crate::outbox::scheduled::next_look(
                 moved,
                 self.batch_size,
-                seconds,
                 self.poll_interval,
             )
-        };
+            .await?;
         *self.next_promotion.lock().expect("next promotion") = next;
         if moved > 0 {
             tracing::debug!(

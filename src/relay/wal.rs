@@ -596,22 +596,16 @@ impl<P: Publisher> WalRelay<P> {
         let moved =
             crate::outbox::scheduled::promote_into_wal(&self.pool, &self.schema, self.batch_size)
                 .await?;
-        let next = if moved >= self.batch_size {
-            now
-        } else {
-            let seconds = crate::outbox::scheduled::next_due(
+        let next = now
+            + crate::outbox::scheduled::wait_before_next_look(
                 &self.pool,
                 &crate::outbox::scheduled::next_due_sql(&self.schema),
                 true,
-            )
-            .await?;
-            now + crate::outbox::scheduled::next_look(
                 moved,
                 self.batch_size,
-                seconds,
                 self.poll_interval,
             )
-        };
+            .await?;
         *self.next_promotion.lock().expect("next promotion") = next;
         if moved > 0 {
             tracing::debug!(
