@@ -478,7 +478,7 @@ pub(crate) const MIGRATE_HINT: &str = "pgbox's tables are missing or older than 
 
 /// The tables, functions and sequences pgbox's migrations create: a missing one of these
 /// names means an unmigrated or outdated schema, not an application bug.
-const PGBOX_OBJECTS: &[&str] = &[
+pub(crate) const PGBOX_OBJECTS: &[&str] = &[
     crate::migrate::HISTORY_TABLE,
     "enable_partitioned_inbox",
     "inbox",
@@ -493,8 +493,19 @@ const PGBOX_OBJECTS: &[&str] = &[
     "inbox_refuse_new_claims",
     "inbox_refuse_new_claims_install",
     "outbox",
+    "outbox_archive",
+    "outbox_archive_configure",
+    "outbox_archive_create_ahead",
+    "outbox_archive_default",
+    "outbox_archive_drop_expired",
+    "outbox_archive_partition_add",
+    "outbox_archive_partitions",
+    "outbox_archive_partitions_create",
+    "outbox_archive_seq",
+    "outbox_archive_settings",
     "outbox_dead_letters",
     "outbox_notify",
+    "outbox_scheduled",
     "partitioned_inbox",
     "partitioned_inbox_check_isolation",
     "partitioned_inbox_claim",

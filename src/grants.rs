@@ -204,6 +204,22 @@ mod tests {
     }
 
     #[test]
+    fn every_object_the_migrations_create_gets_the_migrate_hint() {
+        // A relay or a consumer meeting a schema an older pgbox migrated must say "run the
+        // migrations", whichever object is missing (V16's scheduled table once did not).
+        for m in embedded::migrations::runner().get_migrations() {
+            for (kind, name) in created(m.sql().unwrap_or_default()) {
+                assert!(
+                    crate::error::PGBOX_OBJECTS.contains(&name.as_str()),
+                    "migration V{} creates {kind} {name}: list it in src/error.rs's \
+                     PGBOX_OBJECTS, so that its absence says to migrate",
+                    m.version()
+                );
+            }
+        }
+    }
+
+    #[test]
     fn roles_are_validated_and_public_is_refused() {
         assert!(role("billing_app").is_ok());
         for bad in ["public", "none", "App", "a;b", "pg_monitor", ""] {

@@ -80,9 +80,16 @@ async fn every_first_call_on_an_unmigrated_database_says_to_migrate() {
 #[tokio::test]
 async fn a_schema_missing_a_newer_migration_says_to_migrate() {
     let db = TestDb::migrated().await;
-    // As if an older pgbox had migrated it: V14's function is not there yet.
+    // As if an older pgbox had migrated it: V14's function is not there yet, nor what the
+    // later migrations create (V16's scheduled messages, V17's archive).
     sqlx::raw_sql(
-        "DROP FUNCTION pgbox.queue_receive; DELETE FROM pgbox.pgbox_migrations WHERE version >= 14",
+        "DROP FUNCTION pgbox.queue_receive; \
+         DROP TABLE pgbox.outbox_scheduled, pgbox.outbox_archive, pgbox.outbox_archive_settings CASCADE; \
+         DROP SEQUENCE IF EXISTS pgbox.outbox_archive_seq; \
+         DROP FUNCTION pgbox.outbox_archive_configure, pgbox.outbox_archive_create_ahead, \
+           pgbox.outbox_archive_drop_expired, pgbox.outbox_archive_partitions_create, \
+           pgbox.outbox_archive_partition_add, pgbox.outbox_archive_partitions; \
+         DELETE FROM pgbox.pgbox_migrations WHERE version >= 14",
     )
     .execute(&db.pool)
     .await
