@@ -151,13 +151,19 @@ impl ArchiveRetention {
                $1 * interval '1 microsecond', $2 * interval '1 microsecond', $3, $4)",
             schema.quoted()
         );
-        Ok(sqlx::query_scalar(AssertSqlSafe(sql))
+        // Rare (a relay's start, an operator's call): an unnamed statement in a transaction of
+        // its own, right behind a pooler in transaction mode too (see `crate::pooler`).
+        let mut tx = crate::pooler::begin(pool, None).await?;
+        let created = sqlx::query_scalar(AssertSqlSafe(sql))
+            .persistent(false)
             .bind(micros(self.every))
             .bind(micros(self.retention))
             .bind(self.ahead as i32)
             .bind(lengthen_only)
-            .fetch_all(pool)
-            .await?)
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(created)
     }
 }
 

@@ -369,10 +369,17 @@ pub(crate) async fn promote_into_table(
     sql: &str,
     persistent: bool,
 ) -> Result<usize> {
-    let done = sqlx::query(AssertSqlSafe(sql.to_owned()))
-        .persistent(persistent)
-        .execute(pool)
-        .await?;
+    let query = sqlx::query(AssertSqlSafe(sql.to_owned())).persistent(persistent);
+    let done = if persistent {
+        query.execute(pool).await?
+    } else {
+        // Behind a pooler in transaction mode: an unnamed statement only inside a
+        // transaction of its own (see `crate::pooler`).
+        let mut tx = crate::pooler::begin(pool, None).await?;
+        let done = query.execute(&mut *tx).await?;
+        tx.commit().await?;
+        done
+    };
     Ok(usize::try_from(done.rows_affected()).unwrap_or(usize::MAX))
 }
 
@@ -382,8 +389,13 @@ pub(crate) async fn next_due(
     sql: &str,
     persistent: bool,
 ) -> Result<Option<f64>> {
-    Ok(sqlx::query_scalar(AssertSqlSafe(sql.to_owned()))
-        .persistent(persistent)
-        .fetch_one(pool)
-        .await?)
+    let query = sqlx::query_scalar(AssertSqlSafe(sql.to_owned())).persistent(persistent);
+    if persistent {
+        return Ok(query.fetch_one(pool).await?);
+    }
+    // Behind a pooler in transaction mode (see `promote_into_table`).
+    let mut tx = crate::pooler::begin(pool, None).await?;
+    let seconds = query.fetch_one(&mut *tx).await?;
+    tx.commit().await?;
+    Ok(seconds)
 }
