@@ -8,7 +8,7 @@ use uuid::Uuid;
 
 use super::Archive;
 use crate::error::{Error, Result};
-use crate::outbox::{ASLEEP_LOCK_CLASS, ENQUEUE_LOCK_CLASS, MAX_TOPIC_BYTES, Message, Outbox};
+use crate::outbox::{ASLEEP_LOCK_CLASS, MAX_TOPIC_BYTES, Message, Outbox, key_locks_sql, wake_sql};
 use crate::{MAX_HEADER_NAME_BYTES, OutboxMode};
 
 /// The header every replayed message carries: the replay's id (a UUID), so a handler can tell
@@ -438,25 +438,24 @@ impl Replay {
                SELECT a.seq, a.message_id, a.topic, a.ordering_key, a.payload, a.content_type, a.headers, \
                       pg_catalog.row_number() OVER (ORDER BY a.seq) AS n \
                FROM {s}.outbox_archive AS a WHERE {filter} ORDER BY a.seq LIMIT $9), \
-             locks AS (\
-               SELECT pg_catalog.count(pg_catalog.pg_advisory_xact_lock({class}, pg_catalog.hashtext(k.topic || pg_catalog.chr(31) || k.ordering_key))) AS n \
-               FROM (SELECT DISTINCT topic, ordering_key FROM picked WHERE ordering_key IS NOT NULL \
-                     ORDER BY topic, ordering_key) AS k), \
+             locks AS ({locks}), \
              ins AS (\
                INSERT INTO {s}.outbox (message_id, topic, ordering_key, payload, content_type, headers) \
                SELECT COALESCE(($11::uuid[])[p.n], p.message_id), p.topic, p.ordering_key, p.payload, p.content_type, \
                       p.headers || pg_catalog.jsonb_build_object('{REPLAY_ID_HEADER}', $10::text) \
                FROM picked AS p CROSS JOIN locks ORDER BY p.seq \
                ON CONFLICT (message_id) DO NOTHING RETURNING 1), \
-             wake AS (\
-               SELECT pg_catalog.pg_notify('{name}.outbox', '') \
-               WHERE EXISTS (SELECT 1 FROM ins) \
-                 AND NOT pg_catalog.pg_try_advisory_xact_lock_shared({asleep}, pg_catalog.hashtext('{name}'))) \
+             wake AS ({wake} AND EXISTS (SELECT 1 FROM ins)) \
              SELECT (SELECT pg_catalog.count(*) FROM picked)::int8, (SELECT pg_catalog.max(seq) FROM picked), \
                     (SELECT pg_catalog.count(*) FROM ins)::int8, (SELECT pg_catalog.count(*) FROM wake)::int8",
             filter = self.filter(),
-            class = ENQUEUE_LOCK_CLASS,
-            asleep = ASLEEP_LOCK_CLASS,
+            locks = key_locks_sql("picked"),
+            wake = wake_sql(
+                self.archive.schema_identifier(),
+                &format!("{name}.outbox"),
+                ASLEEP_LOCK_CLASS,
+                "",
+            ),
         );
         let ids: Option<Vec<Uuid>> = self
             .new_ids

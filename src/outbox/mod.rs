@@ -50,6 +50,31 @@ pub(crate) const ASLEEP_LOCK_CLASS: i32 = 0x7062_6f7a; // "pboz"
 /// otherwise notifies `<schema>.wal`.
 pub(crate) const WAL_ASLEEP_LOCK_CLASS: i32 = 0x7062_6f79; // "pboy"
 
+/// The sub-select that takes the per-key enqueue lock of each distinct (topic, ordering key)
+/// of the rows `rows` names, sorted (two producers of many keys cannot deadlock), in one
+/// aggregate: an INSERT that joins it (`CROSS JOIN`) draws its seqs only after every lock is
+/// held, and holding them to commit makes seq order commit order within a key.
+pub(crate) fn key_locks_sql(rows: &str) -> String {
+    format!(
+        "SELECT pg_catalog.count(pg_catalog.pg_advisory_xact_lock({class}, pg_catalog.hashtext(k.topic || pg_catalog.chr(31) || k.ordering_key))) AS n \
+         FROM (SELECT DISTINCT topic, ordering_key FROM {rows} WHERE ordering_key IS NOT NULL \
+               ORDER BY topic, ordering_key) AS k",
+        class = ENQUEUE_LOCK_CLASS,
+    )
+}
+
+/// The sub-select that notifies `channel` with `payload` only when a relay of `schema` sleeps
+/// (its asleep lock of `class` cannot be shared; see [`ASLEEP_LOCK_CLASS`]). The schema is a
+/// validated identifier (`[a-z0-9_]`) and the channel and payload pgbox's own, so they can
+/// stand as literals.
+pub(crate) fn wake_sql(schema: &Identifier, channel: &str, class: i32, payload: &str) -> String {
+    format!(
+        "SELECT pg_catalog.pg_notify('{channel}', '{payload}') \
+         WHERE NOT pg_catalog.pg_try_advisory_xact_lock_shared({class}, pg_catalog.hashtext('{name}'))",
+        name = schema.as_str(),
+    )
+}
+
 /// Writes messages into the outbox table, inside the caller's transaction.
 ///
 /// ```no_run
@@ -132,22 +157,18 @@ impl Outbox {
             "WITH msgs AS (\
                SELECT * FROM unnest($1::uuid[], $2::text[], $3::text[], $4::bytea[], $5::text[], $6::jsonb[]) \
                  WITH ORDINALITY AS m(message_id, topic, ordering_key, payload, content_type, headers, n)), \
-             locks AS (\
-               SELECT pg_catalog.count(pg_catalog.pg_advisory_xact_lock({class}, pg_catalog.hashtext(k.topic || pg_catalog.chr(31) || k.ordering_key))) AS n \
-               FROM (SELECT DISTINCT topic, ordering_key FROM msgs WHERE ordering_key IS NOT NULL \
-                     ORDER BY topic, ordering_key) AS k) \
+             locks AS ({locks}) \
              INSERT INTO {schema}.outbox (message_id, topic, ordering_key, payload, content_type, headers) \
              SELECT m.message_id, m.topic, m.ordering_key, m.payload, m.content_type, m.headers \
              FROM msgs AS m CROSS JOIN locks ORDER BY m.n",
-            class = ENQUEUE_LOCK_CLASS,
+            locks = key_locks_sql("msgs"),
         );
-        // Notify only when a relay sleeps (see ASLEEP_LOCK_CLASS). The schema is a validated
-        // identifier ([a-z0-9_]), so it can stand as a literal.
-        let wake = format!(
-            "SELECT pg_catalog.pg_notify('{name}.outbox', '') \
-             WHERE NOT pg_catalog.pg_try_advisory_xact_lock_shared({asleep}, pg_catalog.hashtext('{name}'))",
-            name = schema.as_str(),
-            asleep = ASLEEP_LOCK_CLASS,
+        // Notify only when a relay sleeps (see ASLEEP_LOCK_CLASS).
+        let wake = wake_sql(
+            &schema,
+            &format!("{}.outbox", schema.as_str()),
+            ASLEEP_LOCK_CLASS,
+            "",
         );
         let insert = format!("WITH inserted AS ({insert} RETURNING 1) {wake}");
         // One message: a plain INSERT … VALUES, cheaper than the unnest statement.
@@ -310,12 +331,7 @@ impl Outbox {
             OutboxMode::Wal => (wal::channel(self.schema.as_str()), WAL_ASLEEP_LOCK_CLASS),
         };
         // A sleeping relay recomputes when to wake: this message may be due before then.
-        format!(
-            "SELECT pg_catalog.pg_notify('{channel}', '{notice}') \
-             WHERE NOT pg_catalog.pg_try_advisory_xact_lock_shared({class}, pg_catalog.hashtext('{name}'))",
-            name = self.schema.as_str(),
-            notice = scheduled::SCHEDULED_NOTICE,
-        )
+        wake_sql(&self.schema, &channel, class, scheduled::SCHEDULED_NOTICE)
     }
 
     /// Writes a scheduled message into `outbox_scheduled` (both modes: in WAL mode it is
