@@ -300,6 +300,9 @@ struct Statements {
     promote: String,
     /// Seconds until the earliest scheduled message is due.
     scheduled_next_due: String,
+    /// The archive's order lock, taken before an archiving round settles (see
+    /// `archive::order_lock_sql`).
+    archive_order_lock: String,
 }
 
 impl Statements {
@@ -358,6 +361,7 @@ impl Statements {
             ),
             promote: crate::outbox::scheduled::promote_sql(s, batch_size),
             scheduled_next_due: crate::outbox::scheduled::next_due_sql(s),
+            archive_order_lock: crate::archive::order_lock_sql(s),
         }
     }
 }
@@ -956,7 +960,7 @@ impl<P: Publisher> Relay<P> {
                 if self.archive.is_some() {
                     // Archive seqs are drawn below: commit them in seq order (see
                     // `archive::order_lock_sql`).
-                    sqlx::query(AssertSqlSafe(crate::archive::order_lock_sql(&self.schema)))
+                    sqlx::query(AssertSqlSafe(self.sql.archive_order_lock.clone()))
                         .persistent(self.persistent)
                         .execute(&mut *tx)
                         .await?;
