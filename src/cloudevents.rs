@@ -323,6 +323,94 @@ pub struct HttpEvent {
     pub body: Vec<u8>,
 }
 
+impl HttpEvent {
+    /// An event as an HTTP request or response carried it: its headers (names in any case)
+    /// and its body. [`decode`](Self::decode) reads it.
+    pub fn new<N, V>(headers: impl IntoIterator<Item = (N, V)>, body: impl Into<Vec<u8>>) -> Self
+    where
+        N: Into<String>,
+        V: Into<String>,
+    {
+        HttpEvent {
+            headers: headers
+                .into_iter()
+                .map(|(n, v)| (n.into(), v.into()))
+                .collect(),
+            body: body.into(),
+        }
+    }
+
+    /// The message this event is, as the broker subscribers read events (see the
+    /// [module](self)): structured mode when `content-type` is
+    /// `application/cloudevents+json`, else binary mode (`ce-*` headers, percent-decoded,
+    /// `content-type` as `datacontenttype`). `topic` names the envelope's topic (HTTP has no
+    /// topic of its own: the route, say). HTTP's other headers (`host`, `user-agent`,
+    /// `content-length`, ...) are not carried into the envelope.
+    ///
+    /// Refused with [`Error::InvalidField`] (field `cloudevent`): a request that is not an
+    /// event (no `ce-specversion`, not structured), the batched format
+    /// (`application/cloudevents-batch+json`), an attribute header given twice, a value
+    /// that is not UTF-8 once decoded, and every malformed event the brokers' decoding
+    /// refuses.
+    ///
+    /// ```
+    /// # fn main() -> pgbox::Result<()> {
+    /// use pgbox::cloudevents::HttpEvent;
+    /// let request = HttpEvent::new(
+    ///     [
+    ///         ("CE-SpecVersion", "1.0"),
+    ///         ("ce-id", "A234-1234-1234"),
+    ///         ("ce-source", "/mycontext"),
+    ///         ("ce-type", "com.example.order.paid"),
+    ///         ("ce-subject", "order%2042"),
+    ///         ("content-type", "application/json"),
+    ///     ],
+    ///     br#"{"order":42}"#.to_vec(),
+    /// );
+    /// let envelope = request.decode("webhooks")?;
+    /// assert_eq!(envelope.cloudevent_attribute("subject"), Some("order 42"));
+    /// // The same (source, id) always gives the same envelope id: the inbox dedups retries.
+    /// assert_eq!(envelope.id, pgbox::cloudevents::event_uuid("/mycontext", "A234-1234-1234"));
+    /// # Ok(()) }
+    /// ```
+    pub fn decode(&self, topic: &str) -> Result<Envelope> {
+        let mut content_type = None;
+        let mut attrs = BTreeMap::new();
+        for (name, value) in &self.headers {
+            let name = name.trim().to_ascii_lowercase();
+            if name == "content-type" {
+                if content_type.replace(value.trim().to_owned()).is_some() {
+                    return Err(invalid("content-type given twice"));
+                }
+            } else if let Some(attr) = name.strip_prefix("ce-") {
+                let decoded = String::from_utf8(crate::percent::decode(value.trim(), false))
+                    .map_err(|_| invalid("an attribute is not UTF-8 once percent-decoded"))?;
+                if attrs.insert(attr.to_owned(), decoded).is_some() {
+                    return Err(invalid("an attribute header given twice"));
+                }
+            }
+        }
+        let essence = content_type
+            .as_deref()
+            .and_then(|ct| ct.split(';').next())
+            .map(|e| e.trim().to_ascii_lowercase());
+        if essence.as_deref() == Some("application/cloudevents-batch+json") {
+            return Err(invalid(
+                "the batched format is not read (one event per request)",
+            ));
+        }
+        if content_type.as_deref().is_some_and(is_structured) {
+            return decode_structured(topic, &self.body, BTreeMap::new());
+        }
+        if !attrs.contains_key("specversion") {
+            return Err(invalid(
+                "not a CloudEvent (no ce-specversion header, not application/cloudevents+json)",
+            ));
+        }
+        decode_binary(topic, attrs, content_type, BTreeMap::new(), &self.body)
+    }
+}
+
 /// An event's context attributes (without `datacontenttype`) and the headers that are not
 /// attributes.
 #[derive(Debug)]
@@ -377,10 +465,6 @@ fn is_json(content_type: &str) -> bool {
 }
 
 /// Whether a content type says the payload is a structured event in the JSON format.
-#[cfg_attr(
-    not(any(feature = "rabbitmq", feature = "nats", feature = "kafka")),
-    allow(dead_code)
-)]
 pub(crate) fn is_structured(content_type: &str) -> bool {
     content_type
         .split(';')
@@ -393,10 +477,6 @@ pub(crate) fn is_structured(content_type: &str) -> bool {
 /// A message received in binary mode: `attr` gives an attribute's value by name (the binding's
 /// prefix already stripped: `"specversion"`, `"id"`, ...), `names` every attribute present,
 /// `content_type` the protocol's content type, `others` the headers that are not attributes.
-#[cfg_attr(
-    not(any(feature = "rabbitmq", feature = "nats", feature = "kafka")),
-    allow(dead_code)
-)]
 pub(crate) fn decode_binary(
     topic: &str,
     attrs: BTreeMap<String, String>,
@@ -412,10 +492,6 @@ pub(crate) fn decode_binary(
 }
 
 /// A structured event in the JSON format; `others` the protocol's headers.
-#[cfg_attr(
-    not(any(feature = "rabbitmq", feature = "nats", feature = "kafka")),
-    allow(dead_code)
-)]
 pub(crate) fn decode_structured(
     topic: &str,
     payload: &[u8],
@@ -475,10 +551,6 @@ pub(crate) fn decode_structured(
     finish(topic, attrs, others, payload)
 }
 
-#[cfg_attr(
-    not(any(feature = "rabbitmq", feature = "nats", feature = "kafka")),
-    allow(dead_code)
-)]
 fn finish(
     topic: &str,
     attrs: BTreeMap<String, String>,
@@ -549,10 +621,6 @@ fn base64_encode(data: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(data)
 }
 
-#[cfg_attr(
-    not(any(feature = "rabbitmq", feature = "nats", feature = "kafka")),
-    allow(dead_code)
-)]
 fn base64_decode(text: &str) -> Option<Vec<u8>> {
     use base64::Engine as _;
     base64::engine::general_purpose::STANDARD.decode(text).ok()
@@ -689,6 +757,34 @@ mod tests {
                 String::from_utf8_lossy(doc)
             );
         }
+    }
+
+    #[test]
+    fn http_binary_round_trips_through_percent_encoding() {
+        let ce = CloudEvents::new("/s").unwrap();
+        let mut e = envelope();
+        e.ordering_key = Some("Bestellung 42 – größe \"x\" 100%".into());
+        let http = ce.http(&e).unwrap();
+        assert!(
+            http.headers
+                .iter()
+                .all(|(_, v)| v.bytes().all(|b| (0x20..0x7f).contains(&b))),
+            "{:?}",
+            http.headers
+        );
+        let back = http.decode("orders").unwrap();
+        assert_eq!(back.id, e.id);
+        assert_eq!(back.ordering_key, e.ordering_key);
+        assert_eq!(
+            back.cloudevent_attribute("subject"),
+            e.ordering_key.as_deref()
+        );
+        assert_eq!(back.headers["tenant"], "acme");
+        assert_eq!(back.headers[TRACEPARENT], e.headers[TRACEPARENT]);
+        assert_eq!(back.payload, e.payload);
+        assert_eq!(back.content_type, "application/json");
+        // HTTP's own headers do not become the message's.
+        assert!(!back.headers.contains_key("x-Trace"));
     }
 
     #[test]

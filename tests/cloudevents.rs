@@ -396,6 +396,213 @@ fn sdk_event(id: &str) -> Event {
 /// A structured event without a source: malformed.
 const MALFORMED: &[u8] = br#"{"specversion":"1.0","id":"x","type":"t","data":{}}"#;
 
+/// The HTTP binding, for webhooks: pgbox's `CloudEvents::http` decodes with the SDK's own
+/// HTTP binding, what the SDK's HTTP binding writes decodes with `HttpEvent::decode`, and a
+/// webhook retried by its sender is processed once through the inbox.
+mod http_binding {
+    use pgbox::Outcome;
+    use pgbox::cloudevents::{HttpEvent, event_uuid};
+
+    use super::*;
+
+    fn envelope(m: &Message) -> Envelope {
+        let mut e = Envelope::new(m.id(), m.topic(), Vec::new());
+        e.created_at = OffsetDateTime::now_utc();
+        e
+    }
+
+    /// The JSON message of `messages`, as the relay would hand it over.
+    fn json_envelope() -> (Message, Envelope) {
+        let m = messages("payment-succeeded").remove(0);
+        let mut e = envelope(&m);
+        e.payload =
+            serde_json::to_vec(&serde_json::json!({"order": 42, "amount": "12.50"})).unwrap();
+        e.content_type = "application/json".into();
+        e.ordering_key = Some("order-42".into());
+        e.headers.insert("tenant".into(), "acme".into());
+        e.headers.insert("x-Request".into(), "r-1".into());
+        e.headers.insert("traceparent".into(), TRACEPARENT.into());
+        (m, e)
+    }
+
+    fn header_map(headers: &[(String, String)]) -> http::HeaderMap {
+        let mut map = http::HeaderMap::new();
+        for (n, v) in headers {
+            map.append(
+                http::HeaderName::from_bytes(n.as_bytes()).expect("a header name HTTP sends"),
+                http::HeaderValue::from_str(v).expect("a header value HTTP sends"),
+            );
+        }
+        map
+    }
+
+    #[test]
+    fn pgbox_http_events_decode_with_the_sdk() {
+        let (m, e) = json_envelope();
+        for mode in [ContentMode::Binary, ContentMode::Structured] {
+            let ce = CloudEvents::new("/payments").unwrap().mode(mode);
+            let http = ce.http(&e).unwrap();
+            let map = header_map(&http.headers);
+            let event = cloudevents::binding::http::to_event(&map, http.body.clone())
+                .expect("the SDK's HTTP binding decodes it");
+            assert_same(
+                &event,
+                &m,
+                "/payments",
+                "order-42",
+                &http.body,
+                mode == ContentMode::Structured,
+            );
+            if mode == ContentMode::Binary {
+                assert_eq!(map.get("x-Request").unwrap(), "r-1", "a plain header stays");
+            }
+        }
+    }
+
+    #[test]
+    fn sdk_http_events_decode_with_pgbox() {
+        let sent = "2026-11-27T10:15:30.25Z";
+        let event = EventBuilderV10::from(sdk_event("inv-7-paid"))
+            .time(sent)
+            .build()
+            .unwrap();
+        // Binary mode, as the SDK's HTTP binding writes a request.
+        let request = http::Request::<Option<Vec<u8>>>::try_from(event.clone()).unwrap();
+        let headers: Vec<(String, String)> = request
+            .headers()
+            .iter()
+            .map(|(n, v)| (n.as_str().to_owned(), v.to_str().unwrap().to_owned()))
+            .collect();
+        assert!(headers.iter().any(|(n, _)| n == "ce-specversion"));
+        let body = request.into_body().unwrap_or_default();
+        let binary = HttpEvent::new(headers, body).decode("webhooks").unwrap();
+        // Structured mode: the event as the SDK serializes it.
+        let structured = HttpEvent::new(
+            [(
+                "Content-Type",
+                "application/cloudevents+json; charset=utf-8",
+            )],
+            serde_json::to_vec(&event).unwrap(),
+        )
+        .decode("webhooks")
+        .unwrap();
+        for e in [&binary, &structured] {
+            assert_eq!(e.id, event_uuid("urn:billing:java-service", "inv-7-paid"));
+            assert_eq!(e.topic, "webhooks");
+            assert_eq!(e.ordering_key.as_deref(), Some("customer-9"));
+            assert_eq!(e.cloudevent_attribute("subject"), Some("invoice-7"));
+            assert_eq!(
+                e.cloudevent_attribute("type"),
+                Some("com.example.invoice.paid")
+            );
+            assert_eq!(e.headers.get("tenant").map(String::as_str), Some("acme"));
+            assert_eq!(e.content_type, "application/json");
+            let data: serde_json::Value = e.json().unwrap();
+            assert_eq!(data, serde_json::json!({"invoice": 7}));
+            assert_eq!(e.created_at, OffsetDateTime::parse(sent, &Rfc3339).unwrap());
+        }
+    }
+
+    #[test]
+    fn requests_that_are_not_single_events_are_refused() {
+        for (headers, body) in [
+            (vec![("content-type", "application/json")], &b"{}"[..]),
+            (
+                vec![("content-type", "application/cloudevents-batch+json")],
+                b"[]",
+            ),
+            (
+                vec![
+                    ("ce-specversion", "1.0"),
+                    ("ce-id", "1"),
+                    ("ce-source", "/s"),
+                    ("ce-type", "t"),
+                    ("CE-ID", "2"),
+                ],
+                b"",
+            ),
+            (
+                vec![
+                    ("ce-specversion", "1.0"),
+                    ("ce-id", "%FF"),
+                    ("ce-source", "/s"),
+                    ("ce-type", "t"),
+                ],
+                b"",
+            ),
+            (
+                vec![
+                    ("ce-specversion", "1.0"),
+                    ("ce-source", "/s"),
+                    ("ce-type", "t"),
+                ],
+                b"",
+            ),
+        ] {
+            let err = HttpEvent::new(headers.clone(), body.to_vec())
+                .decode("webhooks")
+                .unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    pgbox::Error::InvalidField {
+                        field: "cloudevent",
+                        ..
+                    }
+                ),
+                "{headers:?}: {err}"
+            );
+        }
+    }
+
+    #[tokio::test]
+    async fn a_retried_webhook_is_processed_once() {
+        let db = TestDb::migrated().await;
+        sqlx::query("CREATE TABLE invoices_paid (invoice int PRIMARY KEY)")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let inbox = Inbox::new("billing-webhooks").unwrap();
+        let event = sdk_event("inv-7-paid");
+        let request = http::Request::<Option<Vec<u8>>>::try_from(event).unwrap();
+        let headers: Vec<(String, String)> = request
+            .headers()
+            .iter()
+            .map(|(n, v)| (n.as_str().to_owned(), v.to_str().unwrap().to_owned()))
+            .collect();
+        let body = request.into_body().unwrap_or_default();
+        let mut outcomes = Vec::new();
+        // The sender retries: the same request three times.
+        for _ in 0..3 {
+            let e = HttpEvent::new(headers.clone(), body.clone())
+                .decode("webhooks")
+                .unwrap();
+            let invoice = e.json::<serde_json::Value>().unwrap()["invoice"]
+                .as_i64()
+                .unwrap() as i32;
+            let mut tx = db.pool.begin().await.unwrap();
+            let outcome = inbox
+                .process(&mut tx, e.id, async |conn| {
+                    sqlx::query("INSERT INTO invoices_paid VALUES ($1)")
+                        .bind(invoice)
+                        .execute(&mut **conn)
+                        .await?;
+                    Ok::<_, pgbox::Error>(())
+                })
+                .await
+                .unwrap();
+            tx.commit().await.unwrap();
+            outcomes.push(matches!(outcome, Outcome::Processed(())));
+        }
+        assert_eq!(outcomes, [true, false, false]);
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM invoices_paid")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(n, 1);
+    }
+}
+
 mod rabbitmq {
     use lapin::options::{BasicConsumeOptions, BasicPublishOptions};
     use lapin::types::{AMQPValue, FieldTable, LongString};
