@@ -52,6 +52,8 @@
 //! | [`OUTBOX_BACKLOG`] | gauge | `schema`, `topic` |
 //! | [`OUTBOX_OLDEST_PENDING_AGE`] | gauge | `schema`, `topic` |
 //! | [`OUTBOX_DEAD_LETTERS`] | gauge | `schema`, `topic` |
+//! | [`OUTBOX_SCHEDULED`] | gauge | `schema` |
+//! | [`OUTBOX_SCHEDULED_OVERDUE`] | gauge (seconds) | `schema` |
 //! | [`QUEUE_BACKLOG`] | gauge | `schema`, `topic` |
 //! | [`QUEUE_OLDEST_AGE`] | gauge | `schema`, `topic` |
 //! | [`QUEUE_DEAD_LETTERS`] | gauge | `schema`, `topic` |
@@ -206,6 +208,15 @@ pub const OUTBOX_OLDEST_PENDING_AGE: &str = "pgbox_outbox_oldest_pending_age_sec
 /// Gauge: outbox dead letters, counted up to
 /// [`DEAD_LETTER_COUNT_CAP`](crate::DEAD_LETTER_COUNT_CAP). Labels `schema`, `topic`.
 pub const OUTBOX_DEAD_LETTERS: &str = "pgbox_outbox_dead_letter_messages";
+
+/// Gauge: scheduled messages waiting for their due time or their promotion (all topics),
+/// counted up to 10,000 like [`Status::scheduled`](crate::Status::scheduled). Label `schema`.
+pub const OUTBOX_SCHEDULED: &str = "pgbox_outbox_scheduled_messages";
+
+/// Gauge, seconds: how long past its due time the earliest scheduled message still waits to
+/// be promoted (0 when none is due), database clock. Above a poll interval or two, no relay
+/// is promoting. Label `schema`.
+pub const OUTBOX_SCHEDULED_OVERDUE: &str = "pgbox_outbox_scheduled_overdue_seconds";
 
 /// Gauge: messages in the built-in queue ([`PgQueue`](crate::transport::PgQueue)), estimated
 /// like [`OUTBOX_BACKLOG`]. Labels `schema`, `topic`.
@@ -425,6 +436,18 @@ const METRICS: &[(&str, Kind, Unit, &str)] = &[
         "Outbox dead letters (capped).",
     ),
     (
+        OUTBOX_SCHEDULED,
+        Kind::Gauge,
+        Unit::Count,
+        "Scheduled messages waiting (capped).",
+    ),
+    (
+        OUTBOX_SCHEDULED_OVERDUE,
+        Kind::Gauge,
+        Unit::Seconds,
+        "How long the earliest due scheduled message has waited past its due time.",
+    ),
+    (
         QUEUE_BACKLOG,
         Kind::Gauge,
         Unit::Count,
@@ -494,7 +517,8 @@ static REPORTED: Mutex<BTreeMap<String, Reported>> = Mutex::new(BTreeMap::new())
 /// Refreshes the gauges of `schema` (a pgbox schema, as given to the migrator) from one
 /// [`status`](crate::status()) and one [`inbox_status`](crate::inbox_status) snapshot: per
 /// topic, [`OUTBOX_BACKLOG`], [`OUTBOX_OLDEST_PENDING_AGE`], [`OUTBOX_DEAD_LETTERS`],
-/// [`QUEUE_BACKLOG`], [`QUEUE_OLDEST_AGE`], [`QUEUE_DEAD_LETTERS`]; per consumer,
+/// [`QUEUE_BACKLOG`], [`QUEUE_OLDEST_AGE`], [`QUEUE_DEAD_LETTERS`]; per schema,
+/// [`OUTBOX_SCHEDULED`] and [`OUTBOX_SCHEDULED_OVERDUE`]; per consumer,
 /// [`INBOX_ROWS`] and [`INBOX_LEASES`]. Every gauge is labelled with `schema`, so services
 /// with several pgbox schemas (an outbox in one, an inbox in another) report each.
 ///
@@ -548,6 +572,13 @@ pub async fn refresh_gauges(pool: &PgPool, schema: &str) -> Result<()> {
             metrics::gauge!(name, &labels).set(0.0);
         }
     }
+
+    let schema_label = [("schema", schema.clone())];
+    metrics::gauge!(OUTBOX_SCHEDULED, &schema_label).set(status.scheduled as f64);
+    let overdue = status
+        .next_scheduled_due
+        .map_or(0.0, |due| seconds_between(due, status.taken_at));
+    metrics::gauge!(OUTBOX_SCHEDULED_OVERDUE, &schema_label).set(overdue);
 
     for c in &inboxes {
         set_inbox_gauges(

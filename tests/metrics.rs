@@ -401,6 +401,39 @@ async fn pipeline_counts_every_outcome_exactly_and_gauges_read_the_backlog() {
         m.gauge(telemetry::OUTBOX_BACKLOG, &g("metrics-backlog")),
         3.0
     );
+
+    // Scheduled messages: how many wait, and how late the earliest due one is (no relay
+    // runs here, so a message made due 90 s ago stays overdue).
+    let schema = [("schema", "pgbox")];
+    assert_eq!(m.gauge(telemetry::OUTBOX_SCHEDULED, &schema), 0.0);
+    assert_eq!(m.gauge(telemetry::OUTBOX_SCHEDULED_OVERDUE, &schema), 0.0);
+    for n in 0..3 {
+        let mut tx = db.pool.begin().await.unwrap();
+        Outbox::new()
+            .enqueue(
+                &mut tx,
+                Message::json("metrics-later", &n)
+                    .unwrap()
+                    .deliver_after(Duration::from_secs(3600)),
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    refresh_gauges(&db.pool, "pgbox").await.unwrap();
+    let m = recorded();
+    assert_eq!(m.gauge(telemetry::OUTBOX_SCHEDULED, &schema), 3.0);
+    assert_eq!(m.gauge(telemetry::OUTBOX_SCHEDULED_OVERDUE, &schema), 0.0);
+    db.pool
+        .execute(
+            "UPDATE pgbox.outbox_scheduled SET due_at = now() - interval '90 seconds' \
+             WHERE sched_seq = (SELECT min(sched_seq) FROM pgbox.outbox_scheduled)",
+        )
+        .await
+        .unwrap();
+    refresh_gauges(&db.pool, "pgbox").await.unwrap();
+    let overdue = recorded().gauge(telemetry::OUTBOX_SCHEDULED_OVERDUE, &schema);
+    assert!((90.0..120.0).contains(&overdue), "{overdue}");
 }
 
 // --- the example, scraped -----------------------------------------------------------------------
