@@ -759,7 +759,7 @@ async fn drive_and_check(
 
     let mut ok = check(args, target, &run, &paid, &expected, &counters, &faults).await?;
     if let (Some(features), Some(pool)) = (&target.features, target.pool) {
-        ok &= check_reminders(pool, features, &unpaid, &paid, deadline).await?;
+        ok &= check_reminders(pool, features, &unpaid, &paid, target.queue_backlog, deadline).await?;
         ok &= check_replay(pool, target, features, &expected).await?;
         ok &= check_event_form(pool, features, &paid).await?;
     }
@@ -779,16 +779,15 @@ async fn check_reminders(
     features: &Features,
     unpaid: &[i64],
     paid: &[Paid],
+    queue_backlog: bool,
     deadline: Instant,
 ) -> anyhow::Result<bool> {
     let paid: Vec<i64> = paid.iter().map(|p| p.order_id).collect();
     let after = features.reminder_after.as_secs_f64();
     // Reminders of these orders still scheduled, and messages not yet consumed (on the
     // built-in queue, the reminders' own too).
-    let pending = "SELECT (SELECT count(*) FROM svc_payments_pgbox.outbox_scheduled                           WHERE topic = $1 AND schedule_key = ANY($2)) \
-                 + (SELECT count(*) FROM svc_payments_pgbox.outbox) \
-                 + CASE WHEN to_regclass('broker.queue') IS NULL THEN 0 \
-                        ELSE (SELECT count(*) FROM broker.queue) END";
+    let scheduled = "SELECT count(*) FROM svc_payments_pgbox.outbox_scheduled \
+                     WHERE topic = $1 AND schedule_key = ANY($2)";
     let keys: Vec<String> = unpaid
         .iter()
         .chain(&paid)
@@ -802,11 +801,12 @@ async fn check_reminders(
         .bind(unpaid)
         .fetch_one(pool)
         .await?;
-        let in_flight: i64 = sqlx::query_scalar(pending)
+        let in_flight: i64 = sqlx::query_scalar::<_, i64>(scheduled)
             .bind(&features.reminder_topic)
             .bind(&keys)
             .fetch_one(pool)
-            .await?;
+            .await?
+            + backlog(pool, queue_backlog).await?;
         if reminded as usize >= unpaid.len() && in_flight == 0 {
             break;
         }
