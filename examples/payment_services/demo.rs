@@ -759,7 +759,15 @@ async fn drive_and_check(
 
     let mut ok = check(args, target, &run, &paid, &expected, &counters, &faults).await?;
     if let (Some(features), Some(pool)) = (&target.features, target.pool) {
-        ok &= check_reminders(pool, features, &unpaid, &paid, target.queue_backlog, deadline).await?;
+        ok &= check_reminders(
+            pool,
+            features,
+            &unpaid,
+            &paid,
+            target.queue_backlog,
+            deadline,
+        )
+        .await?;
         ok &= check_replay(pool, target, features, &expected).await?;
         ok &= check_event_form(pool, features, &paid).await?;
     }
