@@ -915,13 +915,22 @@ async fn check_replay(
     let before: (i64, i64) = sqlx::query_as(ledger).fetch_one(pool).await?;
     let duplicates_before = duplicates_seen(target.points).await?;
     let started = Instant::now();
-    let report = pgbox::Archive::new(pool.clone())
+    let replay = pgbox::Archive::new(pool.clone())
         .with_schema(crate::payments::PGBOX_SCHEMA)?
         .replay()
         .topic(&features.topic)
         .ordering_key(format!("user-{user_id}"))
         .run()
-        .await?;
+        .await;
+    let report = match replay {
+        Ok(report) => report,
+        Err(e) => {
+            return Ok(verdict(
+                false,
+                format!("a replay of user {user_id}'s events from the archive: {e}"),
+            ));
+        }
+    };
     // Answered once the points consumer counted as many duplicates and nothing is in flight.
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut duplicates;
