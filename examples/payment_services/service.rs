@@ -53,9 +53,10 @@ pub struct ServiceArgs {
     /// seconds unused (default: never; the demo's per-run topics use an hour).
     #[arg(long, env = "BROKER_EXPIRES_SECS")]
     pub broker_expires_secs: Option<u64>,
-    /// points on kafka: this replica's stable name in its consumer group (static
-    /// membership): restarted under the same name, it takes its partitions back at once
-    /// instead of waiting for a rebalance. One running process per name.
+    /// On kafka: this replica's stable name in its consumer group (static membership; the
+    /// points consumer's, or the payments service's reminders consumer's): restarted under
+    /// the same name, it takes its partitions back at once instead of waiting for a
+    /// rebalance. One running process per name.
     #[arg(long, env = "INSTANCE_ID")]
     pub instance_id: Option<String>,
     /// points: messages processed per transaction (`ConsumerBuilder::batch_size`): first
