@@ -118,7 +118,10 @@ COMMIT;
 
 const INSERT_ORDER: &str = "INSERT INTO svc_payments.orders (user_id, amount) VALUES ($1, $2) \
      RETURNING to_jsonb(orders.*)";
-const MARK_PAID: &str = "UPDATE svc_payments.orders SET payment_id = gen_random_uuid(), paid_at = now() \
+/// `paid_at` is read under the order's row lock (`clock_timestamp()`, not the transaction's
+/// start): a reminder recorded before the payment (under the same lock) is always earlier.
+const MARK_PAID: &str = "UPDATE svc_payments.orders \
+     SET payment_id = gen_random_uuid(), paid_at = clock_timestamp() \
      WHERE id = $1 RETURNING to_jsonb(orders.*)";
 /// The order's status, its row locked against a concurrent payment.
 const LOCK_ORDER: &str = "SELECT status FROM svc_payments.orders WHERE id = $1 FOR UPDATE";
