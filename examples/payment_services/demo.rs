@@ -15,7 +15,9 @@
 //!   reminder fell due (a kill in between), and then it was reminded before it was paid.
 //! - **Archive and replay**: it replays one user's `PaymentSucceeded` events from the payments
 //!   archive (`pgbox::Archive`, the user's ordering key): the points service must answer each
-//!   as a Duplicate (its metrics) and grant no new points.
+//!   as a Duplicate (its metrics) and grant no new points. On NATS the replay takes new ids:
+//!   JetStream would drop a re-published id within its duplicate window before the points
+//!   service saw it; its inbox, keyed by the order, answers Duplicate all the same.
 //! - **CloudEvents**: on a broker, every ledger row must come from a CloudEvent of source
 //!   `/payments`; on the built-in queue from the native envelope.
 //!
@@ -426,6 +428,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<bool> {
                 reminder_topic: reminder_topic.clone(),
                 reminder_after: Duration::from_secs_f64(args.reminder_after_secs),
                 cloudevents: args.transport != TransportKind::Postgres,
+                replay_new_ids: args.transport == TransportKind::Nats,
             }),
         };
         // The timeout counts from here: finding or starting a broker (on a new machine,
@@ -607,6 +610,11 @@ struct Features {
     reminder_after: Duration,
     /// Whether PaymentSucceeded travels as CloudEvents (on a broker).
     cloudevents: bool,
+    /// Whether the replay gives the events new ids: on NATS, whose JetStream drops a
+    /// re-publish of a message id within its duplicate window (2 minutes) before any consumer
+    /// sees it. With new ids the replay reaches the points service, whose inbox, keyed by the
+    /// order, still answers Duplicate.
+    replay_new_ids: bool,
 }
 
 /// The faults the payments service reports as injected (`/stats`), since it first started
@@ -920,6 +928,7 @@ async fn check_replay(
         .replay()
         .topic(&features.topic)
         .ordering_key(format!("user-{user_id}"))
+        .new_ids(features.replay_new_ids)
         .run()
         .await;
     let report = match replay {
@@ -952,9 +961,14 @@ async fn check_replay(
             && after == before,
         format!(
             "a replay of user {user_id}'s events from the archive grants 0 new points \
-             ({} replayed for {} orders, {duplicates} answered Duplicate, ledger {} → {} \
+             ({} replayed{} for {} orders, {duplicates} answered Duplicate, ledger {} → {} \
              points, in {:.1?})",
             report.replayed,
+            if features.replay_new_ids {
+                " with new ids"
+            } else {
+                ""
+            },
             orders.len(),
             before.1,
             after.1,
