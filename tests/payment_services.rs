@@ -1,5 +1,6 @@
 //! The payment/points services (examples/payment_services/), run as processes: the demo
-//! driver end to end, and the payments API's idempotency over HTTP.
+//! driver end to end, the payments API's idempotency over HTTP, its scheduled payment
+//! reminders, the replay of its archive and CloudEvents on a broker.
 
 mod support;
 
@@ -47,6 +48,10 @@ async fn demo_keeps_its_invariants_while_services_are_killed() {
         "[ok] no order rewarded twice",
         "[ok] none unrewarded",
         "[ok] every idempotent retry got the original response",
+        "[ok] each unpaid order reminded exactly once, after its due time (10 unpaid",
+        "[ok] no paid order reminded",
+        "[ok] a replay of user 1's events from the archive grants 0 new points",
+        "[ok] points granted from the native envelope (60 ledger rows)",
         "all invariants hold",
     ] {
         assert!(text.contains(line), "missing {line:?}");
@@ -62,6 +67,179 @@ async fn demo_keeps_its_invariants_while_services_are_killed() {
     .await
     .unwrap();
     assert_eq!((paid, ledger), (60, 60 * 30));
+    assert_features_in_sql(&db.pool, 10).await;
+}
+
+/// What the demo's reminders, archive and replay left in the database, read without the
+/// demo's help: each of the `unpaid` orders reminded once, no paid order reminded after its
+/// payment, nothing left scheduled, and the replayed events went through the relay (archived
+/// again, with their replay id) without a ledger row more.
+async fn assert_features_in_sql(pool: &sqlx::PgPool, unpaid: i64) {
+    let (unpaid_orders, reminded, sent): (i64, i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(r.order_id), coalesce(sum(r.sent), 0)::bigint \
+         FROM svc_payments.orders o LEFT JOIN svc_payments.reminders r ON r.order_id = o.id \
+         WHERE o.status = 'created'",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!((unpaid_orders, reminded, sent), (unpaid, unpaid, unpaid));
+    let (reminded_after_payment, scheduled): (i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM svc_payments.orders o \
+                 JOIN svc_payments.reminders r ON r.order_id = o.id \
+                 WHERE o.status = 'paid' AND r.last_sent_at > o.paid_at), \
+                (SELECT count(*) FROM svc_payments_pgbox.outbox_scheduled)",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert_eq!((reminded_after_payment, scheduled), (0, 0));
+    let (replayed, ledger_rows, paid): (i64, i64, i64) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM svc_payments_pgbox.outbox_archive \
+                 WHERE headers ? 'pgbox-replay-id'), \
+                (SELECT count(*) FROM svc_points.ledger), \
+                (SELECT count(*) FROM svc_payments.orders WHERE status = 'paid')",
+    )
+    .fetch_one(pool)
+    .await
+    .unwrap();
+    assert!(replayed > 0, "no replayed message went through the relay");
+    assert_eq!(ledger_rows, paid, "the replay added ledger rows");
+}
+
+/// On RabbitMQ the payments relay publishes CloudEvents (binary mode, source `/payments`), its
+/// reminders go through the broker too, and the points service reads the events: the demo's
+/// invariants, with every ledger row granted from a CloudEvent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_on_rabbitmq_uses_cloudevents_reminders_and_replay() {
+    let db = TestDb::empty().await;
+    let url = db.url();
+    let text = run_demo(
+        &[
+            "--transport",
+            "rabbitmq",
+            "--orders",
+            "40",
+            "--users",
+            "4",
+            "--clients",
+            "4",
+            "--kills",
+            "1",
+            "--unpaid",
+            "6",
+            "--timeout-secs",
+            "60",
+        ],
+        &[("DATABASE_URL", &url)],
+    )
+    .await;
+    for line in [
+        "[ok] each unpaid order reminded exactly once, after its due time (6 unpaid",
+        "[ok] no paid order reminded",
+        "[ok] a replay of user 1's events from the archive grants 0 new points",
+        "[ok] points granted from CloudEvents (source /payments): 40 of 40 ledger rows",
+    ] {
+        assert!(text.contains(line), "missing {line:?}");
+    }
+    let (rows, from_payments): (i64, i64) = sqlx::query_as(
+        "SELECT count(*), count(*) FILTER (WHERE event_source = '/payments') \
+         FROM svc_points.ledger",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((rows, from_payments), (40, 40));
+    assert_features_in_sql(&db.pool, 6).await;
+}
+
+/// The scheduled payment reminder, service by service: creating an order schedules it (due
+/// after REMINDER_AFTER_SECS, by the database's clock), paying cancels it in the paying
+/// transaction, and an unpaid order's reminder is consumed once, also when the service was
+/// SIGKILLed while it waited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payment_reminder_is_cancelled_by_the_payment_and_sent_once_otherwise() {
+    let db = TestDb::empty().await;
+    let url = db.url();
+    let env = [("REMINDER_AFTER_SECS", "2")];
+    let payments = Payments::start_service("payments", &url, &env).await;
+    let (paid, unpaid) = (
+        create_order(payments.addr, 7).await,
+        create_order(payments.addr, 7).await,
+    );
+    let scheduled = |pool: sqlx::PgPool| async move {
+        sqlx::query_as::<_, (String, f64)>(
+            "SELECT schedule_key, extract(epoch FROM due_at - created_at)::float8 \
+             FROM svc_payments_pgbox.outbox_scheduled WHERE topic = 'payment-reminders' \
+             ORDER BY schedule_key",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap()
+    };
+    let before = scheduled(db.pool.clone()).await;
+    let mut keys: Vec<String> = vec![format!("order-{paid}"), format!("order-{unpaid}")];
+    keys.sort();
+    assert_eq!(
+        before.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>(),
+        keys
+    );
+    for (key, delay) in &before {
+        assert!(
+            (2.0..2.5).contains(delay),
+            "{key} due {delay} s after creation"
+        );
+    }
+    let r = post(
+        payments.addr,
+        &format!("/orders/{paid}/pay"),
+        Some("pay-1"),
+        None,
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        scheduled(db.pool.clone()).await.len(),
+        1,
+        "the payment did not cancel its reminder"
+    );
+
+    // A third order, then SIGKILL before its reminder is due, and a new process.
+    let killed = create_order(payments.addr, 8).await;
+    drop(payments);
+    let payments = Payments::start_service("payments", &url, &env).await;
+
+    // Both unpaid orders reminded once; the paid one's reminder never delivered.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let reminders = loop {
+        let rows: Vec<(i64, i32)> =
+            sqlx::query_as("SELECT order_id, sent FROM svc_payments.reminders ORDER BY 1")
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        if rows.len() >= 2 || Instant::now() > deadline {
+            break rows;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    // Time for a second delivery, were there one.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    payments.stop().await;
+    assert_eq!(reminders, vec![(unpaid, 1), (killed, 1)]);
+    let (sent, delivered, late): (i64, Vec<String>, i64) = sqlx::query_as(
+        "SELECT (SELECT sum(sent) FROM svc_payments.reminders), \
+                (SELECT array_agg(key ORDER BY key) FROM svc_payments_pgbox.inbox \
+                 WHERE consumer = 'payment-reminders'), \
+                (SELECT count(*) FROM svc_payments.reminders r \
+                 JOIN svc_payments.orders o ON o.id = r.order_id \
+                 WHERE r.first_sent_at < o.created_at + interval '2 seconds')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let mut expected = vec![format!("order-{unpaid}"), format!("order-{killed}")];
+    expected.sort();
+    assert_eq!((sent, delivered, late), (2, expected, 0));
 }
 
 /// The two services over Kafka (the shared test broker, tansu), killed and restarted
@@ -342,8 +520,9 @@ async fn pay_is_idempotent_by_key_over_http() {
     let events: Vec<(i64, i64)> = sqlx::query_as(
         "SELECT (convert_from(payload, 'UTF8')::jsonb->>'order_id')::bigint AS order_id, \
                 count(DISTINCT message_id) \
-         FROM (SELECT payload, message_id FROM svc_payments_pgbox.outbox \
-               UNION ALL SELECT payload, message_id FROM broker.queue) m \
+         FROM (SELECT payload, message_id, topic FROM svc_payments_pgbox.outbox \
+               UNION ALL SELECT payload, message_id, topic FROM broker.queue) m \
+         WHERE topic = 'payment-succeeded' \
          GROUP BY 1 ORDER BY 1",
     )
     .fetch_all(&db.pool)

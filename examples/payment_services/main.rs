@@ -20,6 +20,14 @@
 //! (Prometheus), start even when their broker is down (they retry it with backoff), and stop
 //! gracefully on SIGTERM or Ctrl-C. Their logs go to stderr, coloured only on a terminal and
 //! never with `NO_COLOR` set.
+//!
+//! Payments also uses three features of pgbox where a real service would: a payment reminder
+//! scheduled when an order is created (`Message::deliver_after`, `--reminder-after-secs`),
+//! cancelled by the payment (`Outbox::cancel_scheduled`), consumed once through its own inbox;
+//! an archive of what its relay published (`RelayBuilder::archive`, `--archive-days`), from
+//! which one user's events can be replayed (points answers Duplicate); and, on a broker,
+//! CloudEvents in binary mode (source `/payments`), which points reads like the native
+//! envelope. The demo checks all three (see `demo.rs`).
 
 #[path = "../support/demo_db.rs"]
 mod demo_db;

@@ -9,6 +9,23 @@
 //! default) until the first transaction ends. The same key sent with another request is
 //! refused with 422. A 404 or 409 is not stored (its transaction rolls back): paying an order
 //! that does not exist yet, then retrying the key once it does, pays it.
+//!
+//! Three features of pgbox a real payments service would use:
+//!
+//! - **A scheduled payment reminder.** Creating an order schedules a `PaymentReminder`
+//!   (`Message::deliver_after`, `--reminder-after-secs`, schedule key `order-<id>`) in the
+//!   creating transaction; paying the order cancels it (`Outbox::cancel_scheduled`) in the
+//!   paying transaction. The service consumes its own reminders through its inbox (consumer
+//!   `payment-reminders`, keyed by the order): under the order's row lock, an order still
+//!   awaiting payment is reminded once (`svc_payments.reminders`); one paid meanwhile (its
+//!   reminder was already due when the payment came) is not.
+//! - **The archive.** The relay keeps what it published for `--archive-days`
+//!   (`RelayBuilder::archive`), so an operator can replay one user's events
+//!   (`pgbox replay --schema svc_payments_pgbox --topic payment-succeeded --key user-7`): they
+//!   keep their ids, and the points inbox answers Duplicate.
+//! - **CloudEvents.** On a broker (`--transport rabbitmq|nats|kafka`) the relay publishes
+//!   CloudEvents 1.0 in binary mode, source `/payments`, so services in other languages read
+//!   them with any CloudEvents SDK; the points service reads them like the native envelope.
 
 use std::sync::Arc;
 
@@ -18,11 +35,13 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
+use pgbox::cloudevents::CloudEvents;
 use pgbox::idempotency::{IdempotencyLayer, IdempotencyTx};
+use pgbox::transport::Subscriber;
 use pgbox::transport::{PgQueue, PublishError, Publisher};
 use pgbox::{
-    CancellationToken, Envelope, Inbox, Message, Migrator, Outbox, Relay, StateMachine, StateTable,
-    Transition,
+    ArchiveRetention, CancellationToken, Consumer, Envelope, Inbox, Message, Migrator, Outbox,
+    Relay, RetryPolicy, StateMachine, StateTable, Transition,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -38,11 +57,15 @@ pub const BROKER_SCHEMA: &str = "broker";
 /// Inbox consumers of the idempotency layers: one key space per kind of request.
 const PAY_REQUESTS: &str = "pay-requests";
 const ORDER_REQUESTS: &str = "order-requests";
+/// The inbox consumer of the payment reminders.
+const REMINDERS: &str = "payment-reminders";
+/// The CloudEvents `source` of what this service publishes on a broker.
+pub const EVENT_SOURCE: &str = "/payments";
 
 /// Who owns this service's tables, as a layout mismatch names it.
 const OWNER: &str = "examples/payment_services (its payments service)";
 /// The tables `SETUP` makes, with their columns: an existing table without them is refused.
-const TABLES: [(&str, &[&str]); 2] = [
+const TABLES: [(&str, &[&str]); 3] = [
     (
         "svc_payments.orders",
         &[
@@ -56,6 +79,10 @@ const TABLES: [(&str, &[&str]); 2] = [
         ],
     ),
     ("svc_payments.injected_faults", &["kind", "count"]),
+    (
+        "svc_payments.reminders",
+        &["order_id", "sent", "first_sent_at", "last_sent_at"],
+    ),
 ];
 
 /// Idempotent, run at every start: `IF NOT EXISTS` answers a restart with an "already exists,
@@ -79,13 +106,28 @@ CREATE TABLE IF NOT EXISTS svc_payments.injected_faults (
     kind text PRIMARY KEY,
     count bigint NOT NULL
 );
+-- The payment reminders sent, one row per order; `sent` counts them (once, through the inbox).
+CREATE TABLE IF NOT EXISTS svc_payments.reminders (
+    order_id bigint PRIMARY KEY,
+    sent int NOT NULL,
+    first_sent_at timestamptz NOT NULL,
+    last_sent_at timestamptz NOT NULL
+);
 COMMIT;
 ";
 
 const INSERT_ORDER: &str = "INSERT INTO svc_payments.orders (user_id, amount) VALUES ($1, $2) \
      RETURNING to_jsonb(orders.*)";
-const MARK_PAID: &str = "UPDATE svc_payments.orders SET payment_id = gen_random_uuid(), paid_at = now() \
+/// `paid_at` is read under the order's row lock (`clock_timestamp()`, not the transaction's
+/// start): a reminder recorded before the payment (under the same lock) is always earlier.
+const MARK_PAID: &str = "UPDATE svc_payments.orders \
+     SET payment_id = gen_random_uuid(), paid_at = clock_timestamp() \
      WHERE id = $1 RETURNING to_jsonb(orders.*)";
+/// The order's status, its row locked against a concurrent payment.
+const LOCK_ORDER: &str = "SELECT status FROM svc_payments.orders WHERE id = $1 FOR UPDATE";
+const RECORD_REMINDER: &str = "INSERT INTO svc_payments.reminders AS r \
+     (order_id, sent, first_sent_at, last_sent_at) VALUES ($1, 1, now(), now()) \
+     ON CONFLICT (order_id) DO UPDATE SET sent = r.sent + 1, last_sent_at = now()";
 const GET_ORDER: &str = "SELECT to_jsonb(o.*) FROM svc_payments.orders o WHERE id = $1";
 const STATS: &str =
     "SELECT count(*), count(*) FILTER (WHERE status = 'paid') FROM svc_payments.orders";
@@ -128,6 +170,18 @@ pub struct PaymentSucceeded {
     pub amount: i64,
 }
 
+/// The reminder an order awaiting payment schedules for itself.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PaymentReminder {
+    pub order_id: i64,
+    pub user_id: i64,
+}
+
+/// The schedule key of an order's payment reminder (and the reminders' inbox key).
+fn reminder_key(order_id: i64) -> String {
+    format!("order-{order_id}")
+}
+
 struct Payments {
     pool: PgPool,
     orders: StateTable<OrderState>,
@@ -135,6 +189,8 @@ struct Payments {
     topic: String,
     /// `--producer-retries`: the share of payments whose event is enqueued a second time.
     producer_retries: f64,
+    reminder_topic: String,
+    reminder_after: std::time::Duration,
 }
 
 type Shared = Arc<Payments>;
@@ -164,6 +220,8 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
         outbox: Outbox::with_schema(PGBOX_SCHEMA)?,
         topic: args.topic.clone(),
         producer_retries: args.producer_retries,
+        reminder_topic: args.reminder_topic.clone(),
+        reminder_after: args.reminder_after()?,
     });
 
     let shutdown = CancellationToken::new();
@@ -172,35 +230,50 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
     // A broker that is down does not stop the service: it starts unready, declares the topic
     // with backoff, and the relay retries its publishes meanwhile (nothing is lost: the
     // messages wait in the outbox).
-    let (relay, broker) = match args.transport {
+    // On a broker the relay publishes CloudEvents (binary mode); the reminders come back
+    // through the same broker, its subscriber reading either form.
+    let events = || CloudEvents::new(EVENT_SOURCE);
+    let topics = [args.topic.as_str(), args.reminder_topic.as_str()];
+    let (relay, reminders, broker) = match args.transport {
         TransportKind::Postgres => {
             gauge_schemas.push(BROKER_SCHEMA);
-            let relay = spawn_relay(
-                &pool,
-                PgQueue::with_schema(pool.clone(), BROKER_SCHEMA)?,
-                &args,
-                &shutdown,
-            )?;
-            (relay, service::BrokerReady::ready())
+            let queue = PgQueue::with_schema(pool.clone(), BROKER_SCHEMA)?;
+            (
+                spawn_relay(&pool, queue.clone(), &args, &shutdown)?,
+                spawn_reminders(&pool, queue, &args, &shutdown)?,
+                service::BrokerReady::ready(),
+            )
         }
         TransportKind::Rabbitmq => {
-            let rabbit = args.rabbitmq()?;
-            let broker = service::BrokerReady::watch_topic(&rabbit, &args.topic, shutdown.clone());
-            (spawn_relay(&pool, rabbit, &args, &shutdown)?, broker)
+            let rabbit = args.rabbitmq(Some(events()?))?;
+            let broker = service::BrokerReady::watch_topics(&rabbit, &topics, shutdown.clone());
+            (
+                spawn_relay(&pool, rabbit.clone(), &args, &shutdown)?,
+                spawn_reminders(&pool, rabbit, &args, &shutdown)?,
+                broker,
+            )
         }
         #[cfg(feature = "nats")]
         TransportKind::Nats => {
-            let nats = args.nats()?;
-            let broker = service::BrokerReady::watch_topic(&nats, &args.topic, shutdown.clone());
-            (spawn_relay(&pool, nats, &args, &shutdown)?, broker)
+            let nats = args.nats("payments-service", Some(events()?))?;
+            let broker = service::BrokerReady::watch_topics(&nats, &topics, shutdown.clone());
+            (
+                spawn_relay(&pool, nats.clone(), &args, &shutdown)?,
+                spawn_reminders(&pool, nats, &args, &shutdown)?,
+                broker,
+            )
         }
         #[cfg(not(feature = "nats"))]
         TransportKind::Nats => anyhow::bail!(crate::needs_feature("nats")),
         #[cfg(feature = "kafka")]
         TransportKind::Kafka => {
-            let kafka = args.kafka()?;
-            let broker = service::BrokerReady::watch_topic(&kafka, &args.topic, shutdown.clone());
-            (spawn_relay(&pool, kafka, &args, &shutdown)?, broker)
+            let kafka = args.kafka("payments-service", Some(events()?))?;
+            let broker = service::BrokerReady::watch_topics(&kafka, &topics, shutdown.clone());
+            (
+                spawn_relay(&pool, kafka.clone(), &args, &shutdown)?,
+                spawn_reminders(&pool, kafka, &args, &shutdown)?,
+                broker,
+            )
         }
         #[cfg(not(feature = "kafka"))]
         TransportKind::Kafka => anyhow::bail!(crate::needs_feature("kafka")),
@@ -243,6 +316,9 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
         topic = %args.topic,
         duplicate_rate = args.duplicate_rate,
         producer_retries = args.producer_retries,
+        reminder_topic = %args.reminder_topic,
+        reminder_after_secs = args.reminder_after_secs,
+        archive_days = args.archive_days,
         "payments service starting"
     );
     let served = service::serve(addr, app, shutdown.clone()).await;
@@ -250,10 +326,13 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
     // finishes its round) and the gauges.
     shutdown.cancel();
     let relayed = relay.await;
+    let reminded = reminders.await;
     gauges.await.ok();
     pool.close().await;
     served?;
     relayed??;
+    let stats = reminded??;
+    tracing::info!(?stats, "payment reminders consumer stopped");
     tracing::info!("payments service stopped");
     Ok(())
 }
@@ -269,11 +348,75 @@ fn spawn_relay<P: Publisher + 'static>(
         rate: args.duplicate_rate,
         pool: pool.clone(),
     };
+    // What it publishes is kept for `--archive-days` (daily partitions, dropped whole), for
+    // replays.
     let relay = Relay::builder(pool.clone(), publisher)
         .schema(PGBOX_SCHEMA)
+        .archive(ArchiveRetention::days(args.archive_days))
         .build()?;
     let shutdown = shutdown.clone();
     Ok(tokio::spawn(async move { relay.run(shutdown).await }))
+}
+
+/// Consumes the payment reminders through the inbox `payment-reminders`, keyed by the order:
+/// one reminder per order whatever the redeliveries. An order paid meanwhile (its reminder
+/// was due before the payment could cancel it) is not reminded.
+fn spawn_reminders<S: Subscriber + 'static>(
+    pool: &PgPool,
+    subscriber: S,
+    args: &ServiceArgs,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<pgbox::Result<pgbox::ConsumerStats>>> {
+    let inbox = Inbox::builder(REMINDERS).schema(PGBOX_SCHEMA).build()?;
+    let consumer = Consumer::builder(pool.clone(), subscriber, args.reminder_topic.clone(), inbox)
+        .concurrency(2)
+        .visibility_timeout(std::time::Duration::from_millis(args.visibility_timeout_ms))
+        .poll_interval(std::time::Duration::from_millis(250))
+        .backoff(
+            RetryPolicy::new()
+                .base_delay(std::time::Duration::from_millis(10))
+                .max_delay(std::time::Duration::from_secs(1)),
+        )
+        .key(|envelope| match envelope.json::<PaymentReminder>() {
+            Ok(reminder) => reminder_key(reminder.order_id),
+            Err(_) => envelope.id.to_string(),
+        })
+        .build()?;
+    let shutdown = shutdown.clone();
+    Ok(tokio::spawn(async move {
+        consumer
+            .run(
+                async |envelope: &Envelope, conn: &mut pgbox::HandlerConnection<'_>| {
+                    let reminder: PaymentReminder = envelope.json()?;
+                    // Under the order's row lock: a payment in flight finishes first.
+                    let status: Option<String> = sqlx::query_scalar(LOCK_ORDER)
+                        .bind(reminder.order_id)
+                        .fetch_optional(&mut **conn)
+                        .await?;
+                    if status.as_deref() == Some(OrderState::Created.name()) {
+                        sqlx::query(RECORD_REMINDER)
+                            .bind(reminder.order_id)
+                            .execute(&mut **conn)
+                            .await?;
+                        // Where a real service would send the e-mail (through its own outbox).
+                        tracing::info!(
+                            order_id = reminder.order_id,
+                            user_id = reminder.user_id,
+                            "payment reminder sent"
+                        );
+                    } else {
+                        tracing::info!(
+                            order_id = reminder.order_id,
+                            status = status.as_deref().unwrap_or("missing"),
+                            "payment reminder dropped: the order does not await payment"
+                        );
+                    }
+                    Ok::<(), pgbox::Error>(())
+                },
+                shutdown,
+            )
+            .await
+    }))
 }
 
 /// Fault injection (`--duplicate-rate`): publishes a share of the relayed messages a second
@@ -321,9 +464,14 @@ struct NewOrder {
     amount: i64,
 }
 
-/// `POST /orders {user_id, amount}`: 201 with the order. With an `Idempotency-Key`, a retry
-/// gets the same order instead of creating another one.
-async fn create_order(tx: IdempotencyTx, Json(new): Json<NewOrder>) -> Result<Response, AppError> {
+/// `POST /orders {user_id, amount}`: 201 with the order, and its payment reminder scheduled in
+/// the same transaction. With an `Idempotency-Key`, a retry gets the same order instead of
+/// creating another one.
+async fn create_order(
+    State(app): State<Shared>,
+    tx: IdempotencyTx,
+    Json(new): Json<NewOrder>,
+) -> Result<Response, AppError> {
     if new.amount <= 0 {
         return Ok((
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -337,6 +485,17 @@ async fn create_order(tx: IdempotencyTx, Json(new): Json<NewOrder>) -> Result<Re
         .bind(new.amount)
         .fetch_one(&mut **tx)
         .await?;
+    let order_id = order["id"].as_i64().unwrap_or_default();
+    let reminder = Message::json(
+        &app.reminder_topic,
+        &PaymentReminder {
+            order_id,
+            user_id: new.user_id,
+        },
+    )?
+    .schedule_key(reminder_key(order_id))
+    .deliver_after(app.reminder_after);
+    app.outbox.enqueue(&mut tx.connection(), reminder).await?;
     Ok((StatusCode::CREATED, Json(order)).into_response())
 }
 
@@ -370,10 +529,21 @@ async fn pay_order(
                 let message = Message::json(&app.topic, &event)?
                     .ordering_key(format!("user-{}", event.user_id));
                 app.outbox.enqueue(&mut tx.connection(), message).await?;
+                // Paid: no reminder. Too late when it was due already (the reminders consumer
+                // then finds the order paid, under the same row lock, and drops it).
+                let reminder_cancelled = app
+                    .outbox
+                    .cancel_scheduled(
+                        &mut tx.connection(),
+                        &app.reminder_topic,
+                        &reminder_key(order_id),
+                    )
+                    .await?;
                 tracing::info!(
                     order_id,
                     user_id = event.user_id,
                     key = idempotent.key(),
+                    reminder_cancelled,
                     "order paid"
                 );
                 // The event rides along for `resend_after_commit`; the layer stores only status,

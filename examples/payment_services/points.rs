@@ -1,5 +1,11 @@
 //! The points service: consumes `PaymentSucceeded` and grants 30 points per paid order,
 //! exactly once, through its inbox keyed by the order id; serves the users' points.
+//!
+//! The events arrive in pgbox's native envelope on the built-in queue and as CloudEvents
+//! (binary mode) on a broker: the subscribers tell the forms apart, and the handler is the
+//! same. The ledger keeps the CloudEvents `source` of the event that granted the points (none
+//! for the native envelope). A replay of the payments archive keeps the events' ids, and the
+//! inbox, keyed by the order, answers Duplicate: no points twice.
 
 use std::time::Duration;
 
@@ -23,7 +29,13 @@ pub const PGBOX_SCHEMA: &str = "svc_points_pgbox";
 const TABLES: [(&str, &[&str]); 2] = [
     (
         "svc_points.ledger",
-        &["order_id", "user_id", "points", "granted_at"],
+        &[
+            "order_id",
+            "user_id",
+            "points",
+            "granted_at",
+            "event_source",
+        ],
     ),
     ("svc_points.accounts", &["user_id", "total", "version"]),
 ];
@@ -42,7 +54,9 @@ CREATE TABLE IF NOT EXISTS svc_points.ledger (
     order_id bigint PRIMARY KEY,
     user_id bigint NOT NULL,
     points bigint NOT NULL,
-    granted_at timestamptz NOT NULL DEFAULT now()
+    granted_at timestamptz NOT NULL DEFAULT now(),
+    -- The CloudEvents `source` of the granting event; NULL for pgbox's native envelope.
+    event_source text
 );
 CREATE INDEX IF NOT EXISTS ledger_user ON svc_points.ledger (user_id);
 CREATE TABLE IF NOT EXISTS svc_points.accounts (
@@ -53,8 +67,8 @@ CREATE TABLE IF NOT EXISTS svc_points.accounts (
 COMMIT;
 ";
 
-const INSERT_LEDGER: &str =
-    "INSERT INTO svc_points.ledger (order_id, user_id, points) VALUES ($1, $2, $3)";
+const INSERT_LEDGER: &str = "INSERT INTO svc_points.ledger (order_id, user_id, points, event_source) \
+     VALUES ($1, $2, $3, $4)";
 /// The total moves only by this statement, under the row lock of the upsert; the version
 /// counts the grants (equal to the ledger rows of the user).
 const ADD_TO_TOTAL: &str = "INSERT INTO svc_points.accounts AS a (user_id, total, version) VALUES ($1, $2, 1) \
@@ -104,13 +118,13 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
             )
         }
         TransportKind::Rabbitmq => {
-            let rabbit = args.rabbitmq()?;
+            let rabbit = args.rabbitmq(None)?;
             let broker = service::BrokerReady::watch_topic(&rabbit, &args.topic, shutdown.clone());
             (spawn_consumer(&pool, rabbit, &args, &shutdown)?, broker)
         }
         #[cfg(feature = "nats")]
         TransportKind::Nats => {
-            let nats = args.nats()?;
+            let nats = args.nats("points-service", None)?;
             let broker = service::BrokerReady::watch_topic(&nats, &args.topic, shutdown.clone());
             (spawn_consumer(&pool, nats, &args, &shutdown)?, broker)
         }
@@ -118,7 +132,7 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
         TransportKind::Nats => anyhow::bail!(crate::needs_feature("nats")),
         #[cfg(feature = "kafka")]
         TransportKind::Kafka => {
-            let kafka = args.kafka()?;
+            let kafka = args.kafka("points-service", None)?;
             let broker = service::BrokerReady::watch_topic(&kafka, &args.topic, shutdown.clone());
             (spawn_consumer(&pool, kafka, &args, &shutdown)?, broker)
         }
@@ -184,6 +198,7 @@ fn spawn_consumer<S: Subscriber + 'static>(
                         .bind(event.order_id)
                         .bind(event.user_id)
                         .bind(POINTS_PER_ORDER)
+                        .bind(envelope.cloudevent_attribute("source"))
                         .execute(&mut *unit)
                         .await?;
                     sqlx::query(ADD_TO_TOTAL)

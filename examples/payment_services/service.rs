@@ -12,6 +12,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use pgbox::cloudevents::CloudEvents;
 use pgbox::{CancellationToken, Secret};
 use sqlx::PgPool;
 
@@ -37,13 +38,25 @@ pub struct ServiceArgs {
     /// The topic of PaymentSucceeded.
     #[arg(long, env = "TOPIC", default_value = "payment-succeeded")]
     pub topic: String,
+    /// payments: the topic of the payment reminders it schedules for itself.
+    #[arg(long, env = "REMINDER_TOPIC", default_value = "payment-reminders")]
+    pub reminder_topic: String,
+    /// payments: how long after an order is created its payment reminder falls due, unless
+    /// the order is paid first (by the database's clock), in seconds (fractions allowed).
+    #[arg(long, env = "REMINDER_AFTER_SECS", default_value_t = 86_400.0)]
+    pub reminder_after_secs: f64,
+    /// payments: how many days the relay keeps what it published in its archive (for
+    /// replays).
+    #[arg(long, env = "ARCHIVE_DAYS", default_value_t = 7)]
+    pub archive_days: u32,
     /// rabbitmq/nats: let the broker drop this service's queue or consumer after this many
     /// seconds unused (default: never; the demo's per-run topics use an hour).
     #[arg(long, env = "BROKER_EXPIRES_SECS")]
     pub broker_expires_secs: Option<u64>,
-    /// points on kafka: this replica's stable name in its consumer group (static
-    /// membership): restarted under the same name, it takes its partitions back at once
-    /// instead of waiting for a rebalance. One running process per name.
+    /// On kafka: this replica's stable name in its consumer group (static membership; the
+    /// points consumer's, or the payments service's reminders consumer's): restarted under
+    /// the same name, it takes its partitions back at once instead of waiting for a
+    /// rebalance. One running process per name.
     #[arg(long, env = "INSTANCE_ID")]
     pub instance_id: Option<String>,
     /// points: messages processed per transaction (`ConsumerBuilder::batch_size`): first
@@ -110,7 +123,12 @@ impl ServiceArgs {
         }
     }
 
-    pub fn rabbitmq(&self) -> anyhow::Result<pgbox::transport::rabbitmq::RabbitMq> {
+    /// The RabbitMQ client; with `events`, it publishes CloudEvents (its subscriber reads
+    /// both forms either way).
+    pub fn rabbitmq(
+        &self,
+        events: Option<CloudEvents>,
+    ) -> anyhow::Result<pgbox::transport::rabbitmq::RabbitMq> {
         let security = BrokerSecurity::from_env()?;
         let mut builder = pgbox::transport::rabbitmq::RabbitMq::builder(self.broker_url())
             .exchange("pgbox-services")
@@ -118,30 +136,50 @@ impl ServiceArgs {
         if let Some(secs) = self.broker_expires_secs {
             builder = builder.queue_expires(Duration::from_secs(secs));
         }
+        if let Some(events) = events {
+            builder = builder.cloudevents(events);
+        }
         Ok(security.apply_rabbitmq(builder)?.build()?)
     }
 
+    /// The NATS client; `durable` names this service's consumers on the stream; with
+    /// `events`, it publishes CloudEvents.
     #[cfg(feature = "nats")]
-    pub fn nats(&self) -> anyhow::Result<pgbox::transport::nats::Nats> {
+    pub fn nats(
+        &self,
+        durable: &str,
+        events: Option<CloudEvents>,
+    ) -> anyhow::Result<pgbox::transport::nats::Nats> {
         let security = BrokerSecurity::from_env()?;
         let mut builder = pgbox::transport::nats::Nats::builder(self.broker_url())
             .stream("PGBOX_SERVICES")
             .subject_prefix("pgbox-services")
-            .durable("points-service")
+            .durable(durable)
             .ack_wait(Duration::from_millis(self.visibility_timeout_ms));
         if let Some(secs) = self.broker_expires_secs {
             builder = builder
                 .inactive_threshold(Duration::from_secs(secs))
                 .max_age(Duration::from_secs(secs));
         }
+        if let Some(events) = events {
+            builder = builder.cloudevents(events);
+        }
         Ok(security.apply_nats(builder)?.build()?)
     }
 
+    /// The Kafka client; `group` is this service's consumer group; with `events`, it
+    /// publishes CloudEvents.
     #[cfg(feature = "kafka")]
-    pub fn kafka(&self) -> anyhow::Result<pgbox::transport::kafka::Kafka> {
+    pub fn kafka(
+        &self,
+        group: &str,
+        events: Option<CloudEvents>,
+    ) -> anyhow::Result<pgbox::transport::kafka::Kafka> {
         let security = BrokerSecurity::from_env()?;
-        let mut builder =
-            pgbox::transport::kafka::Kafka::builder(self.broker_url()).group("points-service");
+        let mut builder = pgbox::transport::kafka::Kafka::builder(self.broker_url()).group(group);
+        if let Some(events) = events {
+            builder = builder.cloudevents(events);
+        }
         if let Some(id) = &self.instance_id {
             builder = builder.instance_id(id);
         }
@@ -159,6 +197,15 @@ impl ServiceArgs {
             }
         }
         Ok(security.apply_kafka(builder)?.build()?)
+    }
+
+    /// `--reminder-after-secs` as a duration: refused unless 0 to 365 days.
+    pub fn reminder_after(&self) -> anyhow::Result<Duration> {
+        anyhow::ensure!(
+            (0.0..=365.0 * 86_400.0).contains(&self.reminder_after_secs),
+            "--reminder-after-secs must be between 0 and 31536000"
+        );
+        Ok(Duration::from_secs_f64(self.reminder_after_secs))
     }
 
     /// Refuses fault rates outside 0..=1.
@@ -522,11 +569,26 @@ impl BrokerReady {
         topic: &str,
         shutdown: CancellationToken,
     ) -> Self {
-        let (broker, topic) = (broker.clone(), topic.to_owned());
+        Self::watch_topics(broker, &[topic], shutdown)
+    }
+
+    /// [`watch`](Self::watch) declaring each of `topics` on `broker`.
+    pub fn watch_topics<B: DeclareTopic>(
+        broker: &B,
+        topics: &[&str],
+        shutdown: CancellationToken,
+    ) -> Self {
+        let broker = broker.clone();
+        let topics: Vec<String> = topics.iter().map(|t| (*t).to_owned()).collect();
         Self::watch(
             move || {
-                let (broker, topic) = (broker.clone(), topic.clone());
-                async move { broker.declare(&topic).await }
+                let (broker, topics) = (broker.clone(), topics.clone());
+                async move {
+                    for topic in &topics {
+                        broker.declare(topic).await?;
+                    }
+                    Ok(())
+                }
             },
             shutdown,
         )
