@@ -517,6 +517,19 @@ async fn pay_order(
             .await?
         {
             Transition::Applied { .. } => {
+                // Paid: no reminder. Cancelled first, before `paid_at` is taken: a payment held
+                // up later (the event's per-key enqueue lock) cannot let the relay promote the
+                // reminder of an order recorded as paid before it fell due. Too late when it
+                // was due already (the reminders consumer then finds the order paid, under the
+                // same row lock, and drops it).
+                let reminder_cancelled = app
+                    .outbox
+                    .cancel_scheduled(
+                        &mut tx.connection(),
+                        &app.reminder_topic,
+                        &reminder_key(order_id),
+                    )
+                    .await?;
                 let order: Value = sqlx::query_scalar(MARK_PAID)
                     .bind(order_id)
                     .fetch_one(&mut **tx)
@@ -529,16 +542,6 @@ async fn pay_order(
                 let message = Message::json(&app.topic, &event)?
                     .ordering_key(format!("user-{}", event.user_id));
                 app.outbox.enqueue(&mut tx.connection(), message).await?;
-                // Paid: no reminder. Too late when it was due already (the reminders consumer
-                // then finds the order paid, under the same row lock, and drops it).
-                let reminder_cancelled = app
-                    .outbox
-                    .cancel_scheduled(
-                        &mut tx.connection(),
-                        &app.reminder_topic,
-                        &reminder_key(order_id),
-                    )
-                    .await?;
                 tracing::info!(
                     order_id,
                     user_id = event.user_id,
