@@ -655,3 +655,77 @@ async fn finding_a_payment_held_up_after_paid_at_lets_its_reminder_be_delivered(
          (the demo's check: 'reminders delivered despite the payment')"
     );
 }
+
+/// Promises 1 and 2 with SIGKILLs while payments at the due time are in flight: the client
+/// retries each key until answered; no paid order reminded after its payment, none paid
+/// clearly before due reminded, no order reminded twice, every order paid once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_sigkill_during_payments_at_the_due_time() {
+    let db = TestDb::empty().await;
+    let url = db.url();
+    let env = [
+        ("REMINDER_AFTER_SECS", "1"),
+        ("VISIBILITY_TIMEOUT_MS", "500"),
+    ];
+    let addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let mut payments = Svc::start_at("payments", &url, &env, addr).await;
+    let mut orders = Vec::new();
+    for _ in 0..30 {
+        orders.push(create_order(addr, 11).await);
+    }
+    let mut tasks = Vec::new();
+    for (i, &order) in orders.iter().enumerate() {
+        let wait = Duration::from_millis(700 + (i as u64 * 53) % 600);
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(wait).await;
+            let deadline = Instant::now() + Duration::from_secs(30);
+            loop {
+                let headers = [("Idempotency-Key", format!("d-{order}"))];
+                let headers: Vec<(&str, &str)> =
+                    headers.iter().map(|(k, v)| (*k, v.as_str())).collect();
+                match http::request(
+                    addr,
+                    "POST",
+                    &format!("/orders/{order}/pay"),
+                    &headers,
+                    None,
+                    TIMEOUT,
+                )
+                .await
+                {
+                    Ok(r) if r.status == 200 => return,
+                    _ => {}
+                }
+                assert!(Instant::now() < deadline, "order {order} never paid");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }));
+    }
+    for pause in [900, 300] {
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+        drop(payments);
+        payments = Svc::start_at("payments", &url, &env, addr).await;
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    settle(&db.pool, Duration::from_secs(20), false).await;
+    drop(payments);
+    let (paid, after_payment, early_delivered, twice): (i64, i64, i64, i64) = sqlx::query_as(
+        "SELECT \
+           (SELECT count(*) FROM svc_payments.orders WHERE status = 'paid' AND payment_id IS NOT NULL), \
+           (SELECT count(*) FROM svc_payments.orders o JOIN svc_payments.reminders r \
+              ON r.order_id = o.id WHERE r.last_sent_at > o.paid_at), \
+           (SELECT count(*) FROM svc_payments.orders o JOIN svc_payments_pgbox.inbox i \
+              ON i.consumer = 'payment-reminders' AND i.key = 'order-' || o.id \
+            WHERE o.paid_at + interval '200 milliseconds' < o.created_at + interval '1 second'), \
+           (SELECT count(*) FROM svc_payments.reminders WHERE sent <> 1)",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!((paid, after_payment, early_delivered, twice), (30, 0, 0, 0));
+}
