@@ -37,11 +37,12 @@ use axum::routing::{get, post};
 use axum::{Extension, Json, Router};
 use pgbox::cloudevents::CloudEvents;
 use pgbox::idempotency::{IdempotencyLayer, IdempotencyTx};
+use pgbox::janitor::{Janitor, Retention};
 use pgbox::transport::Subscriber;
 use pgbox::transport::{PgQueue, PublishError, Publisher};
 use pgbox::{
-    ArchiveRetention, CancellationToken, Consumer, Envelope, Inbox, Message, Migrator, Outbox,
-    Relay, RetryPolicy, StateMachine, StateTable, Transition,
+    Archive, ArchiveRetention, CancellationToken, Consumer, Envelope, Inbox, Message, Migrator,
+    Outbox, Relay, RetryPolicy, StateMachine, StateTable, Transition,
 };
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -214,6 +215,13 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
         crate::demo_db::ensure_schemas(&pool, &[BROKER_SCHEMA]).await?;
         Migrator::new().schema(BROKER_SCHEMA)?.run(&pool).await?;
     }
+    refuse_reminders_under_another_topic(&pool, &args.reminder_topic).await?;
+    // `--archive-days` is this service's to set: recorded here, so a shorter value takes
+    // effect (a relay on its own only ever lengthens the archive's retention).
+    Archive::new(pool.clone())
+        .with_schema(PGBOX_SCHEMA)?
+        .configure(ArchiveRetention::days(args.archive_days))
+        .await?;
     let state: Shared = Arc::new(Payments {
         pool: pool.clone(),
         orders: StateTable::new("orders")?.schema(SCHEMA)?,
@@ -279,6 +287,7 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
         TransportKind::Kafka => anyhow::bail!(crate::needs_feature("kafka")),
     };
     let gauges = service::spawn_gauges(pool.clone(), gauge_schemas, shutdown.clone());
+    let janitor = spawn_janitor(&pool, &args, &shutdown)?;
 
     // `Idempotency-Key`: required to pay, optional to create an order (without one, each
     // request creates an order).
@@ -328,6 +337,9 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
     let relayed = relay.await;
     let reminded = reminders.await;
     gauges.await.ok();
+    if let Err(e) = janitor.await? {
+        tracing::warn!(error = %e, "the janitor stopped with an error");
+    }
     pool.close().await;
     served?;
     relayed??;
@@ -335,6 +347,48 @@ pub async fn run(args: ServiceArgs) -> anyhow::Result<()> {
     tracing::info!(?stats, "payment reminders consumer stopped");
     tracing::info!("payments service stopped");
     Ok(())
+}
+
+/// Refuses to start while payment reminders wait under a topic other than `topic` (the
+/// service schedules nothing else): started with another `--reminder-topic`, it would neither
+/// consume them nor cancel them when their orders are paid.
+async fn refuse_reminders_under_another_topic(pool: &PgPool, topic: &str) -> anyhow::Result<()> {
+    // PGBOX_SCHEMA is a constant of this file.
+    let others: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT DISTINCT topic FROM {PGBOX_SCHEMA}.outbox_scheduled WHERE topic <> $1 ORDER BY 1 LIMIT 5"
+    )))
+    .bind(topic)
+    .fetch_all(pool)
+    .await?;
+    if !others.is_empty() {
+        anyhow::bail!(
+            "payment reminders are scheduled under {others:?}, not under --reminder-topic \
+             {topic:?}: start with --reminder-topic {first:?} until they are sent (or cancel \
+             them: DELETE FROM {PGBOX_SCHEMA}.outbox_scheduled WHERE topic = '{first}')",
+            first = others[0]
+        );
+    }
+    Ok(())
+}
+
+/// The janitor of the payments' pgbox schema: creates the archive's partitions ahead and
+/// drops expired ones (`--archive-days`), and purges the inboxes (the reminders', the
+/// Idempotency-Key layers') a day after the archive lets go of what they guard, so a replay
+/// of anything still archived still meets its inbox row.
+fn spawn_janitor(
+    pool: &PgPool,
+    args: &ServiceArgs,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<tokio::task::JoinHandle<pgbox::Result<()>>> {
+    let keep = std::time::Duration::from_secs(86_400 * (u64::from(args.archive_days) + 1));
+    let janitor = Janitor::builder(pool.clone())
+        .schema(PGBOX_SCHEMA)
+        .inbox_retention(Retention::After(keep))
+        // The service refreshes its gauges itself (`service::spawn_gauges`).
+        .refresh_gauges(false)
+        .build()?;
+    let shutdown = shutdown.clone();
+    Ok(tokio::spawn(async move { janitor.run(shutdown).await }))
 }
 
 fn spawn_relay<P: Publisher + 'static>(

@@ -38,15 +38,16 @@ pub struct ServiceArgs {
     /// The topic of PaymentSucceeded.
     #[arg(long, env = "TOPIC", default_value = "payment-succeeded")]
     pub topic: String,
-    /// payments: the topic of the payment reminders it schedules for itself.
+    /// payments: the topic of the payment reminders it schedules for itself. It refuses to
+    /// start while reminders wait under another topic.
     #[arg(long, env = "REMINDER_TOPIC", default_value = "payment-reminders")]
     pub reminder_topic: String,
     /// payments: how long after an order is created its payment reminder falls due, unless
     /// the order is paid first (by the database's clock), in seconds (fractions allowed).
     #[arg(long, env = "REMINDER_AFTER_SECS", default_value_t = 86_400.0)]
     pub reminder_after_secs: f64,
-    /// payments: how many days the relay keeps what it published in its archive (for
-    /// replays).
+    /// payments: how many days the archive keeps what the relay published (for replays),
+    /// recorded at start; its janitor drops what is older.
     #[arg(long, env = "ARCHIVE_DAYS", default_value_t = 7)]
     pub archive_days: u32,
     /// rabbitmq/nats: let the broker drop this service's queue or consumer after this many

@@ -165,6 +165,40 @@ impl ArchiveRetention {
         tx.commit().await?;
         Ok(created)
     }
+
+    /// A relay's start: records these settings, lengthening only (see [`Self::apply`]), and
+    /// logs what the archive keeps. A relay asking for less than what another relay or
+    /// [`Archive::configure`] set gets the longer retention, and the log says so (the
+    /// retention asked for is not the one in force).
+    pub(crate) async fn prepare_for_relay(&self, pool: &PgPool, schema: &Identifier) -> Result<()> {
+        let created = self.apply(pool, schema, true).await?;
+        let sql = format!(
+            "SELECT (extract(epoch FROM retention) * 1000000)::int8 FROM {}.outbox_archive_settings",
+            schema.quoted()
+        );
+        let kept: Option<i64> = sqlx::query_scalar(AssertSqlSafe(sql))
+            .persistent(false)
+            .fetch_optional(pool)
+            .await?;
+        let kept = kept.map(|us| Duration::from_micros(us.max(0) as u64));
+        match kept {
+            Some(kept) if kept > self.retention => tracing::warn!(
+                schema = schema.as_str(),
+                asked = ?self.retention,
+                kept = ?kept,
+                "pgbox relay archives published messages, for longer than it asked: the archive's \
+                 retention was set longer (by another relay or Archive::configure); relays only \
+                 lengthen it, Archive::configure shortens it"
+            ),
+            _ => tracing::info!(
+                schema = schema.as_str(),
+                retention = ?self.retention,
+                created = created.len(),
+                "pgbox relay archives published messages"
+            ),
+        }
+        Ok(())
+    }
 }
 
 fn micros(d: Duration) -> i64 {

@@ -1041,16 +1041,8 @@ impl<P: Publisher> Relay<P> {
         if self.archive_ready.load(Relaxed) {
             return;
         }
-        match retention.apply(&self.pool, &self.schema, true).await {
-            Ok(created) => {
-                self.archive_ready.store(true, Relaxed);
-                tracing::info!(
-                    schema = self.schema.as_str(),
-                    retention = ?retention.retention(),
-                    created = created.len(),
-                    "pgbox relay archives published messages"
-                );
-            }
+        match retention.prepare_for_relay(&self.pool, &self.schema).await {
+            Ok(()) => self.archive_ready.store(true, Relaxed),
             Err(e) => {
                 tracing::warn!(error = %e, "pgbox relay could not prepare the archive's partitions; will retry")
             }

@@ -739,8 +739,8 @@ impl<P: Publisher> WalRelay<P> {
         if self.archive_ready.load(Relaxed) {
             return;
         }
-        match retention.apply(&self.pool, &self.schema, true).await {
-            Ok(_) => self.archive_ready.store(true, Relaxed),
+        match retention.prepare_for_relay(&self.pool, &self.schema).await {
+            Ok(()) => self.archive_ready.store(true, Relaxed),
             Err(e) => {
                 tracing::warn!(error = %e, "pgbox WAL relay could not prepare the archive's partitions; will retry")
             }
