@@ -713,7 +713,7 @@ impl Router {
         for m in &messages {
             headers.push(serde_json::to_string(&m.headers).map_err(Error::SerializePayload)?);
         }
-        let mut tx = self.pool.begin().await?;
+        let mut tx = crate::pooler::begin(&self.pool, None).await?;
         sqlx::query(AssertSqlSafe(self.sql.insert_messages.as_str()))
             .bind(messages.iter().map(|m| m.id).collect::<Vec<_>>())
             .bind(messages.iter().map(|m| m.seq).collect::<Vec<_>>())
@@ -861,7 +861,7 @@ impl Router {
         if !due {
             return Ok(report);
         }
-        let mut tx = self.pool.begin().await?;
+        let mut tx = crate::pooler::begin(&self.pool, None).await?;
         let locked: bool = sqlx::query_scalar(AssertSqlSafe(self.sql.drain_lock.as_str()))
             .bind(format!("{}.{}", self.schema.as_str(), dest.name))
             .fetch_one(&mut *tx)
@@ -1030,7 +1030,7 @@ impl Router {
     pub async fn discard(&self, destination: &str, message_id: Uuid) -> Result<bool> {
         self.known(destination)?;
         let ids = [message_id];
-        let mut tx = self.pool.begin().await?;
+        let mut tx = crate::pooler::begin(&self.pool, None).await?;
         sqlx::query(AssertSqlSafe(self.sql.lock_messages.as_str()))
             .bind(&ids[..])
             .execute(&mut *tx)
