@@ -728,3 +728,69 @@ async fn destinations_settling_the_last_copies_of_a_message_at_once_leave_no_pay
         assert_exactly_once_in_order(name, &d.got(), 1000, 1000);
     }
 }
+
+/// An application role with only the grants `Migrator::grant_to` applies runs the router:
+/// defer, drain, status, dead letters, redeliver and discard.
+#[tokio::test]
+async fn the_router_runs_as_the_application_role() {
+    use sqlx::{Connection, Executor};
+    let db = TestDb::empty().await;
+    let role = format!("pgbox_fan_{}", &Uuid::now_v7().simple().to_string()[16..]);
+    let server = support::server_url().await;
+    let mut admin = sqlx::PgConnection::connect(&server).await.unwrap();
+    admin
+        .execute(sqlx::AssertSqlSafe(format!("CREATE ROLE \"{role}\" LOGIN")))
+        .await
+        .unwrap();
+    Migrator::new()
+        .grant_to(&role)
+        .unwrap()
+        .run(&db.pool)
+        .await
+        .unwrap();
+    let app = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(db.options.clone().username(&role))
+        .await
+        .unwrap();
+    let outcome = {
+        let app = app.clone();
+        async move {
+            let (a, b, c) = (TestDest::new(), TestDest::new(), TestDest::new());
+            c.set(Mode::Unavailable);
+            let router = Arc::new(builder(&app, &a, &b, &c).max_attempts(1).build().unwrap());
+            let relay = Relay::builder(app.clone(), router.clone()).build().unwrap();
+            let ids = enqueue(&app, "orders.x", 10, 2, 10).await;
+            relay.drain().await.unwrap();
+            assert_eq!(deferred_left(&app).await, (10, 10));
+            c.set(Mode::Up);
+            c.refuse(ids[0], true);
+            c.refuse(ids[1], true);
+            tokio::time::sleep(Duration::from_millis(120)).await;
+            router.drain().await.unwrap();
+            assert_eq!(router.dead_letters("c", 10).await.unwrap().len(), 2);
+            assert_eq!(router.status().await.unwrap().len(), 3);
+            assert!(router.discard("c", ids[0]).await.unwrap());
+            c.refuse(ids[1], false);
+            assert!(router.redeliver("c", ids[1]).await.unwrap());
+            router.drain().await.unwrap();
+            assert_eq!(c.got().len(), 9);
+            assert_eq!(deferred_left(&app).await, (0, 0));
+        }
+    };
+    let result = tokio::spawn(outcome).await;
+    app.close().await;
+    let mut in_db = sqlx::PgConnection::connect_with(&db.options).await.unwrap();
+    in_db
+        .execute(sqlx::AssertSqlSafe(format!("DROP OWNED BY \"{role}\"")))
+        .await
+        .unwrap();
+    in_db.close().await.ok();
+    admin
+        .execute(sqlx::AssertSqlSafe(format!(
+            "DROP ROLE IF EXISTS \"{role}\""
+        )))
+        .await
+        .unwrap();
+    result.unwrap();
+}
