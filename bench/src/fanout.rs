@@ -33,6 +33,46 @@ impl Publisher for Via {
     }
 }
 
+/// A broker-like destination: accepts everything after a 1 ms round trip per call.
+struct Remote;
+
+impl Publisher for Remote {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        vec![Ok(()); batch.len()]
+    }
+
+    fn atomic_batches(&self) -> bool {
+        true
+    }
+}
+
+/// Messages per second each destination receives: one remote destination alone
+/// (`router == false`, the relay publishes to it directly) or three behind a router.
+async fn remote(pool: &PgPool, n: usize, router: bool) -> anyhow::Result<f64> {
+    backlog(pool, n).await?;
+    let started = Instant::now();
+    let report = if router {
+        let r = Router::builder(pool.clone())
+            .destination("r1", Remote)
+            .destination("r2", Remote)
+            .destination("r3", Remote)
+            .route(">", ["r1", "r2", "r3"])
+            .build()?;
+        Relay::builder(pool.clone(), Arc::new(r))
+            .build()?
+            .drain()
+            .await?
+    } else {
+        Relay::builder(pool.clone(), Remote)
+            .build()?
+            .drain()
+            .await?
+    };
+    anyhow::ensure!(report.published == n, "drained {report:?} of {n}");
+    Ok(n as f64 / started.elapsed().as_secs_f64())
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -48,10 +88,13 @@ fn message(i: usize) -> Message {
 }
 
 async fn reset(pool: &PgPool) -> anyhow::Result<()> {
-    pool.execute("TRUNCATE pgbox.outbox, pgbox.outbox_fanout_deliveries, pgbox.outbox_fanout_messages")
-        .await?;
+    pool.execute(
+        "TRUNCATE pgbox.outbox, pgbox.outbox_fanout_deliveries, pgbox.outbox_fanout_messages",
+    )
+    .await?;
     for s in SCHEMAS {
-        pool.execute(AssertSqlSafe(format!("TRUNCATE {s}.queue"))).await?;
+        pool.execute(AssertSqlSafe(format!("TRUNCATE {s}.queue")))
+            .await?;
     }
     Ok(())
 }
@@ -144,10 +187,22 @@ pub(crate) async fn run(options: &PgConnectOptions, quick: bool) -> anyhow::Resu
     for s in SCHEMAS {
         Migrator::new().schema(s)?.run(&pool).await?;
     }
-    let (repeats, seconds, n) = if quick { (3, 1.0, 5_000) } else { (5, 3.0, 20_000) };
+    let (repeats, seconds, n) = if quick {
+        (3, 1.0, 5_000)
+    } else {
+        (5, 3.0, 20_000)
+    };
     let (mut one, mut three) = (Vec::new(), Vec::new());
     let (mut plain, mut addressed) = (Vec::new(), Vec::new());
+    let (mut remote_one, mut remote_three) = (Vec::new(), Vec::new());
     for r in 0..repeats {
+        if r % 2 == 0 {
+            remote_one.push(remote(&pool, n, false).await?);
+            remote_three.push(remote(&pool, n, true).await?);
+        } else {
+            remote_three.push(remote(&pool, n, true).await?);
+            remote_one.push(remote(&pool, n, false).await?);
+        }
         if r % 2 == 0 {
             one.push(single(&pool, n).await?);
             three.push(fanned(&pool, n).await?);
@@ -169,6 +224,12 @@ pub(crate) async fn run(options: &PgConnectOptions, quick: bool) -> anyhow::Resu
         "F1 drain {n} (half keyed) into the built-in queue: 1 destination {one:.0}/s; \
          router, 3 destinations: {three:.0}/s each, ratio {:.3} (target >= 0.8)",
         three / one
+    );
+    let (remote_one, remote_three) = (median(remote_one), median(remote_three));
+    println!(
+        "F1 drain {n} (half keyed) to broker-like destinations (1 ms per call, nothing written): \
+         1 destination {remote_one:.0}/s; router, 3 destinations: {remote_three:.0}/s each, ratio {:.3} (target >= 0.8)",
+        remote_three / remote_one
     );
     println!(
         "F1 O1 enqueue 1/tx, {CLIENTS} clients: plain {plain:.0}/s, with the destinations header {addressed:.0}/s, ratio {:.3} (target >= 0.8)",
