@@ -504,6 +504,8 @@ pub(crate) const PGBOX_OBJECTS: &[&str] = &[
     "outbox_archive_seq",
     "outbox_archive_settings",
     "outbox_dead_letters",
+    "outbox_fanout_deliveries",
+    "outbox_fanout_messages",
     "outbox_notify",
     "outbox_scheduled",
     "partitioned_inbox",

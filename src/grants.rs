@@ -48,6 +48,19 @@ pub(crate) const TABLES: &[(&str, &[&str], i32)] = &[
     ("outbox_archive", &["SELECT", "INSERT"], 17),
     // Read by the janitor, replay and status; written through outbox_archive_configure.
     ("outbox_archive_settings", &["SELECT"], 17),
+    // Fan-out: the router defers (insert; a payload row is touched under its lock: update),
+    // drains (`FOR UPDATE`, delete), retries, dead-letters and redelivers (update), status
+    // reads.
+    (
+        "outbox_fanout_messages",
+        &["SELECT", "INSERT", "UPDATE", "DELETE"],
+        18,
+    ),
+    (
+        "outbox_fanout_deliveries",
+        &["SELECT", "INSERT", "UPDATE", "DELETE"],
+        18,
+    ),
 ];
 
 /// The migration history: read by the doctor and by `Migrator::applied` (the CLI's check

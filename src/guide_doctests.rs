@@ -34,6 +34,7 @@ chapters! {
     WalOutbox => "wal-outbox.md",
     Scheduled => "scheduled.md",
     Archive => "archive.md",
+    Fanout => "fanout.md",
     Consumer => "consumer.md",
     Transports => "transports.md",
     #[cfg(feature = "rabbitmq")]

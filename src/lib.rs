@@ -14,6 +14,7 @@ mod connect;
 mod consumer;
 pub mod doctor;
 mod error;
+mod fanout;
 mod grants;
 mod guide_doctests;
 #[cfg(feature = "axum")]
@@ -61,6 +62,10 @@ pub use crate::consumer::{
     MIN_VISIBILITY_TIMEOUT,
 };
 pub use crate::error::{DbErrorKind, Error, Result, TlsProblem, WalStreamProblem};
+pub use crate::fanout::{
+    DEFAULT_DESTINATION_TIMEOUT, DESTINATIONS_HEADER, DestinationStatus, FanoutDeadLetter,
+    FanoutDrainReport, Router, RouterBuilder,
+};
 #[cfg(feature = "axum")]
 pub use crate::idempotency::{Finality, IdempotencyLayer, IdempotencyTx};
 pub use crate::ident::{Identifier, MAX_IDENTIFIER_BYTES, MAX_PGBOX_SCHEMA_BYTES};

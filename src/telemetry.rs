@@ -46,6 +46,9 @@
 //! | [`WAL_RELAY_DEAD_LETTERED`] | counter | `slot` |
 //! | [`WAL_RELAY_UNAVAILABLE`] | counter | `slot` |
 //! | [`WAL_SLOT_RETAINED_BYTES`] | gauge | `slot` |
+//! | [`FANOUT_DEFERRED`] | counter | `destination` |
+//! | [`FANOUT_DELIVERED_DEFERRED`] | counter | `destination` |
+//! | [`FANOUT_DEAD`] | counter | `destination` |
 //! | [`INBOX_CLAIM_DURATION`] | histogram | `consumer` |
 //! | [`INBOX_LIVENESS_CHECKS`] | counter | `consumer` |
 //! | [`INBOX_LEASE_TAKEOVERS`] | counter | `consumer` |
@@ -176,6 +179,21 @@ pub const WAL_SLOT_RETAINED_BYTES: &str = "pgbox_wal_slot_retained_bytes";
 /// transport's confirmation. Recorded once the round commits. Label `topic`.
 pub const RELAY_PUBLISH_LAG: &str = "pgbox_relay_publish_lag_seconds";
 
+// --- fan-out router (label `destination`) ----------------------------------------------------
+
+/// Counter: copies of messages the router could not hand to a destination at once (the
+/// destination was away, refused, timed out, or holds the message's key) and stored as
+/// deferred deliveries. Label `destination`.
+pub const FANOUT_DEFERRED: &str = "pgbox_fanout_deliveries_deferred_total";
+
+/// Counter: deferred deliveries the router's drain published and removed. Label
+/// `destination`.
+pub const FANOUT_DELIVERED_DEFERRED: &str = "pgbox_fanout_deferred_delivered_total";
+
+/// Counter: deferred deliveries marked dead after the router's `max_attempts` refusals; each
+/// holds its key at its destination until redelivered or discarded. Label `destination`.
+pub const FANOUT_DEAD: &str = "pgbox_fanout_deliveries_dead_total";
+
 // --- inbox (label `consumer`) -----------------------------------------------------------------
 
 /// Histogram, seconds: the inbox claim (the claim statement and, for a duplicate, the read
@@ -249,6 +267,24 @@ enum Kind {
 
 /// Every metric: name, kind, unit, help text (the first line of each constant's docs).
 const METRICS: &[(&str, Kind, Unit, &str)] = &[
+    (
+        FANOUT_DEFERRED,
+        Kind::Counter,
+        Unit::Count,
+        "Message copies the fan-out router stored as deferred deliveries.",
+    ),
+    (
+        FANOUT_DELIVERED_DEFERRED,
+        Kind::Counter,
+        Unit::Count,
+        "Deferred fan-out deliveries published by the router's drain.",
+    ),
+    (
+        FANOUT_DEAD,
+        Kind::Counter,
+        Unit::Count,
+        "Deferred fan-out deliveries marked dead after max_attempts refusals.",
+    ),
     (
         CONSUMER_PROCESSED,
         Kind::Counter,

@@ -6,11 +6,13 @@
 //! cargo run --release -p pgbox-bench -- --quick      # under two minutes (CI)
 //! cargo run --release -p pgbox-bench -- --only P     # the time-partitioned inbox (P1-P3)
 //! cargo run --release -p pgbox-bench -- --only A1    # the archive: O2 with it off/on, replay
+//! cargo run --release -p pgbox-bench -- --only F1    # fan-out: per-destination drain, O1 with the header
 //! cargo run --release -p pgbox-bench -- --only CE1   # CloudEvents' encode cost (no database)
 //! ```
 
 mod archive;
 mod cloudevents;
+mod fanout;
 #[path = "../../tests/support/local_pg.rs"]
 mod local_pg;
 mod scheduled;
@@ -841,6 +843,11 @@ async fn main() -> anyhow::Result<()> {
     // S1: scheduled messages (bench/src/scheduled.rs); only when asked for (`--only S1`).
     if bench.args.only.iter().any(|p| p.starts_with('S')) {
         scheduled::run(&bench.options, bench.args.quick).await?;
+    }
+
+    // F1: fan-out (bench/src/fanout.rs); only when asked for (`--only F1`).
+    if bench.args.only.iter().any(|p| p.starts_with('F')) {
+        fanout::run(&bench.options, bench.args.quick).await?;
     }
 
     // B0: the business write alone.

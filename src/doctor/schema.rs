@@ -524,6 +524,19 @@ pub(super) const INDEXES: &[ExpectedIndex] = &[
     index("outbox_archive", "outbox_archive_wal_message_idx", 17, Plain,
         "(message_id) WHERE source_seq IS NULL",
         "replay's look-up of a WAL message archived twice"),
+    // V18
+    index("outbox_fanout_messages", "outbox_fanout_messages_pkey", 18, PrimaryKey,
+        "(message_id)", "the router's deferred payloads, one per message"),
+    index("outbox_fanout_deliveries", "outbox_fanout_deliveries_pkey", 18, PrimaryKey, "(id)",
+        "the router's settling of drained deliveries"),
+    index("outbox_fanout_deliveries", "outbox_fanout_deliveries_destination_message_id_key", 18,
+        Unique, "(destination, message_id)",
+        "one deferred delivery per message and destination (a re-publish adds none)"),
+    index("outbox_fanout_deliveries", "outbox_fanout_deliveries_key_idx", 18, Plain,
+        "(destination, topic, ordering_key, id) WHERE ordering_key IS NOT NULL",
+        "the router's per-batch look-up of held keys and the drain's head check"),
+    index("outbox_fanout_deliveries", "outbox_fanout_deliveries_claim_idx", 18, Plain,
+        "(destination, id)", "the router's drain, in id order per destination"),
 ];
 
 #[cfg(test)]

@@ -129,6 +129,20 @@ impl Message {
         self
     }
 
+    /// Addresses the message to these destinations of a [`Router`](crate::Router), in
+    /// addition to those its routes give its topic: sets the
+    /// [`DESTINATIONS_HEADER`](crate::DESTINATIONS_HEADER) header (names comma-separated).
+    /// A name the router does not know makes it refuse the message (the relay retries, then
+    /// dead-letters it, replayable), never drop it silently. Replaces an earlier call.
+    pub fn destinations<I, S>(self, names: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: AsRef<str>,
+    {
+        let names: Vec<String> = names.into_iter().map(|n| n.as_ref().to_owned()).collect();
+        self.header(crate::fanout::DESTINATIONS_HEADER, names.join(","))
+    }
+
     /// Sets the payload's content type.
     pub fn content_type(mut self, content_type: impl Into<String>) -> Self {
         self.content_type = content_type.into();
