@@ -569,3 +569,110 @@ async fn pipeline_through_the_pooler() {
         "{refused}"
     );
 }
+
+/// The fan-out router behind the pooler: its publish (the held-key query, the deferral
+/// transaction) and its drain run through PgBouncer in transaction mode with
+/// `Pooler::Transaction`. One destination is away for its first calls, so copies are
+/// deferred and drained there; both get every message once, in per-key order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn router_through_the_pooler() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use pgbox::transport::{PublishError, Publisher};
+    use pgbox::{Envelope, Message, Outbox, Pooler, Relay, Router};
+
+    /// Unavailable for its first `down` calls, then records what it is given.
+    #[derive(Clone, Default)]
+    struct Flaky {
+        down: Arc<AtomicUsize>,
+        got: Arc<Mutex<Vec<(String, Vec<u8>)>>>,
+    }
+    impl Publisher for Flaky {
+        async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+            if self
+                .down
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+            {
+                return vec![Err(PublishError::unavailable("down for now")); batch.len()];
+            }
+            let mut got = self.got.lock().unwrap();
+            for e in batch {
+                got.push((
+                    e.ordering_key.clone().unwrap_or_default(),
+                    e.payload.clone(),
+                ));
+            }
+            vec![Ok(()); batch.len()]
+        }
+        fn atomic_batches(&self) -> bool {
+            true
+        }
+    }
+
+    support::init_tracing();
+    let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
+    let bouncer = PgBouncer::start(&cluster, 4);
+    let direct = pooled(&cluster.url("postgres"), 3).await;
+    pgbox::migrate(&direct).await.unwrap();
+    let pool = pooled(&bouncer.url("postgres"), 8).await;
+    let (steady, flaky) = (Flaky::default(), Flaky::default());
+    flaky.down.store(2, Ordering::SeqCst);
+    let router = Arc::new(
+        Router::builder(pool.clone())
+            .pooler(Pooler::Transaction)
+            .destination("steady", steady.clone())
+            .destination("flaky", flaky.clone())
+            .route(">", ["steady", "flaky"])
+            .away_backoff(Duration::from_millis(50), Duration::from_millis(100))
+            .build()
+            .unwrap(),
+    );
+    let relay = Relay::builder(pool.clone(), router.clone())
+        .pooler(Pooler::Transaction)
+        .batch_size(50)
+        .build()
+        .unwrap();
+    let outbox = Outbox::new().pooler(Pooler::Transaction);
+    for i in 0..200u32 {
+        let mut tx = pool.begin().await.unwrap();
+        outbox
+            .enqueue(
+                &mut tx,
+                Message::bytes("fan", i.to_be_bytes().to_vec()).ordering_key(format!("k{}", i % 7)),
+            )
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    relay.drain().await.unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while flaky.got.lock().unwrap().len() < 200 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the deferred copies never drained"
+        );
+        router.drain().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    for (name, d) in [("steady", &steady), ("flaky", &flaky)] {
+        let got = d.got.lock().unwrap().clone();
+        assert_eq!(got.len(), 200, "{name}: every message once");
+        for k in 0..7 {
+            let seen: Vec<u32> = got
+                .iter()
+                .filter(|(key, _)| *key == format!("k{k}"))
+                .map(|(_, p)| u32::from_be_bytes(p[..4].try_into().unwrap()))
+                .collect();
+            let mut sorted = seen.clone();
+            sorted.sort_unstable();
+            assert_eq!(seen, sorted, "{name}: key k{k} in order");
+        }
+    }
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox_fanout_deliveries")
+        .fetch_one(&direct)
+        .await
+        .unwrap();
+    assert_eq!(left, 0);
+}

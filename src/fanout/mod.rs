@@ -31,6 +31,7 @@ use self::pattern::TopicPattern;
 use crate::error::{Error, Result};
 use crate::ident::{DEFAULT_SCHEMA, Identifier};
 use crate::outbox::Envelope;
+use crate::pooler::Pooler;
 use crate::relay::publish_in_key_order_within;
 use crate::retry::RetryPolicy;
 use crate::telemetry;
@@ -119,6 +120,7 @@ pub struct RouterBuilder {
     max_attempts: i32,
     batch_size: usize,
     away_backoff: (Duration, Duration),
+    pooler: Pooler,
 }
 
 impl fmt::Debug for RouterBuilder {
@@ -135,6 +137,13 @@ impl fmt::Debug for RouterBuilder {
 }
 
 impl RouterBuilder {
+    /// What stands between the router's pool and PostgreSQL (default [`Pooler::None`]).
+    /// With [`Pooler::Transaction`] its statements go unnamed, as the relay's do.
+    pub fn pooler(mut self, pooler: Pooler) -> Self {
+        self.pooler = pooler;
+        self
+    }
+
     /// The pgbox schema holding the deferred deliveries (default `pgbox`).
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
         self.schema = schema.into();
@@ -282,6 +291,7 @@ impl RouterBuilder {
             max_attempts: self.max_attempts,
             batch_size: self.batch_size,
             away_backoff: self.away_backoff,
+            persistent: self.pooler.persistent(),
         })
     }
 }
@@ -362,6 +372,8 @@ pub struct Router {
     max_attempts: i32,
     batch_size: usize,
     away_backoff: (Duration, Duration),
+    /// Whether its statements may be named (not behind a transaction pooler).
+    persistent: bool,
 }
 
 /// A copy a destination did not take: to be stored as a deferred delivery.
@@ -455,6 +467,7 @@ impl Router {
             max_attempts: 10,
             batch_size: 500,
             away_backoff: (Duration::from_secs(1), Duration::from_secs(30)),
+            pooler: Pooler::None,
         }
     }
 
@@ -633,6 +646,7 @@ impl Router {
             keys.push(*key);
         }
         let rows = sqlx::query(AssertSqlSafe(self.sql.held.as_str()))
+            .persistent(self.persistent)
             .bind(&names)
             .bind(&topics)
             .bind(&keys)
@@ -715,6 +729,7 @@ impl Router {
         }
         let mut tx = crate::pooler::begin(&self.pool, None).await?;
         sqlx::query(AssertSqlSafe(self.sql.insert_messages.as_str()))
+            .persistent(self.persistent)
             .bind(messages.iter().map(|m| m.id).collect::<Vec<_>>())
             .bind(messages.iter().map(|m| m.seq).collect::<Vec<_>>())
             .bind(
@@ -756,6 +771,7 @@ impl Router {
             })
             .collect();
         sqlx::query(AssertSqlSafe(self.sql.insert_deliveries.as_str()))
+            .persistent(self.persistent)
             .bind(
                 deferrals
                     .iter()
@@ -855,6 +871,7 @@ impl Router {
         let dest = &self.destinations[d];
         let mut report = FanoutDrainReport::default();
         let due: bool = sqlx::query_scalar(AssertSqlSafe(self.sql.due.as_str()))
+            .persistent(self.persistent)
             .bind(&dest.name)
             .fetch_one(&self.pool)
             .await?;
@@ -863,6 +880,7 @@ impl Router {
         }
         let mut tx = crate::pooler::begin(&self.pool, None).await?;
         let locked: bool = sqlx::query_scalar(AssertSqlSafe(self.sql.drain_lock.as_str()))
+            .persistent(self.persistent)
             .bind(format!("{}.{}", self.schema.as_str(), dest.name))
             .fetch_one(&mut *tx)
             .await?;
@@ -870,6 +888,7 @@ impl Router {
             return Ok(report);
         }
         let rows = sqlx::query(AssertSqlSafe(self.sql.claim.as_str()))
+            .persistent(self.persistent)
             .bind(&dest.name)
             .bind(i64::try_from(self.batch_size).unwrap_or(i64::MAX))
             .fetch_all(&mut *tx)
@@ -907,15 +926,18 @@ impl Router {
         }
         if !done.is_empty() {
             sqlx::query(AssertSqlSafe(self.sql.lock_messages.as_str()))
+                .persistent(self.persistent)
                 .bind(&done)
                 .execute(&mut *tx)
                 .await?;
             sqlx::query(AssertSqlSafe(self.sql.delete_deliveries.as_str()))
+                .persistent(self.persistent)
                 .bind(&dest.name)
                 .bind(&done)
                 .execute(&mut *tx)
                 .await?;
             sqlx::query(AssertSqlSafe(self.sql.delete_orphans.as_str()))
+                .persistent(self.persistent)
                 .bind(&done)
                 .execute(&mut *tx)
                 .await?;
@@ -923,6 +945,7 @@ impl Router {
         }
         if !retry_ids.is_empty() {
             let dead: Vec<bool> = sqlx::query_scalar(AssertSqlSafe(self.sql.retry.as_str()))
+                .persistent(self.persistent)
                 .bind(&retry_ids)
                 .bind(&retry_errors)
                 .bind(&retry_delays)
@@ -950,6 +973,7 @@ impl Router {
     /// router sees it away. Counts the deliveries (operator use, not a hot path).
     pub async fn status(&self) -> Result<Vec<DestinationStatus>> {
         let rows = sqlx::query(AssertSqlSafe(self.sql.status.as_str()))
+            .persistent(self.persistent)
             .fetch_all(&self.pool)
             .await?;
         let mut out = Vec::with_capacity(self.destinations.len());
@@ -993,6 +1017,7 @@ impl Router {
     ) -> Result<Vec<FanoutDeadLetter>> {
         self.known(destination)?;
         let rows = sqlx::query(AssertSqlSafe(self.sql.dead_letters.as_str()))
+            .persistent(self.persistent)
             .bind(destination)
             .bind(limit.max(0))
             .fetch_all(&self.pool)
@@ -1017,6 +1042,7 @@ impl Router {
     pub async fn redeliver(&self, destination: &str, message_id: Uuid) -> Result<bool> {
         self.known(destination)?;
         let done = sqlx::query(AssertSqlSafe(self.sql.redeliver.as_str()))
+            .persistent(self.persistent)
             .bind(destination)
             .bind(message_id)
             .execute(&self.pool)
@@ -1032,15 +1058,18 @@ impl Router {
         let ids = [message_id];
         let mut tx = crate::pooler::begin(&self.pool, None).await?;
         sqlx::query(AssertSqlSafe(self.sql.lock_messages.as_str()))
+            .persistent(self.persistent)
             .bind(&ids[..])
             .execute(&mut *tx)
             .await?;
         let done = sqlx::query(AssertSqlSafe(self.sql.discard.as_str()))
+            .persistent(self.persistent)
             .bind(destination)
             .bind(message_id)
             .execute(&mut *tx)
             .await?;
         sqlx::query(AssertSqlSafe(self.sql.delete_orphans.as_str()))
+            .persistent(self.persistent)
             .bind(&ids[..])
             .execute(&mut *tx)
             .await?;
