@@ -582,11 +582,13 @@ async fn router_through_the_pooler() {
     use pgbox::transport::{PublishError, Publisher};
     use pgbox::{Envelope, Message, Outbox, Pooler, Relay, Router};
 
+    /// (ordering key, payload) of each message a destination took.
+    type Taken = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
     /// Unavailable for its first `down` calls, then records what it is given.
     #[derive(Clone, Default)]
     struct Flaky {
         down: Arc<AtomicUsize>,
-        got: Arc<Mutex<Vec<(String, Vec<u8>)>>>,
+        got: Taken,
     }
     impl Publisher for Flaky {
         async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
