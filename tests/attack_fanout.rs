@@ -1,0 +1,383 @@
+//! Attacks on the fan-out `Router` (attack-fanout).
+//!
+//! The promise, from guide/src/fanout.md and the rustdoc of src/fanout/:
+//! 1. One enqueue, N destinations, each with its own delivery state: a destination that is
+//!    down, slow, refusing (or hung) holds only its own copies, and only that key there.
+//! 2. Per (destination, topic, key) order holds; every committed message reaches every routed
+//!    destination at least once.
+//! 3. An outage (unavailable, timed out) never counts and never dead-letters.
+//! 4. Routing = union of matching routes and the header; a destination appears once in the
+//!    union; unroutable messages are refused, never dropped.
+//! 5. The payload is stored once, and is deleted with its message's last delivery (two
+//!    destinations settling their last copies at once leave nothing behind).
+//! 6. Each destination call is bounded by `destination_timeout` (below the relay's publish
+//!    timeout) "so that one hung destination never makes the relay publish everybody's
+//!    copies again".
+
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pgbox::transport::{PublishError, Publisher};
+use pgbox::{Envelope, Message, Outbox, Relay, RetryPolicy, Router};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use support::TestDb;
+use tokio::sync::Notify;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Up,
+    Unavailable,
+    /// Answers every call after this long.
+    Slow(Duration),
+    /// Panics on every call.
+    Panic,
+    /// Waits for the gate before answering (signals `entered` first).
+    Gated,
+}
+
+#[derive(Debug)]
+struct Inner {
+    mode: Mutex<Mode>,
+    got: Mutex<Vec<Envelope>>,
+    calls: AtomicUsize,
+    entered: Notify,
+    gate: Notify,
+}
+
+#[derive(Debug, Clone)]
+struct Dest(Arc<Inner>);
+
+impl Dest {
+    fn new(mode: Mode) -> Self {
+        Dest(Arc::new(Inner {
+            mode: Mutex::new(mode),
+            got: Mutex::new(Vec::new()),
+            calls: AtomicUsize::new(0),
+            entered: Notify::new(),
+            gate: Notify::new(),
+        }))
+    }
+    fn set(&self, mode: Mode) {
+        *self.0.mode.lock().unwrap() = mode;
+    }
+    fn got(&self) -> Vec<Envelope> {
+        self.0.got.lock().unwrap().clone()
+    }
+}
+
+impl Publisher for Dest {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        self.0.calls.fetch_add(1, Ordering::SeqCst);
+        let mode = *self.0.mode.lock().unwrap();
+        match mode {
+            Mode::Unavailable => return vec![Err(PublishError::unavailable("down")); batch.len()],
+            Mode::Panic => panic!("destination bug"),
+            Mode::Slow(d) => tokio::time::sleep(d).await,
+            Mode::Gated => {
+                self.0.entered.notify_one();
+                self.0.gate.notified().await;
+            }
+            Mode::Up => {}
+        }
+        self.0.got.lock().unwrap().extend(batch.iter().cloned());
+        vec![Ok(()); batch.len()]
+    }
+}
+
+async fn count(pool: &PgPool, table: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM pgbox.{table}"
+    )))
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+async fn enqueue(pool: &PgPool, topic: &str, n: usize, key: Option<&str>) -> Vec<uuid::Uuid> {
+    let mut tx = pool.begin().await.unwrap();
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let mut m = Message::bytes(topic, format!("{i}").into_bytes());
+        if let Some(k) = key {
+            m = m.ordering_key(k);
+        }
+        ids.push(m.id());
+        Outbox::new().enqueue(&mut tx, m).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    ids
+}
+
+fn quick_backoff() -> RetryPolicy {
+    RetryPolicy::new()
+        .base_delay(Duration::from_millis(1))
+        .max_delay(Duration::from_millis(5))
+}
+
+/// Promise 5 under a database whose default isolation is REPEATABLE READ (a configuration
+/// pgbox's other paths handle with `BEGIN ISOLATION LEVEL READ COMMITTED`): two destinations'
+/// drains settle the last two copies of one message at once. The second one's
+/// `delete_orphans` reads with its transaction snapshot, taken before the first committed,
+/// so it still sees the first's delivery and leaves the payload row behind for ever.
+#[tokio::test]
+async fn finding_repeatable_read_default_leaves_orphan_payload_rows() {
+    let db = TestDb::migrated().await;
+    // Defer one message at both destinations (both down), through the real relay.
+    let (a0, b0) = (Dest::new(Mode::Unavailable), Dest::new(Mode::Unavailable));
+    let router0 = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("a", a0.clone())
+            .destination("b", b0.clone())
+            .route("orders.>", ["a", "b"])
+            .build()
+            .unwrap(),
+    );
+    enqueue(&db.pool, "orders.placed", 1, Some("k")).await;
+    Relay::builder(db.pool.clone(), router0.clone())
+        .build()
+        .unwrap()
+        .drain()
+        .await
+        .unwrap();
+    assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 2);
+    assert_eq!(count(&db.pool, "outbox_fanout_messages").await, 1);
+
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{}\" SET default_transaction_isolation = 'repeatable read'",
+        db.name
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let rr = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(db.options.clone())
+        .await
+        .unwrap();
+    let level: String = sqlx::query_scalar("SHOW transaction_isolation")
+        .fetch_one(&rr)
+        .await
+        .unwrap();
+    assert_eq!(level, "repeatable read");
+
+    // Two processes' routers: one drains `a` (its publish held at a gate), one drains `b`.
+    let a = Dest::new(Mode::Gated);
+    let b = Dest::new(Mode::Up);
+    let router_a = Arc::new(
+        Router::builder(rr.clone())
+            .destination("a", a.clone())
+            .build()
+            .unwrap(),
+    );
+    let router_b = Router::builder(rr.clone())
+        .destination("b", b.clone())
+        .build()
+        .unwrap();
+    let entered = a.0.entered.notified();
+    let drain_a = tokio::spawn({
+        let r = router_a.clone();
+        async move { r.drain().await }
+    });
+    tokio::time::timeout(Duration::from_secs(10), entered)
+        .await
+        .expect("a's drain reached its publish");
+    let report_b = router_b.drain().await.unwrap();
+    assert_eq!(report_b.delivered, 1);
+    a.set(Mode::Up);
+    a.0.gate.notify_one();
+    let report_a = drain_a.await.unwrap().unwrap();
+    assert_eq!(report_a.delivered, 1);
+    assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 0);
+    assert_eq!(
+        count(&db.pool, "outbox_fanout_messages").await,
+        0,
+        "a payload row outlived its last delivery (orphan)"
+    );
+}
+
+/// Promise 1 and 6: a destination that is slow (never hung: every call answers within the
+/// destination timeout) but gets a key's messages in several waves makes the router's whole
+/// call outlast the relay's publish timeout. The relay drops the call and publishes the
+/// batch again: the fast destination gets every copy again, every round, and the outbox
+/// never moves on while the slow destination stays slow.
+#[tokio::test]
+async fn finding_slow_destination_in_key_waves_outlasts_the_relay_timeout_and_redoes_everyone() {
+    let db = TestDb::migrated().await;
+    let fast = Dest::new(Mode::Up);
+    let slow = Dest::new(Mode::Slow(Duration::from_millis(600)));
+    let router = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("fast", fast.clone())
+            .destination("slow", slow.clone())
+            .route("orders.>", ["fast", "slow"])
+            .destination_timeout(Duration::from_secs(1))
+            .backoff(quick_backoff())
+            .build()
+            .unwrap(),
+    );
+    // One batch, one key, five messages: five waves at `slow`, 0.6 s each (< 1 s).
+    enqueue(&db.pool, "orders.placed", 5, Some("k")).await;
+    let relay = Relay::builder(db.pool.clone(), router.clone())
+        .publish_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let _ = tokio::time::timeout(Duration::from_secs(9), relay.drain()).await;
+    let outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    let fast_got = fast.got().len();
+    assert!(
+        outbox == 0 && fast_got == 5,
+        "after 9 s: {outbox} messages still in the outbox; `fast` got {fast_got} copies of 5 \
+         (a slow destination made the relay publish everybody's copies again)"
+    );
+}
+
+/// Promise 1: one destination whose publisher panics takes the relay (and every other
+/// destination's deliveries) down with it, for ever: the batch comes back and panics again.
+#[tokio::test]
+async fn finding_a_panicking_destination_stops_every_destination() {
+    let db = TestDb::migrated().await;
+    let good = Dest::new(Mode::Up);
+    let bad = Dest::new(Mode::Panic);
+    let router = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("good", good.clone())
+            .destination("bad", bad.clone())
+            .route("orders.>", ["good", "bad"])
+            .backoff(quick_backoff())
+            .build()
+            .unwrap(),
+    );
+    enqueue(&db.pool, "orders.placed", 3, Some("k")).await;
+    let relay = Relay::builder(db.pool.clone(), router.clone())
+        .build()
+        .unwrap();
+    let outcome = tokio::spawn(async move {
+        tokio::time::timeout(Duration::from_secs(10), relay.drain()).await
+    })
+    .await;
+    assert!(
+        matches!(outcome, Ok(Ok(Ok(_)))),
+        "the relay did not survive a panicking destination: {:?}",
+        outcome.map(|r| r.map(|r| r.map(|_| ())))
+    );
+    assert_eq!(good.got().len(), 3, "`good` was held by `bad`");
+}
+
+/// Promise 4: overlapping routes and a header naming the same destination (with spaces,
+/// twice, empty items) publish one copy, once.
+#[tokio::test]
+async fn holds_overlapping_routes_and_duplicate_header_names_publish_once() {
+    let db = TestDb::migrated().await;
+    let a = Dest::new(Mode::Up);
+    let b = Dest::new(Mode::Up);
+    let router = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("a", a.clone())
+            .destination("b", b.clone())
+            .route("orders.*", ["a", "a"])
+            .route("orders.>", ["a"])
+            .route(">", ["a"])
+            .route("*.placed", ["a"])
+            .build()
+            .unwrap(),
+    );
+    let mut tx = db.pool.begin().await.unwrap();
+    Outbox::new()
+        .enqueue(
+            &mut tx,
+            Message::bytes("orders.placed", "x").destinations(["a", " a ", "", "b", "b"]),
+        )
+        .await
+        .unwrap();
+    Outbox::new()
+        .enqueue(&mut tx, Message::bytes("ünïcödé.ключ", "y"))
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    let report = Relay::builder(db.pool.clone(), router.clone())
+        .build()
+        .unwrap()
+        .drain()
+        .await
+        .unwrap();
+    assert_eq!(report.published, 2);
+    assert_eq!(a.got().len(), 2, "{:?}", a.got());
+    assert_eq!(b.got().len(), 1);
+}
+
+/// Promise 3: a destination down for far longer than the relay's and the router's retry
+/// budgets (max_attempts 1 each) dead-letters nothing, and after it comes back every copy
+/// arrives in order; the operator API takes hostile input without harm.
+#[tokio::test]
+async fn holds_an_outage_past_every_budget_dead_letters_nothing_and_operator_api_is_safe() {
+    let db = TestDb::migrated().await;
+    let up = Dest::new(Mode::Up);
+    let down = Dest::new(Mode::Unavailable);
+    let router = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("up", up.clone())
+            .destination("down", down.clone())
+            .route("orders.>", ["up", "down"])
+            .max_attempts(1)
+            .backoff(quick_backoff())
+            .away_backoff(Duration::from_millis(5), Duration::from_millis(10))
+            .build()
+            .unwrap(),
+    );
+    let relay = Relay::builder(db.pool.clone(), router.clone())
+        .max_attempts(1)
+        .build()
+        .unwrap();
+    for _ in 0..5 {
+        enqueue(&db.pool, "orders.placed", 10, Some("k")).await;
+        relay.drain().await.unwrap();
+        for _ in 0..5 {
+            tokio::time::sleep(Duration::from_millis(12)).await;
+            router.drain().await.unwrap();
+        }
+    }
+    assert_eq!(up.got().len(), 50);
+    let dead_outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox_dead_letters")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap_or(0);
+    assert_eq!(dead_outbox, 0);
+    let status = router.status().await.unwrap();
+    let down_status = status.iter().find(|s| s.destination == "down").unwrap();
+    assert_eq!((down_status.deferred, down_status.dead), (50, 0));
+    // Hostile operator input.
+    assert!(router.dead_letters("no-such", 10).await.is_err());
+    assert!(router.dead_letters("down'; DROP TABLE x; --", 10).await.is_err());
+    assert!(router.dead_letters("down", -5).await.unwrap().is_empty());
+    assert!(router.dead_letters("down", i64::MAX).await.unwrap().is_empty());
+    // A pending (not dead) delivery is neither redelivered nor discarded.
+    let any: uuid::Uuid = sqlx::query_scalar(
+        "SELECT message_id FROM pgbox.outbox_fanout_deliveries ORDER BY id LIMIT 1",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert!(!router.redeliver("down", any).await.unwrap());
+    assert!(!router.discard("down", any).await.unwrap());
+    assert!(!router.discard("up", any).await.unwrap());
+    // Back: everything arrives, in order, and nothing is left behind.
+    down.set(Mode::Up);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    router.drain().await.unwrap();
+    let got: Vec<u32> = down
+        .got()
+        .iter()
+        .map(|e| String::from_utf8(e.payload.clone()).unwrap().parse().unwrap())
+        .collect();
+    let expected: Vec<u32> = (0..5).flat_map(|_| 0..10).collect();
+    assert_eq!(got, expected);
+    assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 0);
+    assert_eq!(count(&db.pool, "outbox_fanout_messages").await, 0);
+}
