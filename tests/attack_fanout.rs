@@ -37,6 +37,9 @@ enum Mode {
     Panic,
     /// Waits for the gate before answering (signals `entered` first).
     Gated,
+    /// Refuses the message whose payload is "1" with an error text holding a NUL byte
+    /// (a broker echoing binary data), takes the others.
+    RefuseNul,
 }
 
 #[derive(Debug)]
@@ -80,6 +83,20 @@ impl Publisher for Dest {
             Mode::Gated => {
                 self.0.entered.notify_one();
                 self.0.gate.notified().await;
+            }
+            Mode::RefuseNul => {
+                let mut got = self.0.got.lock().unwrap();
+                return batch
+                    .iter()
+                    .map(|m| {
+                        if m.payload == b"1" {
+                            Err(PublishError::refused("bad byte \0 in 'x\u{0}y'"))
+                        } else {
+                            got.push(m.clone());
+                            Ok(())
+                        }
+                    })
+                    .collect();
             }
             Mode::Up => {}
         }
@@ -380,4 +397,77 @@ async fn holds_an_outage_past_every_budget_dead_letters_nothing_and_operator_api
     assert_eq!(got, expected);
     assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 0);
     assert_eq!(count(&db.pool, "outbox_fanout_messages").await, 0);
+}
+
+/// Promise 1 and 3: a destination refusing one message with an error text that holds a NUL
+/// byte (PostgreSQL text refuses it; the relay itself escapes it) makes the deferral write
+/// fail, so the router reports the whole batch unavailable: every destination gets the batch
+/// again, round after round, and nothing moves on.
+#[tokio::test]
+async fn finding_a_refusal_text_with_a_nul_byte_stalls_every_destination() {
+    let db = TestDb::migrated().await;
+    let good = Dest::new(Mode::Up);
+    let nul = Dest::new(Mode::RefuseNul);
+    let router = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("good", good.clone())
+            .destination("nul", nul.clone())
+            .route("orders.>", ["good", "nul"])
+            .backoff(quick_backoff())
+            .build()
+            .unwrap(),
+    );
+    enqueue(&db.pool, "orders.placed", 3, None).await;
+    let relay = Relay::builder(db.pool.clone(), router.clone())
+        .build()
+        .unwrap();
+    let _ = tokio::time::timeout(Duration::from_secs(5), relay.drain()).await;
+    let outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(
+        outbox == 0 && good.got().len() == 3,
+        "{outbox} messages still in the outbox; `good` got {} copies of 3",
+        good.got().len()
+    );
+    assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 1);
+}
+
+/// The same refusal text met by the drain: the round's retry UPDATE fails, the whole round
+/// rolls back, and the copies the destination took in that round are published again by
+/// every later round.
+#[tokio::test]
+async fn finding_a_refusal_text_with_a_nul_byte_fails_every_drain_round() {
+    let db = TestDb::migrated().await;
+    let d = Dest::new(Mode::Unavailable);
+    let router = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("d", d.clone())
+            .route("orders.>", ["d"])
+            .backoff(quick_backoff())
+            .away_backoff(Duration::from_millis(1), Duration::from_millis(1))
+            .build()
+            .unwrap(),
+    );
+    enqueue(&db.pool, "orders.placed", 3, None).await;
+    Relay::builder(db.pool.clone(), router.clone())
+        .build()
+        .unwrap()
+        .drain()
+        .await
+        .unwrap();
+    assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 3);
+    d.set(Mode::RefuseNul);
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let mut errors = Vec::new();
+    for _ in 0..3 {
+        if let Err(e) = router.drain().await {
+            errors.push(e.to_string());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(errors.is_empty(), "drain rounds failed: {errors:?}");
+    assert_eq!(d.got().len(), 2, "copies taken were published again");
+    assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 1);
 }

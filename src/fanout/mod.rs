@@ -302,6 +302,12 @@ impl RouterBuilder {
     }
 }
 
+/// A destination's error as stored: PostgreSQL text holds no NUL byte (escaped, as the
+/// relay does), else the write fails and takes the whole batch or drain round with it.
+fn error_text(e: &PublishError) -> String {
+    e.message().replace('\0', "\\0")
+}
+
 /// Why `name` cannot name a destination, if it cannot.
 fn bad_destination_name(name: &str) -> Option<&'static str> {
     if name.is_empty() {
@@ -718,11 +724,11 @@ impl Router {
             match result {
                 Some(Ok(())) => {}
                 Some(Err(e)) if e.kind() == PublishErrorKind::Refused => {
-                    out.push(defer(i, 1, Some(e.message().to_owned())));
+                    out.push(defer(i, 1, Some(error_text(&e))));
                 }
                 Some(Err(e)) => {
                     unavailable = true;
-                    out.push(defer(i, 0, Some(e.message().to_owned())));
+                    out.push(defer(i, 0, Some(error_text(&e))));
                 }
                 None => out.push(defer(i, 0, None)),
             }
@@ -921,7 +927,7 @@ impl Router {
                 Some(Ok(())) => done.push(envelope.id),
                 Some(Err(e)) if e.kind() == PublishErrorKind::Refused => {
                     retry_ids.push(*id);
-                    retry_errors.push(e.message().to_owned());
+                    retry_errors.push(error_text(&e));
                     let attempt = u32::try_from(envelope.attempts + 1).unwrap_or(1);
                     retry_delays.push(self.backoff.delay_after(attempt).as_secs_f64());
                 }
