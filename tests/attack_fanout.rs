@@ -588,3 +588,104 @@ async fn holds_wrong_length_and_hung_destinations_hold_only_their_own_copies() {
     assert!(short.dead >= 1, "{short:?}");
     assert_eq!((hung_s.deferred, hung_s.dead), (20, 0), "{hung_s:?}");
 }
+
+/// Crash during the drain's settle: the drain's backend is terminated after the destination
+/// took the copies and before the deletes commit. Nothing is lost: the next drain publishes
+/// them again (at least once, in order) and leaves no row behind.
+#[tokio::test]
+async fn holds_a_drain_killed_between_publish_and_commit_loses_nothing() {
+    let db = TestDb::migrated().await;
+    let d0 = Dest::new(Mode::Unavailable);
+    let router0 = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("d", d0)
+            .route("orders.>", ["d"])
+            .build()
+            .unwrap(),
+    );
+    enqueue(&db.pool, "orders.placed", 4, Some("k")).await;
+    Relay::builder(db.pool.clone(), router0.clone())
+        .build()
+        .unwrap()
+        .drain()
+        .await
+        .unwrap();
+    assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 4);
+    let d = Dest::new(Mode::Gated);
+    let router = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("d", d.clone())
+            .build()
+            .unwrap(),
+    );
+    let entered = d.0.entered.notified();
+    let drain = tokio::spawn({
+        let r = router.clone();
+        async move { r.drain().await }
+    });
+    tokio::time::timeout(Duration::from_secs(10), entered)
+        .await
+        .unwrap();
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid() \
+         AND state = 'idle in transaction' AND query LIKE '%FOR UPDATE OF d%') s",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(killed, 1);
+    d.set(Mode::Up);
+    d.0.gate.notify_one();
+    assert!(drain.await.unwrap().is_err(), "the killed round reports its error");
+    assert_eq!(d.got().len(), 4, "the destination took the copies once");
+    assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 4);
+    router.drain().await.unwrap();
+    let got: Vec<u32> = d
+        .got()
+        .iter()
+        .map(|e| String::from_utf8(e.payload.clone()).unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(got, vec![0, 1, 2, 3, 0, 1, 2, 3]);
+    assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 0);
+    assert_eq!(count(&db.pool, "outbox_fanout_messages").await, 0);
+}
+
+/// A destination taken out of the router's configuration while it has deferred copies: its
+/// rows (and the payloads they keep) stay for ever, `status()` does not show them, and the
+/// operator API refuses the name, so nobody can see or release them through the router.
+#[tokio::test]
+#[ignore = "finding 7: deferred copies of a destination removed from the router are invisible to status() and unreachable"]
+async fn finding_copies_of_a_removed_destination_are_invisible_and_unreachable() {
+    let db = TestDb::migrated().await;
+    let (a, old) = (Dest::new(Mode::Up), Dest::new(Mode::Unavailable));
+    let router0 = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("a", a.clone())
+            .destination("old", old)
+            .route("orders.>", ["a", "old"])
+            .build()
+            .unwrap(),
+    );
+    enqueue(&db.pool, "orders.placed", 3, None).await;
+    Relay::builder(db.pool.clone(), router0.clone())
+        .build()
+        .unwrap()
+        .drain()
+        .await
+        .unwrap();
+    let router = Router::builder(db.pool.clone())
+        .destination("a", a.clone())
+        .route("orders.>", ["a"])
+        .build()
+        .unwrap();
+    router.drain().await.unwrap();
+    assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 3);
+    assert_eq!(count(&db.pool, "outbox_fanout_messages").await, 3);
+    let status = router.status().await.unwrap();
+    let shown: i64 = status.iter().map(|s| s.deferred + s.dead).sum();
+    assert_eq!(
+        shown, 3,
+        "status() shows {shown} of 3 deferred rows: {status:?}"
+    );
+}
