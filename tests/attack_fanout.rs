@@ -689,3 +689,121 @@ async fn finding_copies_of_a_removed_destination_are_invisible_and_unreachable()
         "status() shows {shown} of 3 deferred rows: {status:?}"
     );
 }
+
+/// A destination that flaps (down every other 25 ms) and refuses each message whose payload
+/// number is a multiple of 7 the first time it sees it, under the relay's and the router's
+/// own loops running side by side with producers still enqueuing: every message arrives at
+/// both destinations, first arrivals in key order, and nothing is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_flapping_and_once_refusing_destination_under_live_loops_keeps_key_order() {
+    #[derive(Debug, Clone)]
+    struct Flappy {
+        started: std::time::Instant,
+        got: Arc<Mutex<Vec<Envelope>>>,
+        refused: Arc<Mutex<std::collections::HashSet<uuid::Uuid>>>,
+    }
+    impl Publisher for Flappy {
+        async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+            if (self.started.elapsed().as_millis() / 25) % 2 == 1 {
+                return vec![Err(PublishError::unavailable("flap")); batch.len()];
+            }
+            let mut got = self.got.lock().unwrap();
+            let mut refused = self.refused.lock().unwrap();
+            batch
+                .iter()
+                .map(|m| {
+                    let n: u32 = String::from_utf8(m.payload.clone())
+                        .unwrap()
+                        .split(':')
+                        .nth(1)
+                        .unwrap()
+                        .parse()
+                        .unwrap();
+                    if n % 7 == 3 && refused.insert(m.id) {
+                        Err(PublishError::refused("once"))
+                    } else {
+                        got.push(m.clone());
+                        Ok(())
+                    }
+                })
+                .collect()
+        }
+    }
+    let db = TestDb::migrated().await;
+    let steady = Dest::new(Mode::Up);
+    let flappy = Flappy {
+        started: std::time::Instant::now(),
+        got: Arc::default(),
+        refused: Arc::default(),
+    };
+    let router = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("steady", steady.clone())
+            .destination("flappy", flappy.clone())
+            .route("orders.>", ["steady", "flappy"])
+            .backoff(quick_backoff())
+            .away_backoff(Duration::from_millis(5), Duration::from_millis(20))
+            .poll_interval(Duration::from_millis(10))
+            .max_attempts(1000)
+            .build()
+            .unwrap(),
+    );
+    let relay = Arc::new(
+        Relay::builder(db.pool.clone(), router.clone())
+            .batch_size(17)
+            .build()
+            .unwrap(),
+    );
+    let token = pgbox::CancellationToken::new();
+    let loops = tokio::spawn({
+        let (relay, router, token) = (relay.clone(), router.clone(), token.clone());
+        async move {
+            let _ = tokio::join!(relay.run(token.clone()), router.run(token.clone()));
+        }
+    });
+    let keys = 6;
+    let mut counters = vec![0u32; keys];
+    let total = 360;
+    for chunk in 0..(total / 12) {
+        let mut tx = db.pool.begin().await.unwrap();
+        for j in 0..12 {
+            let k = (chunk * 12 + j) % keys;
+            let m = Message::bytes("orders.placed", format!("k{k}:{}", counters[k]).into_bytes())
+                .ordering_key(format!("k{k}"));
+            counters[k] += 1;
+            Outbox::new().enqueue(&mut tx, m).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(7)).await;
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        let left = count(&db.pool, "outbox_fanout_deliveries").await;
+        if outbox == 0 && left == 0 || std::time::Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    token.cancel();
+    loops.await.unwrap();
+    for (name, got) in [("steady", steady.got()), ("flappy", flappy.got.lock().unwrap().clone())] {
+        let mut seen = std::collections::HashSet::new();
+        let mut per_key: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
+        for e in &got {
+            if seen.insert(e.id) {
+                let text = String::from_utf8(e.payload.clone()).unwrap();
+                let (k, n) = text.split_once(':').unwrap();
+                per_key.entry(k.into()).or_default().push(n.parse().unwrap());
+            }
+        }
+        assert_eq!(seen.len(), total, "{name}: {} of {total}", seen.len());
+        for (k, ns) in per_key {
+            assert_eq!(ns, (0..ns.len() as u32).collect::<Vec<_>>(), "{name}: key {k} out of order");
+        }
+    }
+    assert_eq!(count(&db.pool, "outbox_fanout_messages").await, 0);
+}
