@@ -807,3 +807,41 @@ async fn holds_flapping_and_once_refusing_destination_under_live_loops_keeps_key
     }
     assert_eq!(count(&db.pool, "outbox_fanout_messages").await, 0);
 }
+
+/// Configuration that voids promise 6 and is accepted: a destination timeout above the
+/// relay's publish timeout builds without a word, and then one hung destination makes the
+/// relay drop every router call: the healthy destination gets every copy again, every round,
+/// and the outbox never moves on.
+#[tokio::test]
+#[ignore = "finding 8: destination_timeout >= the relay's publish_timeout is accepted; a hung destination then stalls everyone"]
+async fn finding_destination_timeout_above_relay_timeout_is_accepted_and_stalls_everyone() {
+    let db = TestDb::migrated().await;
+    let fast = Dest::new(Mode::Up);
+    let hung = Dest::new(Mode::Slow(Duration::from_secs(3600)));
+    let router = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("fast", fast.clone())
+            .destination("hung", hung.clone())
+            .route("orders.>", ["fast", "hung"])
+            .destination_timeout(Duration::from_secs(3))
+            .build()
+            .unwrap(),
+    );
+    enqueue(&db.pool, "orders.placed", 3, Some("k")).await;
+    let relay = Relay::builder(db.pool.clone(), router.clone())
+        .publish_timeout(Duration::from_secs(1))
+        .build();
+    let Ok(relay) = relay else {
+        return; // refused at build: the guarantee is protected
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(6), relay.drain()).await;
+    let outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert!(
+        outbox == 0 && fast.got().len() == 3,
+        "{outbox} messages still in the outbox; `fast` got {} copies of 3",
+        fast.got().len()
+    );
+}
