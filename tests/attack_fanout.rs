@@ -845,3 +845,58 @@ async fn finding_destination_timeout_above_relay_timeout_is_accepted_and_stalls_
         fast.got().len()
     );
 }
+
+/// The drain keeps its transaction open (idle, holding the claimed rows and the drain lock)
+/// while it waits for the destination. With `idle_in_transaction_session_timeout` set, as
+/// pgbox's own doctor advises, a destination slower than that timeout (but well inside the
+/// destination timeout) has every drain round killed after it published: the copies go out
+/// again each round and are never settled.
+#[tokio::test]
+#[ignore = "finding 9: the drain holds an idle transaction across the destination's publish; idle_in_transaction_session_timeout kills every round after publishing"]
+async fn finding_idle_in_transaction_timeout_kills_every_drain_round_of_a_slow_destination() {
+    let db = TestDb::migrated().await;
+    let d0 = Dest::new(Mode::Unavailable);
+    let router0 = Arc::new(
+        Router::builder(db.pool.clone())
+            .destination("d", d0)
+            .route("orders.>", ["d"])
+            .build()
+            .unwrap(),
+    );
+    enqueue(&db.pool, "orders.placed", 2, Some("k")).await;
+    Relay::builder(db.pool.clone(), router0.clone())
+        .build()
+        .unwrap()
+        .drain()
+        .await
+        .unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE \"{}\" SET idle_in_transaction_session_timeout = '1s'",
+        db.name
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect_with(db.options.clone())
+        .await
+        .unwrap();
+    let d = Dest::new(Mode::Slow(Duration::from_millis(1500)));
+    let router = Router::builder(pool.clone())
+        .destination("d", d.clone())
+        .build()
+        .unwrap();
+    let mut errors = Vec::new();
+    for _ in 0..2 {
+        if let Err(e) = router.drain().await {
+            errors.push(e.to_string());
+        }
+    }
+    let left = count(&db.pool, "outbox_fanout_deliveries").await;
+    assert!(
+        errors.is_empty() && left == 0 && d.got().len() == 2,
+        "{} copies published for 2 messages, {left} deliveries left, errors: {errors:?}",
+        d.got().len()
+    );
+}
