@@ -275,10 +275,11 @@ async fn finding_a_panicking_destination_stops_every_destination() {
     let relay = Relay::builder(db.pool.clone(), router.clone())
         .build()
         .unwrap();
-    let outcome = tokio::spawn(async move {
-        tokio::time::timeout(Duration::from_secs(10), relay.drain()).await
-    })
-    .await;
+    let outcome =
+        tokio::spawn(
+            async move { tokio::time::timeout(Duration::from_secs(10), relay.drain()).await },
+        )
+        .await;
     assert!(
         matches!(outcome, Ok(Ok(Ok(_)))),
         "the relay did not survive a panicking destination: {:?}",
@@ -371,9 +372,20 @@ async fn holds_an_outage_past_every_budget_dead_letters_nothing_and_operator_api
     assert_eq!((down_status.deferred, down_status.dead), (50, 0));
     // Hostile operator input.
     assert!(router.dead_letters("no-such", 10).await.is_err());
-    assert!(router.dead_letters("down'; DROP TABLE x; --", 10).await.is_err());
+    assert!(
+        router
+            .dead_letters("down'; DROP TABLE x; --", 10)
+            .await
+            .is_err()
+    );
     assert!(router.dead_letters("down", -5).await.unwrap().is_empty());
-    assert!(router.dead_letters("down", i64::MAX).await.unwrap().is_empty());
+    assert!(
+        router
+            .dead_letters("down", i64::MAX)
+            .await
+            .unwrap()
+            .is_empty()
+    );
     // A pending (not dead) delivery is neither redelivered nor discarded.
     let any: uuid::Uuid = sqlx::query_scalar(
         "SELECT message_id FROM pgbox.outbox_fanout_deliveries ORDER BY id LIMIT 1",
@@ -391,7 +403,12 @@ async fn holds_an_outage_past_every_budget_dead_letters_nothing_and_operator_api
     let got: Vec<u32> = down
         .got()
         .iter()
-        .map(|e| String::from_utf8(e.payload.clone()).unwrap().parse().unwrap())
+        .map(|e| {
+            String::from_utf8(e.payload.clone())
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
         .collect();
     let expected: Vec<u32> = (0..5).flat_map(|_| 0..10).collect();
     assert_eq!(got, expected);
@@ -481,12 +498,11 @@ async fn finding_a_refusal_text_with_a_nul_byte_fails_every_drain_round() {
 #[ignore = "finding 6: drain lock keyed by 32-bit hashtext; colliding destination names hold each other's drain"]
 async fn finding_colliding_destination_names_share_one_drain_lock() {
     let db = TestDb::migrated().await;
-    let collide: bool = sqlx::query_scalar(
-        "SELECT hashtext('pgbox.d106788') = hashtext('pgbox.d146359')",
-    )
-    .fetch_one(&db.pool)
-    .await
-    .unwrap();
+    let collide: bool =
+        sqlx::query_scalar("SELECT hashtext('pgbox.d106788') = hashtext('pgbox.d146359')")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     assert!(collide);
     let (s0, f0) = (Dest::new(Mode::Unavailable), Dest::new(Mode::Unavailable));
     let router0 = Arc::new(
@@ -573,7 +589,12 @@ async fn holds_wrong_length_and_hung_destinations_hold_only_their_own_copies() {
     let got: Vec<u32> = good
         .got()
         .iter()
-        .map(|e| String::from_utf8(e.payload.clone()).unwrap().parse().unwrap())
+        .map(|e| {
+            String::from_utf8(e.payload.clone())
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
         .collect();
     assert_eq!(got, (0..20).collect::<Vec<_>>());
     for _ in 0..5 {
@@ -637,14 +658,22 @@ async fn holds_a_drain_killed_between_publish_and_commit_loses_nothing() {
     assert_eq!(killed, 1);
     d.set(Mode::Up);
     d.0.gate.notify_one();
-    assert!(drain.await.unwrap().is_err(), "the killed round reports its error");
+    assert!(
+        drain.await.unwrap().is_err(),
+        "the killed round reports its error"
+    );
     assert_eq!(d.got().len(), 4, "the destination took the copies once");
     assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 4);
     router.drain().await.unwrap();
     let got: Vec<u32> = d
         .got()
         .iter()
-        .map(|e| String::from_utf8(e.payload.clone()).unwrap().parse().unwrap())
+        .map(|e| {
+            String::from_utf8(e.payload.clone())
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
         .collect();
     assert_eq!(got, vec![0, 1, 2, 3, 0, 1, 2, 3]);
     assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 0);
@@ -768,8 +797,11 @@ async fn holds_flapping_and_once_refusing_destination_under_live_loops_keeps_key
         let mut tx = db.pool.begin().await.unwrap();
         for j in 0..12 {
             let k = (chunk * 12 + j) % keys;
-            let m = Message::bytes("orders.placed", format!("k{k}:{}", counters[k]).into_bytes())
-                .ordering_key(format!("k{k}"));
+            let m = Message::bytes(
+                "orders.placed",
+                format!("k{k}:{}", counters[k]).into_bytes(),
+            )
+            .ordering_key(format!("k{k}"));
             counters[k] += 1;
             Outbox::new().enqueue(&mut tx, m).await.unwrap();
         }
@@ -790,19 +822,29 @@ async fn holds_flapping_and_once_refusing_destination_under_live_loops_keeps_key
     }
     token.cancel();
     loops.await.unwrap();
-    for (name, got) in [("steady", steady.got()), ("flappy", flappy.got.lock().unwrap().clone())] {
+    for (name, got) in [
+        ("steady", steady.got()),
+        ("flappy", flappy.got.lock().unwrap().clone()),
+    ] {
         let mut seen = std::collections::HashSet::new();
         let mut per_key: std::collections::BTreeMap<String, Vec<u32>> = Default::default();
         for e in &got {
             if seen.insert(e.id) {
                 let text = String::from_utf8(e.payload.clone()).unwrap();
                 let (k, n) = text.split_once(':').unwrap();
-                per_key.entry(k.into()).or_default().push(n.parse().unwrap());
+                per_key
+                    .entry(k.into())
+                    .or_default()
+                    .push(n.parse().unwrap());
             }
         }
         assert_eq!(seen.len(), total, "{name}: {} of {total}", seen.len());
         for (k, ns) in per_key {
-            assert_eq!(ns, (0..ns.len() as u32).collect::<Vec<_>>(), "{name}: key {k} out of order");
+            assert_eq!(
+                ns,
+                (0..ns.len() as u32).collect::<Vec<_>>(),
+                "{name}: key {k} out of order"
+            );
         }
     }
     assert_eq!(count(&db.pool, "outbox_fanout_messages").await, 0);
