@@ -46,6 +46,10 @@ pub const DESTINATIONS_HEADER: &str = "pgbox-destinations";
 /// relay publish everybody's copies again.
 pub const DEFAULT_DESTINATION_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The router's transactions run at READ COMMITTED whatever the session default: the
+/// payload-row protocol (see `deferred`) needs each statement's fresh snapshot.
+const READ_COMMITTED: &str = "BEGIN ISOLATION LEVEL READ COMMITTED";
+
 /// The longest destination name, in bytes.
 const MAX_DESTINATION_BYTES: usize = 63;
 
@@ -91,7 +95,19 @@ impl fmt::Debug for Destination {
 
 impl Publisher for Destination {
     async fn publish(&self, batch: &[Envelope]) -> Vec<std::result::Result<(), PublishError>> {
-        self.publisher.publish_boxed(batch).await
+        // A publisher that panics refuses its batch here: it must not take the relay and
+        // every other destination down with it.
+        match futures_util::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
+            self.publisher.publish_boxed(batch),
+        ))
+        .await
+        {
+            Ok(results) => results,
+            Err(_) => {
+                let text = format!("pgbox router: destination {:?} panicked", self.name);
+                vec![Err(PublishError::refused(text)); batch.len()]
+            }
+        }
     }
 
     fn atomic_batches(&self) -> bool {
@@ -294,6 +310,12 @@ impl RouterBuilder {
             persistent: self.pooler.persistent(),
         })
     }
+}
+
+/// A destination's error as stored: PostgreSQL text holds no NUL byte (escaped, as the
+/// relay does), else the write fails and takes the whole batch or drain round with it.
+fn error_text(e: &PublishError) -> String {
+    e.message().replace('\0', "\\0")
 }
 
 /// Why `name` cannot name a destination, if it cannot.
@@ -693,22 +715,34 @@ impl Router {
             return out;
         }
         let envelopes: Vec<Envelope> = sending.iter().map(|&i| batch[i].clone()).collect();
-        let results = publish_in_key_order_within(
-            &self.destinations[d],
-            &envelopes,
+        // The whole call (every key wave, every halving) within the destination timeout, not
+        // only each call: else a slow destination outlasts the relay's publish timeout.
+        let results = tokio::time::timeout(
             self.destination_timeout,
+            publish_in_key_order_within(
+                &self.destinations[d],
+                &envelopes,
+                self.destination_timeout,
+            ),
         )
-        .await;
+        .await
+        .unwrap_or_else(|_| {
+            let text = format!(
+                "pgbox router: destination {:?} did not take its copies within the destination timeout ({:?})",
+                self.destinations[d].name, self.destination_timeout
+            );
+            vec![Some(Err(PublishError::unavailable(text))); envelopes.len()]
+        });
         let mut unavailable = false;
         for (&i, result) in sending.iter().zip(results) {
             match result {
                 Some(Ok(())) => {}
                 Some(Err(e)) if e.kind() == PublishErrorKind::Refused => {
-                    out.push(defer(i, 1, Some(e.message().to_owned())));
+                    out.push(defer(i, 1, Some(error_text(&e))));
                 }
                 Some(Err(e)) => {
                     unavailable = true;
-                    out.push(defer(i, 0, Some(e.message().to_owned())));
+                    out.push(defer(i, 0, Some(error_text(&e))));
                 }
                 None => out.push(defer(i, 0, None)),
             }
@@ -727,7 +761,7 @@ impl Router {
         for m in &messages {
             headers.push(serde_json::to_string(&m.headers).map_err(Error::SerializePayload)?);
         }
-        let mut tx = crate::pooler::begin(&self.pool, None).await?;
+        let mut tx = crate::pooler::begin(&self.pool, Some(READ_COMMITTED)).await?;
         sqlx::query(AssertSqlSafe(self.sql.insert_messages.as_str()))
             .persistent(self.persistent)
             .bind(messages.iter().map(|m| m.id).collect::<Vec<_>>())
@@ -878,7 +912,7 @@ impl Router {
         if !due {
             return Ok(report);
         }
-        let mut tx = crate::pooler::begin(&self.pool, None).await?;
+        let mut tx = crate::pooler::begin(&self.pool, Some(READ_COMMITTED)).await?;
         let locked: bool = sqlx::query_scalar(AssertSqlSafe(self.sql.drain_lock.as_str()))
             .persistent(self.persistent)
             .bind(format!("{}.{}", self.schema.as_str(), dest.name))
@@ -912,7 +946,7 @@ impl Router {
                 Some(Ok(())) => done.push(envelope.id),
                 Some(Err(e)) if e.kind() == PublishErrorKind::Refused => {
                     retry_ids.push(*id);
-                    retry_errors.push(e.message().to_owned());
+                    retry_errors.push(error_text(&e));
                     let attempt = u32::try_from(envelope.attempts + 1).unwrap_or(1);
                     retry_delays.push(self.backoff.delay_after(attempt).as_secs_f64());
                 }
@@ -1056,7 +1090,7 @@ impl Router {
     pub async fn discard(&self, destination: &str, message_id: Uuid) -> Result<bool> {
         self.known(destination)?;
         let ids = [message_id];
-        let mut tx = crate::pooler::begin(&self.pool, None).await?;
+        let mut tx = crate::pooler::begin(&self.pool, Some(READ_COMMITTED)).await?;
         sqlx::query(AssertSqlSafe(self.sql.lock_messages.as_str()))
             .persistent(self.persistent)
             .bind(&ids[..])
