@@ -495,7 +495,6 @@ async fn finding_a_refusal_text_with_a_nul_byte_fails_every_drain_round() {
 /// (found with one query over 300,000 names): while `d106788`'s drain round waits on its
 /// slow destination, `d146359`'s drain takes the lock for a busy one and drains nothing.
 #[tokio::test]
-#[ignore = "finding 6: drain lock keyed by 32-bit hashtext; colliding destination names hold each other's drain"]
 async fn finding_colliding_destination_names_share_one_drain_lock() {
     let db = TestDb::migrated().await;
     let collide: bool =
@@ -683,8 +682,10 @@ async fn holds_a_drain_killed_between_publish_and_commit_loses_nothing() {
 /// A destination taken out of the router's configuration while it has deferred copies: its
 /// rows (and the payloads they keep) stay for ever, `status()` does not show them, and the
 /// operator API refuses the name, so nobody can see or release them through the router.
+///
+/// Finding 7, fixed: `status()` lists them (`configured: false`) and
+/// `Router::forget_destination` lets them go.
 #[tokio::test]
-#[ignore = "finding 7: deferred copies of a destination removed from the router are invisible to status() and unreachable"]
 async fn finding_copies_of_a_removed_destination_are_invisible_and_unreachable() {
     let db = TestDb::migrated().await;
     let (a, old) = (Dest::new(Mode::Up), Dest::new(Mode::Unavailable));
@@ -717,6 +718,16 @@ async fn finding_copies_of_a_removed_destination_are_invisible_and_unreachable()
         shown, 3,
         "status() shows {shown} of 3 deferred rows: {status:?}"
     );
+    // Fixed: status names the destination as not configured, and the router can let it go.
+    let old = status.iter().find(|s| s.destination == "old").unwrap();
+    assert!(!old.configured && old.deferred == 3, "{old:?}");
+    assert!(
+        router.forget_destination("a").await.is_err(),
+        "a configured one is refused"
+    );
+    assert_eq!(router.forget_destination("old").await.unwrap(), 3);
+    assert_eq!(count(&db.pool, "outbox_fanout_deliveries").await, 0);
+    assert_eq!(count(&db.pool, "outbox_fanout_messages").await, 0);
 }
 
 /// A destination that flaps (down every other 25 ms) and refuses each message whose payload
@@ -855,7 +866,6 @@ async fn holds_flapping_and_once_refusing_destination_under_live_loops_keeps_key
 /// relay drop every router call: the healthy destination gets every copy again, every round,
 /// and the outbox never moves on.
 #[tokio::test]
-#[ignore = "finding 8: destination_timeout >= the relay's publish_timeout is accepted; a hung destination then stalls everyone"]
 async fn finding_destination_timeout_above_relay_timeout_is_accepted_and_stalls_everyone() {
     let db = TestDb::migrated().await;
     let fast = Dest::new(Mode::Up);
@@ -873,10 +883,17 @@ async fn finding_destination_timeout_above_relay_timeout_is_accepted_and_stalls_
     let relay = Relay::builder(db.pool.clone(), router.clone())
         .publish_timeout(Duration::from_secs(1))
         .build();
-    let Ok(relay) = relay else {
-        return; // refused at build: the guarantee is protected
-    };
-    let _ = tokio::time::timeout(Duration::from_secs(6), relay.drain()).await;
+    // Fixed: the relay asks the router for its bound (`Publisher::call_timeout`) and refuses.
+    let err = relay
+        .err()
+        .expect("a publish timeout below the router's is refused");
+    assert!(matches!(err, pgbox::Error::InvalidConfig(_)), "{err}");
+    // Above it, the hung destination holds only its own copies.
+    let relay = Relay::builder(db.pool.clone(), router.clone())
+        .publish_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let _ = tokio::time::timeout(Duration::from_secs(15), relay.drain()).await;
     let outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.outbox")
         .fetch_one(&db.pool)
         .await

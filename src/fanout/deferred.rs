@@ -14,10 +14,14 @@
 
 use crate::ident::Identifier;
 
-/// Advisory-lock class of a destination's drain lock, keyed by
-/// `hashtext(schema || '.' || destination)` and held for one drain round: one process drains
-/// a destination at a time (another round would claim the same heads and publish them twice).
-pub(super) const DRAIN_CLASS: i32 = 0x7062_6f66; // "pbof"
+/// Seed of a destination's drain lock: a 64-bit advisory lock (the single-`bigint` form,
+/// which no other pgbox lock uses) keyed by
+/// `hashtextextended('pgbox-fanout-drain:' || schema || '.' || destination, DRAIN_SEED)`,
+/// held for one drain round: one process drains a destination at a time (another round
+/// would claim the same heads and publish them twice). 64 bits, not `hashtext`'s 32: two
+/// destinations whose names collide would share one lock, and a slow drain of one would
+/// hold the other's (names colliding in 32 bits are found among a few hundred thousand).
+pub(super) const DRAIN_SEED: i64 = 0x7062_6f66; // "pbof"
 
 #[derive(Debug)]
 pub(super) struct Statements {
@@ -30,6 +34,7 @@ pub(super) struct Statements {
     pub(super) lock_messages: String,
     pub(super) delete_deliveries: String,
     pub(super) delete_orphans: String,
+    pub(super) forget_ids: String,
     pub(super) retry: String,
     pub(super) status: String,
     pub(super) dead_letters: String,
@@ -71,7 +76,7 @@ impl Statements {
                  ON CONFLICT (destination, message_id) DO NOTHING"
             ),
             drain_lock: format!(
-                "SELECT pg_catalog.pg_try_advisory_xact_lock({DRAIN_CLASS}, pg_catalog.hashtext($1))"
+                "SELECT pg_catalog.pg_try_advisory_xact_lock(pg_catalog.hashtextextended($1, {DRAIN_SEED}))"
             ),
             // Per key, a run from the key's head: a row is claimed only while no earlier row
             // of its key at this destination is dead or waiting out a backoff. Id order, so
@@ -117,6 +122,10 @@ impl Statements {
             redeliver: format!(
                 "UPDATE {d} SET dead_at = NULL, attempts = 0, last_error = NULL, available_at = pg_catalog.now() \
                  WHERE destination = $1 AND message_id = $2 AND dead_at IS NOT NULL"
+            ),
+            // A chunk of a removed destination's deliveries (`Router::forget_destination`).
+            forget_ids: format!(
+                "SELECT message_id FROM {d} WHERE destination = $1 ORDER BY id LIMIT 1000"
             ),
             discard: format!(
                 "DELETE FROM {d} WHERE destination = $1 AND message_id = $2 AND dead_at IS NOT NULL"

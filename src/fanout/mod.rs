@@ -423,6 +423,10 @@ pub struct DestinationStatus {
     pub oldest: Option<Duration>,
     /// Whether this router currently leaves the destination alone after an outage.
     pub away: bool,
+    /// Whether this router has the destination. `false`: deferred deliveries of a
+    /// destination since removed from the configuration, which nothing drains; deliver them
+    /// by adding it back, or let them go with [`Router::forget_destination`].
+    pub configured: bool,
 }
 
 /// A dead deferred delivery: a message one destination refused `max_attempts` times.
@@ -915,7 +919,11 @@ impl Router {
         let mut tx = crate::pooler::begin(&self.pool, Some(READ_COMMITTED)).await?;
         let locked: bool = sqlx::query_scalar(AssertSqlSafe(self.sql.drain_lock.as_str()))
             .persistent(self.persistent)
-            .bind(format!("{}.{}", self.schema.as_str(), dest.name))
+            .bind(format!(
+                "pgbox-fanout-drain:{}.{}",
+                self.schema.as_str(),
+                dest.name
+            ))
             .fetch_one(&mut *tx)
             .await?;
         if !locked {
@@ -1011,6 +1019,14 @@ impl Router {
             .fetch_all(&self.pool)
             .await?;
         let mut out = Vec::with_capacity(self.destinations.len());
+        let read = |status: &mut DestinationStatus, row: &sqlx::postgres::PgRow| -> Result<()> {
+            status.deferred = row.try_get("deferred")?;
+            status.dead = row.try_get("dead")?;
+            status.oldest = row
+                .try_get::<Option<f64>, _>("oldest")?
+                .map(|s| Duration::from_secs_f64(s.max(0.0)));
+            Ok(())
+        };
         for (d, dest) in self.destinations.iter().enumerate() {
             let mut status = DestinationStatus {
                 destination: dest.name.clone(),
@@ -1018,19 +1034,83 @@ impl Router {
                 dead: 0,
                 oldest: None,
                 away: self.is_away(d),
+                configured: true,
             };
             for row in &rows {
                 if row.try_get::<&str, _>("destination")? == dest.name {
-                    status.deferred = row.try_get("deferred")?;
-                    status.dead = row.try_get("dead")?;
-                    status.oldest = row
-                        .try_get::<Option<f64>, _>("oldest")?
-                        .map(|s| Duration::from_secs_f64(s.max(0.0)));
+                    read(&mut status, row)?;
                 }
             }
             out.push(status);
         }
+        // Rows of destinations this router does not have (removed from its configuration).
+        for row in &rows {
+            let name: String = row.try_get("destination")?;
+            if self.destinations.iter().all(|d| d.name != name) {
+                let mut status = DestinationStatus {
+                    destination: name,
+                    deferred: 0,
+                    dead: 0,
+                    oldest: None,
+                    away: false,
+                    configured: false,
+                };
+                read(&mut status, row)?;
+                out.push(status);
+            }
+        }
         Ok(out)
+    }
+
+    /// Lets go of every deferred delivery of `destination`, a destination this router does
+    /// not have (one removed from its configuration: see
+    /// [`DestinationStatus::configured`]), and of the payloads no other delivery needs.
+    /// Returns how many deliveries went. A destination the router has is refused
+    /// ([`Error::InvalidConfig`]): discard its dead deliveries one by one instead.
+    pub async fn forget_destination(&self, destination: &str) -> Result<u64> {
+        if self.destinations.iter().any(|d| d.name == destination) {
+            return Err(Error::InvalidConfig(format!(
+                "destination {destination:?} is configured: the router delivers its copies \
+                 (discard dead ones with Router::discard)"
+            )));
+        }
+        let mut total = 0;
+        // In chunks, each its own transaction under the payload rows' locks (as the drain).
+        loop {
+            let mut tx = crate::pooler::begin(&self.pool, Some(READ_COMMITTED)).await?;
+            let ids: Vec<Uuid> = sqlx::query_scalar(AssertSqlSafe(self.sql.forget_ids.as_str()))
+                .persistent(self.persistent)
+                .bind(destination)
+                .fetch_all(&mut *tx)
+                .await?;
+            if ids.is_empty() {
+                tx.commit().await?;
+                return Ok(total);
+            }
+            sqlx::query(AssertSqlSafe(self.sql.lock_messages.as_str()))
+                .persistent(self.persistent)
+                .bind(&ids)
+                .execute(&mut *tx)
+                .await?;
+            let done = sqlx::query(AssertSqlSafe(self.sql.delete_deliveries.as_str()))
+                .persistent(self.persistent)
+                .bind(destination)
+                .bind(&ids)
+                .execute(&mut *tx)
+                .await?;
+            sqlx::query(AssertSqlSafe(self.sql.delete_orphans.as_str()))
+                .persistent(self.persistent)
+                .bind(&ids)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            total += done.rows_affected();
+            tracing::warn!(
+                destination,
+                deliveries = done.rows_affected(),
+                "pgbox router: forgot deferred deliveries of a destination it does not have"
+            );
+        }
     }
 
     fn known(&self, destination: &str) -> Result<()> {
@@ -1122,6 +1202,11 @@ impl Publisher for Router {
     fn atomic_batches(&self) -> bool {
         true
     }
+
+    /// The destinations' bound: a relay refuses a publish timeout that is not longer.
+    fn call_timeout(&self) -> Option<Duration> {
+        Some(self.destination_timeout)
+    }
 }
 
 impl Publisher for Arc<Router> {
@@ -1131,6 +1216,10 @@ impl Publisher for Arc<Router> {
 
     fn atomic_batches(&self) -> bool {
         true
+    }
+
+    fn call_timeout(&self) -> Option<Duration> {
+        Some(self.destination_timeout)
     }
 }
 

@@ -77,7 +77,7 @@ pub struct RelayBuilder<P> {
 /// How long one call of [`Publisher::publish`] may take before the relay gives up on it, by
 /// default: four times the built-in transports' own bounds (30 s each), so it only catches
 /// a publisher that never answers.
-const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(120);
+pub(crate) const DEFAULT_PUBLISH_TIMEOUT: Duration = Duration::from_secs(120);
 
 impl<P: Publisher> RelayBuilder<P> {
     /// What stands between the relay's pool and PostgreSQL (default [`Pooler::None`]).
@@ -197,6 +197,7 @@ impl<P: Publisher> RelayBuilder<P> {
                 "relay publish timeout must be positive".into(),
             ));
         }
+        crate::transport::check_call_timeout(&self.publisher, self.publish_timeout)?;
         if let Some(archive) = &self.archive {
             archive.validate()?;
             if self.keep_published {

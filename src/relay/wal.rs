@@ -306,6 +306,7 @@ impl<P: Publisher> WalRelayBuilder<P> {
     /// Validates the settings.
     pub fn build(self) -> Result<WalRelay<P>> {
         let schema = Identifier::pgbox_schema(&self.schema)?;
+        crate::transport::check_call_timeout(&self.publisher, super::DEFAULT_PUBLISH_TIMEOUT)?;
         if self.batch_size == 0 || self.batch_size > 100_000 {
             return Err(Error::InvalidConfig(
                 "WAL relay batch size must be 1..=100000".into(),

@@ -132,6 +132,32 @@ pub trait Publisher: Send + Sync {
     fn as_pg_queue(&self) -> Option<&PgQueue> {
         None
     }
+
+    /// How long one call of [`publish`](Self::publish) may take, when the publisher bounds
+    /// its own calls (a [`Router`](crate::Router): its `destination_timeout`). A relay whose
+    /// own bound on a call is not longer refuses to build
+    /// ([`Error::InvalidConfig`](crate::Error::InvalidConfig)): it would drop calls the
+    /// publisher is still entitled to finish, and publish their messages again. `None` (the
+    /// default): the publisher does not say.
+    fn call_timeout(&self) -> Option<Duration> {
+        None
+    }
+}
+
+/// Refuses a relay's bound on one publish call (`relay_timeout`) that is not longer than the
+/// publisher's own ([`Publisher::call_timeout`]).
+pub(crate) fn check_call_timeout<P: Publisher>(
+    publisher: &P,
+    relay_timeout: Duration,
+) -> Result<()> {
+    match publisher.call_timeout() {
+        Some(own) if own >= relay_timeout => Err(crate::Error::InvalidConfig(format!(
+            "the publisher takes up to {own:?} per call (e.g. a Router's destination_timeout), \
+             not less than the relay's publish timeout of {relay_timeout:?}: the relay would \
+             drop its calls and publish their messages again; lower the one or raise the other"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// A publisher that accepts everything and sends nothing: the database's ceiling in
