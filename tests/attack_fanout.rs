@@ -884,9 +884,7 @@ async fn finding_destination_timeout_above_relay_timeout_is_accepted_and_stalls_
         .publish_timeout(Duration::from_secs(1))
         .build();
     // Fixed: the relay asks the router for its bound (`Publisher::call_timeout`) and refuses.
-    let err = relay
-        .err()
-        .expect("a publish timeout below the router's is refused");
+    let err = relay.expect_err("a publish timeout below the router's is refused");
     assert!(matches!(err, pgbox::Error::InvalidConfig(_)), "{err}");
     // Above it, the hung destination holds only its own copies.
     let relay = Relay::builder(db.pool.clone(), router.clone())
