@@ -425,6 +425,17 @@ mod http_binding {
         (m, e)
     }
 
+    /// The request the SDK's HTTP binding writes for `event` (binary mode): headers, body.
+    fn sdk_request(event: Event) -> (Vec<(String, String)>, Vec<u8>) {
+        let request = http::Request::<Option<Vec<u8>>>::try_from(event).unwrap();
+        let headers = request
+            .headers()
+            .iter()
+            .map(|(n, v)| (n.as_str().to_owned(), v.to_str().unwrap().to_owned()))
+            .collect();
+        (headers, request.into_body().unwrap_or_default())
+    }
+
     fn header_map(headers: &[(String, String)]) -> http::HeaderMap {
         let mut map = http::HeaderMap::new();
         for (n, v) in headers {
@@ -467,14 +478,8 @@ mod http_binding {
             .build()
             .unwrap();
         // Binary mode, as the SDK's HTTP binding writes a request.
-        let request = http::Request::<Option<Vec<u8>>>::try_from(event.clone()).unwrap();
-        let headers: Vec<(String, String)> = request
-            .headers()
-            .iter()
-            .map(|(n, v)| (n.as_str().to_owned(), v.to_str().unwrap().to_owned()))
-            .collect();
+        let (headers, body) = sdk_request(event.clone());
         assert!(headers.iter().any(|(n, _)| n == "ce-specversion"));
-        let body = request.into_body().unwrap_or_default();
         let binary = HttpEvent::new(headers, body).decode("webhooks").unwrap();
         // Structured mode: the event as the SDK serializes it.
         let structured = HttpEvent::new(
@@ -564,13 +569,7 @@ mod http_binding {
             .unwrap();
         let inbox = Inbox::new("billing-webhooks").unwrap();
         let event = sdk_event("inv-7-paid");
-        let request = http::Request::<Option<Vec<u8>>>::try_from(event).unwrap();
-        let headers: Vec<(String, String)> = request
-            .headers()
-            .iter()
-            .map(|(n, v)| (n.as_str().to_owned(), v.to_str().unwrap().to_owned()))
-            .collect();
-        let body = request.into_body().unwrap_or_default();
+        let (headers, body) = sdk_request(event);
         let mut outcomes = Vec::new();
         // The sender retries: the same request three times.
         for _ in 0..3 {

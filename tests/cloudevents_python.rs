@@ -113,6 +113,14 @@ fn py(request: Value) -> Value {
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// An HTTP event's headers as the Python side takes them (a JSON object).
+fn headers_of(http: &HttpEvent) -> BTreeMap<&str, &str> {
+    http.headers
+        .iter()
+        .map(|(n, v)| (n.as_str(), v.as_str()))
+        .collect()
+}
+
 /// What pgbox sends: a JSON message and a binary one (every byte value), both keyed, with
 /// an extension, a trace header and a header that is not an extension.
 fn envelopes() -> Vec<Envelope> {
@@ -144,11 +152,7 @@ fn what_pgbox_writes_the_python_sdk_reads() {
         let ce = CloudEvents::new("/payments").unwrap().mode(mode);
         for e in envelopes() {
             let http = ce.http(&e).unwrap();
-            let headers: BTreeMap<&str, &str> = http
-                .headers
-                .iter()
-                .map(|(n, v)| (n.as_str(), v.as_str()))
-                .collect();
+            let headers = headers_of(&http);
             let read = py(json!({"op": "read", "headers": headers, "body": b64(&http.body)}));
             let a = &read["attributes"];
             let what = format!("{mode:?} {}", e.topic);
@@ -276,11 +280,7 @@ fn values_beyond_ascii_reach_python_intact_in_structured_mode() {
             .mode(mode)
             .http(&e)
             .unwrap();
-        let headers: BTreeMap<&str, &str> = http
-            .headers
-            .iter()
-            .map(|(n, v)| (n.as_str(), v.as_str()))
-            .collect();
+        let headers = headers_of(&http);
         let read = py(json!({"op": "read", "headers": headers, "body": b64(&http.body)}));
         assert_eq!(
             read["attributes"]["subject"] == want.as_str(),

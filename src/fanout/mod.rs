@@ -1209,17 +1209,18 @@ impl Publisher for Router {
     }
 }
 
+/// The router shared with its drain loop (`router.run` beside the relay): the same.
 impl Publisher for Arc<Router> {
     async fn publish(&self, batch: &[Envelope]) -> Vec<std::result::Result<(), PublishError>> {
-        self.publish_batch(batch).await
+        Router::publish(self, batch).await
     }
 
     fn atomic_batches(&self) -> bool {
-        true
+        Router::atomic_batches(self)
     }
 
     fn call_timeout(&self) -> Option<Duration> {
-        Some(self.destination_timeout)
+        Router::call_timeout(self)
     }
 }
 
