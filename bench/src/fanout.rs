@@ -80,7 +80,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 fn message(i: usize) -> Message {
     let m = Message::bytes("orders.created", vec![b'x'; 100]);
-    if i % 2 == 0 {
+    if i.is_multiple_of(2) {
         m.ordering_key(format!("key-{}", i % 100))
     } else {
         m
