@@ -138,6 +138,11 @@ const ID: &str = "pgbox-id";
 const META: &str = "pgbox-meta";
 const ERROR: &str = "pgbox-error";
 const DELIVERIES: &str = "pgbox-deliveries";
+/// The transport's own headers: a message's header of one of these names is refused in
+/// CloudEvents mode (the native form carries every header inside `pgbox-meta`). Other
+/// `pgbox-` headers (a replay's `pgbox-replay-id`, the router's `pgbox-destinations`) are a
+/// message's own and travel as they are.
+const RESERVED: [&str; 4] = [ID, META, ERROR, DELIVERIES];
 const MAX_ERROR_BYTES: usize = 4096;
 /// Bytes a published record may spend on its key and headers, beyond the payload limit.
 const RECORD_EXTRA_BYTES: usize = 3072;
@@ -1771,7 +1776,7 @@ fn wire<'e>(
     let attributes = ce.attributes(envelope).map_err(bad)?;
     let mut map = OwnedHeaders::new();
     for (name, value) in &attributes.transport {
-        if name.starts_with("pgbox-") || name == CONTENT_TYPE {
+        if RESERVED.contains(&name.as_str()) || name == CONTENT_TYPE {
             return Err(PublishError::refused(format!(
                 "message {}: header name {name} is reserved",
                 envelope.id
@@ -1821,7 +1826,7 @@ fn decode_cloudevent<M: Message>(topic: &str, message: &M) -> Option<Result<Enve
             content_type = Some(value.to_owned());
         } else if let Some(attr) = h.key.strip_prefix(CE_PREFIX) {
             attrs.insert(attr.to_owned(), value.to_owned());
-        } else if !h.key.starts_with("pgbox-") {
+        } else if !RESERVED.contains(&h.key) {
             others.insert(h.key.to_owned(), value.to_owned());
         }
     }
