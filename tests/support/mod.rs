@@ -27,7 +27,7 @@ static SERVER_URL: OnceCell<String> = OnceCell::const_new();
 
 /// The server every test database is created on: `DATABASE_URL` when set; else, when
 /// `PGBOX_TEST_PG_MAJOR` names a major (the version matrix), a throwaway cluster of that
-/// major in `/tmp/pgbox-local-pg-<major>` on port `55400 + major`, started once and reused
+/// major in `/tmp/pgbox-local-pg-<major>` on port `31400 + major` (below the kernel's ephemeral range, 32768 and up, where a client connection's source port could hold it), started once and reused
 /// by every test binary; else the local server or fallback cluster of
 /// [`local_pg::database_url`].
 pub async fn server_url() -> String {
@@ -56,7 +56,7 @@ async fn matrix_server(major: u32) -> Result<String, String> {
         .await
         .map_err(|e| e.to_string())??;
     let dir = std::path::PathBuf::from(format!("/tmp/pgbox-local-pg-{major}"));
-    let port = 55400 + major as u16;
+    let port = 31400 + major as u16;
     let url = local_pg::throwaway_url(dir, port, Some(bindir)).await?;
     let mut conn = PgConnection::connect(&url)
         .await
