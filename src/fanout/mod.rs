@@ -708,11 +708,13 @@ impl Router {
         if self.is_away(d) {
             return members.into_iter().map(|i| defer(i, 0, None)).collect();
         }
+        // The look-up builds an owned key: skipped when no key is held (the usual case).
         let (waiting, sending): (Vec<usize>, Vec<usize>) = members.into_iter().partition(|&i| {
-            batch[i]
-                .ordering_key
-                .as_ref()
-                .is_some_and(|k| held.contains(&(d, batch[i].topic.clone(), k.clone())))
+            !held.is_empty()
+                && batch[i]
+                    .ordering_key
+                    .as_ref()
+                    .is_some_and(|k| held.contains(&(d, batch[i].topic.clone(), k.clone())))
         });
         let mut out: Vec<Deferral> = waiting.into_iter().map(|i| defer(i, 0, None)).collect();
         if sending.is_empty() {
