@@ -15,6 +15,8 @@
 //! - **R1** receive → ack alone: a published backlog received and acked as the runner
 //!   does it (up to its concurrency in hand, receiving while acks run), no inbox and no
 //!   database work: what the transport costs the consumer side.
+//! - **B0** `BEGIN`, the effect's `INSERT`, `COMMIT` from as many tasks, same run: the
+//!   physical limit E1 and E1b are measured against (E1 / B0).
 //! - **I1** the inbox alone, same run: `inbox.process` with the one-row effect, committed,
 //!   from as many tasks as the runner's concurrency, no transport. R1 / I1 says whether the
 //!   transport or the inbox bounds the consumer (C1).
@@ -664,6 +666,39 @@ async fn i1(env: &Env, args: &Args) -> anyhow::Result<(f64, CpuPerMessage)> {
     Ok((rate, cpu))
 }
 
+/// B0: the physical limit the consumer path is measured against: `BEGIN`, the one-row
+/// effect's `INSERT`, `COMMIT`, from `concurrency` tasks, no inbox and no transport; msgs/s.
+async fn b0(env: &Env, args: &Args) -> anyhow::Result<(f64, CpuPerMessage)> {
+    reset(env).await?;
+    let n = args.backlog;
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let cpu = CpuTicks::now(None);
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for _ in 0..args.concurrency {
+        let pool = env.pool.clone();
+        let next = next.clone();
+        tasks.push(tokio::spawn(async move {
+            while next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) < n {
+                let mut tx = pool.begin().await?;
+                sqlx::query("INSERT INTO bench_effects (message_id) VALUES ($1)")
+                    .bind(uuid::Uuid::now_v7())
+                    .execute(&mut *tx)
+                    .await?;
+                tx.commit().await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for task in tasks {
+        task.await??;
+    }
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    let cpu = cpu.per_message(CpuTicks::now(None), n);
+    exactly_once(env, n).await?;
+    Ok((rate, cpu))
+}
+
 /// E1: producers, relay and consumer at once; msgs/s from the first enqueue to the last
 /// committed effect. The consumer processes `batch` messages per transaction (E1b > 1).
 async fn e1(
@@ -1055,6 +1090,7 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
     let mut eb_lats: HashMap<Transport, Vec<(Duration, Duration)>> = HashMap::new();
     let mut receives: HashMap<Transport, Vec<f64>> = HashMap::new();
     let mut inbox_alone: Vec<f64> = Vec::new();
+    let mut bare_commits: Vec<f64> = Vec::new();
     // CPU per message per (stage, transport); I1 under Noop.
     let mut cpu: HashMap<(&str, Transport), Vec<CpuPerMessage>> = HashMap::new();
     for round in 0..args.rounds {
@@ -1095,6 +1131,10 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
                     eprintln!("round {round}: I1 inbox alone {rate:.0} msgs/s");
                     inbox_alone.push(rate);
                     cpu.entry(("I1", Transport::Noop)).or_default().push(i1_cpu);
+                    let (rate, b0_cpu) = b0(env, args).await?;
+                    eprintln!("round {round}: B0 BEGIN/INSERT/COMMIT {rate:.0} msgs/s");
+                    bare_commits.push(rate);
+                    cpu.entry(("B0", Transport::Noop)).or_default().push(b0_cpu);
                 }
             }
         }
@@ -1148,12 +1188,24 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
         args.concurrency,
         cpu_cell(cpu.get(&("I1", Transport::Noop)))
     );
+    let b0_rate = if bare_commits.is_empty() {
+        f64::NAN
+    } else {
+        median(bare_commits.clone())
+    };
+    println!(
+        "B0 BEGIN/INSERT/COMMIT ({} tasks): {b0_rate:.0} msgs/s; CPU µs per message client / postgres / broker: {}",
+        args.concurrency,
+        cpu_cell(cpu.get(&("B0", Transport::Noop)))
+    );
     println!();
     println!(
-        "| transport | O2 relay drain msgs/s | R1 receive → ack alone msgs/s | R1 / I1 | C1 consumer + inbox msgs/s | E1 end to end msgs/s | E1 / slowest stage | E1b batch {} msgs/s | E1b / E1 | E1 commit→effect p50 | p99 | E1b commit→effect p50 | p99 | O3 commit→publish p50 | p99 |",
+        "| transport | O2 relay drain msgs/s | R1 receive → ack alone msgs/s | R1 / I1 | C1 consumer + inbox msgs/s | E1 end to end msgs/s | E1 / slowest stage | E1 / B0 | E1b batch {} msgs/s | E1b / E1 | E1b / B0 | E1 commit→effect p50 | p99 | E1b commit→effect p50 | p99 | O3 commit→publish p50 | p99 |",
         args.consumer_batch
     );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+    );
     for t in &transports {
         let d = median(drains[t].clone());
         let (p50, p99) = (
@@ -1162,7 +1214,7 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
         );
         if *t == Transport::Noop {
             println!(
-                "| {} | {d:.0} | - | - | - | - | - | - | - | - | - | - | - | {:.1} ms | {:.1} ms |",
+                "| {} | {d:.0} | - | - | - | - | - | - | - | - | - | - | - | - | - | {:.1} ms | {:.1} ms |",
                 t.name(),
                 ms(p50),
                 ms(p99)
@@ -1183,11 +1235,13 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
         );
         let slowest = if d < c { "relay" } else { "consumer" };
         println!(
-            "| {} | {d:.0} | {r:.0} | {:.2}× | {c:.0} | {e:.0} | {:.2}× ({slowest}) | {eb:.0} | {:.2}× | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
+            "| {} | {d:.0} | {r:.0} | {:.2}× | {c:.0} | {e:.0} | {:.2}× ({slowest}) | {:.2}× | {eb:.0} | {:.2}× | {:.2}× | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms | {:.1} ms |",
             t.name(),
             r / i1_rate,
             e / d.min(c),
+            e / b0_rate,
             eb / e,
+            eb / b0_rate,
             ms(e50),
             ms(e99),
             ms(b50),

@@ -9,7 +9,9 @@ use futures_util::FutureExt;
 use sqlx::{Postgres, Transaction};
 use tracing::Instrument;
 
-use super::{Consumer, Failure, RunMetrics, Settled, database_away, handle_span, panic_message};
+use super::{
+    Consumer, Failure, Handled, RunMetrics, Settled, database_away, handle_span, panic_message,
+};
 use crate::error::{Error, Result};
 use crate::inbox::{HandlerConnection, Key, Outcome, Verdict};
 use crate::outbox::Envelope;
@@ -40,7 +42,7 @@ impl<S: Subscriber> Consumer<S> {
         unit: Vec<S::Delivery>,
         handler: F,
         metrics: &RunMetrics,
-    ) -> Vec<Settled>
+    ) -> Handled<'_>
     where
         F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<Verdict<()>, E> + Clone,
         E: From<Error> + fmt::Display,
@@ -51,30 +53,35 @@ impl<S: Subscriber> Consumer<S> {
                 self.source.attempt(delivery),
             );
         }
-        let mut settled = Vec::with_capacity(unit.len());
+        let mut handled = Handled {
+            settled: Vec::with_capacity(unit.len()),
+            acks: Vec::new(),
+        };
         // Redeliveries keep the one-message path: its duplicate check needs no transaction.
         let (first, again): (Vec<_>, Vec<_>) =
             unit.into_iter().partition(|d| self.source.attempt(d) <= 1);
         let alone = if first.len() > 1 {
-            self.handle_batch(first, handler.clone(), metrics, &mut settled)
+            self.handle_batch(first, handler.clone(), metrics, &mut handled)
                 .await
         } else {
             first
         };
         for delivery in alone.into_iter().chain(again) {
-            settled.push(self.handle(delivery, handler.clone(), metrics).await);
+            let (settled, ack) = self.handle(delivery, handler.clone(), metrics).await;
+            handled.settled.push(settled);
+            handled.acks.extend(ack);
         }
-        settled
+        handled
     }
 
     /// Runs `batch` on one transaction and settles what it can; returns the deliveries to
     /// run again one per transaction (the batch was rolled back, or its commit failed).
-    async fn handle_batch<F, E>(
-        &self,
+    async fn handle_batch<'a, F, E>(
+        &'a self,
         batch: Vec<S::Delivery>,
         handler: F,
         metrics: &RunMetrics,
-        settled: &mut Vec<Settled>,
+        handled: &mut Handled<'a>,
     ) -> Vec<S::Delivery>
     where
         F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<Verdict<()>, E> + Clone,
@@ -85,6 +92,7 @@ impl<S: Subscriber> Consumer<S> {
             topic = %self.topic,
             messages = batch.len(),
         );
+        let settled = &mut handled.settled;
         let mut tx = match crate::pooler::begin(&self.pool, None)
             .instrument(span.clone())
             .await
@@ -123,7 +131,7 @@ impl<S: Subscriber> Consumer<S> {
             );
         }
         let Some((failed, stop)) = stopped else {
-            return self.commit_batch(tx, done, settled).instrument(span).await;
+            return self.commit_batch(tx, done, handled).instrument(span).await;
         };
         let rest: Vec<S::Delivery> = rest.collect();
         // Nothing of the batch may commit: the handler's error left the transaction aborted.
@@ -203,14 +211,15 @@ impl<S: Subscriber> Consumer<S> {
         }
     }
 
-    /// Commits a batch that ran to its end and acks what it settled; returns what must run
-    /// again (the commit certainly failed).
-    async fn commit_batch(
-        &self,
+    /// Commits a batch that ran to its end and hands back the acks of what it settled;
+    /// returns what must run again (the commit certainly failed).
+    async fn commit_batch<'a>(
+        &'a self,
         tx: Transaction<'static, Postgres>,
         done: Vec<(S::Delivery, Settled)>,
-        settled: &mut Vec<Settled>,
+        handled: &mut Handled<'a>,
     ) -> Vec<S::Delivery> {
+        let settled = &mut handled.settled;
         let wrote = done
             .iter()
             .any(|(_, s)| matches!(s, Settled::Processed | Settled::Rejected));
@@ -228,21 +237,20 @@ impl<S: Subscriber> Consumer<S> {
         match ended.map_err(Error::from) {
             Ok(()) => {
                 tracing::debug!(messages = done.len(), "pgbox batch committed");
-                // All at once: a transport that groups acks (the built-in queue) settles the
-                // batch in one or two statements instead of one round trip per message.
-                let acks = done.iter().map(|(delivery, _)| self.ack_settled(delivery));
-                for result in futures_util::future::join_all(acks).await {
-                    if let Err(e) = result {
-                        tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
-                    }
-                }
                 {
                     let mut away = self.away.lock().expect("away tally");
                     for (delivery, _) in &done {
                         away.forget(&self.source.envelope(delivery).id);
                     }
                 }
-                settled.extend(done.into_iter().map(|(_, kind)| kind));
+                // The receive loop runs the acks side by side: a transport that groups acks
+                // (the built-in queue) settles the batch in one or two statements instead of
+                // one round trip per message.
+                let span = tracing::Span::current();
+                for (delivery, kind) in done {
+                    settled.push(kind);
+                    handled.acks.push(self.ack_later(delivery, span.clone()));
+                }
                 Vec::new()
             }
             // The commit may have happened: the redeliveries will tell.

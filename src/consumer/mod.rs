@@ -380,6 +380,17 @@ impl<S> fmt::Debug for Consumer<S> {
     }
 }
 
+/// An ack for a delivery its transaction is done with: the receive loop runs it beside the
+/// handlers, outside their slots (see [`Consumer::drive`]).
+type Ack<'a> = std::pin::Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
+
+/// What a unit of deliveries came to once its transaction ended: how each was settled, and
+/// the acks of those the inbox settled, still to be made.
+struct Handled<'a> {
+    settled: Vec<Settled>,
+    acks: Vec<Ack<'a>>,
+}
+
 enum Settled {
     Processed,
     Duplicate,
@@ -481,14 +492,18 @@ impl<S: Subscriber> Consumer<S> {
         self.drive(
             1,
             |unit: Vec<S::Delivery>| async {
-                let mut settled = Vec::with_capacity(unit.len());
+                let mut handled = Handled {
+                    settled: Vec::with_capacity(unit.len()),
+                    acks: Vec::new(),
+                };
                 for delivery in unit {
-                    settled.push(
-                        self.handle_leased(delivery, handler.clone(), ttl, &metrics)
-                            .await,
-                    );
+                    let (settled, ack) = self
+                        .handle_leased(delivery, handler.clone(), ttl, &metrics)
+                        .await;
+                    handled.settled.push(settled);
+                    handled.acks.extend(ack);
                 }
-                settled
+                handled
             },
             &metrics,
             shutdown,
@@ -499,8 +514,15 @@ impl<S: Subscriber> Consumer<S> {
     /// The receive loop shared by [`run_or_reject`](Self::run_or_reject) and
     /// [`run_leased`](Self::run_leased): `handle` settles a unit of up to `batch` deliveries
     /// (one transaction's worth), and at most `concurrency` units are in flight.
-    async fn drive<H, Fut>(
-        &self,
+    ///
+    /// A unit holds its slot while its transaction is open, not while its acks are made: once
+    /// it has committed (or rolled back), its acks join a set of their own, run beside the
+    /// handlers, and the slot takes the next delivery. Receiving while acks are still out is
+    /// safe for order: every transport hands out a key's next message only once the ack of
+    /// the one before has been made. The set is bounded by what the slots could hold
+    /// (`concurrency` × `batch` acks); while it is full, nothing more is received.
+    async fn drive<'a, H, Fut>(
+        &'a self,
         batch: usize,
         handle: H,
         metrics: &RunMetrics,
@@ -508,10 +530,12 @@ impl<S: Subscriber> Consumer<S> {
     ) -> Result<ConsumerStats>
     where
         H: Fn(Vec<S::Delivery>) -> Fut,
-        Fut: Future<Output = Vec<Settled>>,
+        Fut: Future<Output = Handled<'a>>,
     {
         let mut stats = ConsumerStats::default();
         let mut in_flight = FuturesUnordered::new();
+        let mut acking: FuturesUnordered<Ack<'a>> = FuturesUnordered::new();
+        let max_acking = self.concurrency * batch;
         // The wake-up channel, when the source has one. Lost or never made, the listener is
         // made again with backoff (the server restarted, a failover, a network blip): a
         // consumer that stopped listening would wait out every poll interval for as long as
@@ -538,7 +562,7 @@ impl<S: Subscriber> Consumer<S> {
         let mut next_poll = tokio::time::Instant::now();
         loop {
             let stopping = shutdown.is_cancelled();
-            if stopping && in_flight.is_empty() {
+            if stopping && in_flight.is_empty() && acking.is_empty() {
                 return Ok(stats);
             }
             if listener.is_none()
@@ -548,7 +572,11 @@ impl<S: Subscriber> Consumer<S> {
             {
                 listener = relisten.attempt(pool, channel).await;
             }
-            let free = self.concurrency - in_flight.len();
+            let free = if acking.len() >= max_acking {
+                0
+            } else {
+                self.concurrency - in_flight.len()
+            };
             if !stopping && free > 0 && (eager || free >= refill_at) {
                 // Keep driving the handlers in flight while receiving: they may hold the
                 // pool's connections, and the receive may be waiting for one of them.
@@ -562,9 +590,10 @@ impl<S: Subscriber> Consumer<S> {
                 let received = loop {
                     tokio::select! {
                         r = &mut receive => break Some(r),
-                        Some(settled) = in_flight.next(), if !in_flight.is_empty() => {
-                            count_all(&mut stats, settled, metrics);
+                        Some(handled) = in_flight.next(), if !in_flight.is_empty() => {
+                            count_all(&mut stats, handled, &mut acking, metrics);
                         }
+                        Some(()) = acking.next(), if !acking.is_empty() => {}
                         _ = shutdown.cancelled() => break None,
                     }
                 };
@@ -608,9 +637,10 @@ impl<S: Subscriber> Consumer<S> {
             }
             let mut lost_listener = false;
             tokio::select! {
-                Some(settled) = in_flight.next(), if !in_flight.is_empty() => {
-                    count_all(&mut stats, settled, metrics);
+                Some(handled) = in_flight.next(), if !in_flight.is_empty() => {
+                    count_all(&mut stats, handled, &mut acking, metrics);
                 }
+                Some(()) = acking.next(), if !acking.is_empty() => {}
                 _ = shutdown.cancelled(), if !stopping => {}
                 _ = tokio::time::sleep_until(next_poll) => {
                     eager = true;
@@ -634,24 +664,33 @@ impl<S: Subscriber> Consumer<S> {
         }
     }
 
-    /// One delivery in a transaction of its own (its receipt already recorded).
-    async fn handle<F, E>(&self, delivery: S::Delivery, handler: F, metrics: &RunMetrics) -> Settled
+    /// One delivery in a transaction of its own (its receipt already recorded). Settled by
+    /// the inbox (processed, rejected, a duplicate), it comes back with its ack still to make.
+    async fn handle<F, E>(
+        &self,
+        delivery: S::Delivery,
+        handler: F,
+        metrics: &RunMetrics,
+    ) -> (Settled, Option<Ack<'_>>)
     where
         F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<Verdict<()>, E>,
         E: From<Error> + fmt::Display,
     {
         let envelope = self.source.envelope(&delivery);
         let attempt = self.source.attempt(&delivery);
+        let id = envelope.id;
         let key = match self.key_of(envelope) {
             Ok(key) => key,
             Err(message) => {
-                return self
+                let settled = self
                     .panicked(&delivery, format!("key function: {message}"))
                     .await;
+                return (settled, None);
             }
         };
         let span = handle_span(envelope, attempt, "transaction");
-        async {
+        // `Ok`: settled in the inbox, to be acked; `Err`: settled by a nack or a dead letter.
+        let settled: std::result::Result<Settled, Settled> = async {
             // A redelivery was often processed already (the ack was lost, or the visibility
             // timeout expired just after the commit): one autocommit read settles it, without
             // a transaction. `None` or an error: take the normal path, which decides.
@@ -661,11 +700,7 @@ impl<S: Subscriber> Consumer<S> {
                     .lookup_on_pool(&self.pool, Key::new(key.as_str()))
                     .await
             {
-                if let Err(e) = self.ack_settled(&delivery).await {
-                    tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
-                }
-                self.away.lock().expect("away tally").forget(&envelope.id);
-                return Settled::Duplicate;
+                return Ok(Settled::Duplicate);
             }
             // A panicking handler is a failed delivery like any other: the transaction was
             // aborted and is rolled back as the unwind drops it; the message is nacked or
@@ -677,39 +712,54 @@ impl<S: Subscriber> Consumer<S> {
                 Ok(result) => result,
                 Err(panic) => {
                     let message = panic_message(panic.as_ref());
-                    return self.panicked(&delivery, message).await;
+                    return Err(self.panicked(&delivery, message).await);
                 }
             };
-            let settled = match result {
-                Ok(Outcome::Processed(())) => Settled::Processed,
-                Ok(Outcome::Duplicate(_)) => Settled::Duplicate,
-                Ok(Outcome::Rejected(_)) => Settled::Rejected,
+            match result {
+                Ok(Outcome::Processed(())) => Ok(Settled::Processed),
+                Ok(Outcome::Duplicate(_)) => Ok(Settled::Duplicate),
+                Ok(Outcome::Rejected(_)) => Ok(Settled::Rejected),
                 Ok(Outcome::InProgress) => {
                     metrics.in_progress.increment(1);
-                    return self
+                    Err(self
                         .retry_not_attempted(&delivery, "in progress elsewhere", Duration::ZERO)
-                        .await;
+                        .await)
                 }
                 Err(Failure::Database(e)) if database_away(&e) => {
                     // Not the message's fault: never dead-lettered for it (a failover would
                     // otherwise use up its deliveries while the handler never ran).
                     metrics.handler_errors.increment(1);
-                    return self.retry_while_away(&delivery, &e).await;
+                    Err(self.retry_while_away(&delivery, &e).await)
                 }
                 Err(e) => {
                     metrics.handler_errors.increment(1);
-                    return self.retry(&delivery, &e.to_string()).await;
+                    Err(self.retry(&delivery, &e.to_string()).await)
                 }
-            };
-            if let Err(e) = self.ack_settled(&delivery).await {
-                // Committed but not acked: the redelivery will be a duplicate.
-                tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
             }
-            self.away.lock().expect("away tally").forget(&envelope.id);
-            settled
         }
-        .instrument(span)
-        .await
+        .instrument(span.clone())
+        .await;
+        match settled {
+            Ok(settled) => {
+                self.away.lock().expect("away tally").forget(&id);
+                (settled, Some(self.ack_later(delivery, span)))
+            }
+            Err(settled) => (settled, None),
+        }
+    }
+
+    /// The ack of a delivery the inbox settled, to be run by the receive loop. Committed
+    /// but not acked (the ack failed, or the runner died first): the redelivery is a
+    /// duplicate.
+    fn ack_later(&self, delivery: S::Delivery, span: tracing::Span) -> Ack<'_> {
+        Box::pin(
+            async move {
+                if let Err(e) = self.ack_settled(&delivery).await {
+                    tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
+                }
+            }
+            .instrument(span),
+        )
     }
 
     /// Acks a delivery the inbox settled (processed, rejected, a duplicate). With the test
@@ -760,24 +810,27 @@ impl<S: Subscriber> Consumer<S> {
         handler: F,
         ttl: Duration,
         metrics: &RunMetrics,
-    ) -> Settled
+    ) -> (Settled, Option<Ack<'_>>)
     where
         F: AsyncFnOnce(&Envelope, &mut Lease) -> Result<(), E>,
         E: From<Error> + fmt::Display,
     {
         let envelope = self.source.envelope(&delivery);
         let attempt = self.source.attempt(&delivery);
+        let id = envelope.id;
         metrics.received(envelope, attempt);
         let key = match self.key_of(envelope) {
             Ok(key) => key,
             Err(message) => {
-                return self
+                let settled = self
                     .panicked(&delivery, format!("key function: {message}"))
                     .await;
+                return (settled, None);
             }
         };
         let span = handle_span(envelope, attempt, "lease");
-        async {
+        // `Ok`: settled in the inbox, to be acked; `Err`: settled by a nack or a dead letter.
+        let settled: std::result::Result<Settled, Settled> = async {
             // No redelivery shortcut: the lease statement is itself one autocommit read for
             // a consumed key.
             let key = Key::new(key.as_str()).with_message_id(envelope.id.to_string());
@@ -801,35 +854,37 @@ impl<S: Subscriber> Consumer<S> {
                 // run_leased released the lease before resuming the panic.
                 Err(panic) => {
                     let message = panic_message(panic.as_ref());
-                    return self.panicked(&delivery, message).await;
+                    return Err(self.panicked(&delivery, message).await);
                 }
             };
-            let settled = match result {
-                Ok(LeasedRun::Completed { .. }) => Settled::Processed,
-                Ok(LeasedRun::Duplicate(_)) => Settled::Duplicate,
+            match result {
+                Ok(LeasedRun::Completed { .. }) => Ok(Settled::Processed),
+                Ok(LeasedRun::Duplicate(_)) => Ok(Settled::Duplicate),
                 Ok(LeasedRun::InProgress { retry_after, .. }) => {
                     metrics.in_progress.increment(1);
-                    return self
+                    Err(self
                         .retry_not_attempted(&delivery, "leased elsewhere", retry_after)
-                        .await;
+                        .await)
                 }
                 Err(Failure::Database(e)) if database_away(&e) => {
                     metrics.handler_errors.increment(1);
-                    return self.retry_while_away(&delivery, &e).await;
+                    Err(self.retry_while_away(&delivery, &e).await)
                 }
                 Err(e) => {
                     metrics.handler_errors.increment(1);
-                    return self.retry(&delivery, &e.to_string()).await;
+                    Err(self.retry(&delivery, &e.to_string()).await)
                 }
-            };
-            if let Err(e) = self.ack_settled(&delivery).await {
-                tracing::warn!(error = %e, "pgbox ack failed; the redelivery will be absorbed");
             }
-            self.away.lock().expect("away tally").forget(&envelope.id);
-            settled
         }
-        .instrument(span)
-        .await
+        .instrument(span.clone())
+        .await;
+        match settled {
+            Ok(settled) => {
+                self.away.lock().expect("away tally").forget(&id);
+                (settled, Some(self.ack_later(delivery, span)))
+            }
+            Err(settled) => (settled, None),
+        }
     }
 
     /// One delivery through the inbox. pgbox's own failures (the claim, the commit) stay
@@ -997,10 +1052,17 @@ fn database_away(e: &Error) -> bool {
     ) || e.needs_migration()
 }
 
-fn count_all(stats: &mut ConsumerStats, settled: Vec<Settled>, metrics: &RunMetrics) {
-    for one in settled {
+/// Counts a unit whose transaction ended and hands its acks to the loop's set.
+fn count_all<'a>(
+    stats: &mut ConsumerStats,
+    handled: Handled<'a>,
+    acking: &mut FuturesUnordered<Ack<'a>>,
+    metrics: &RunMetrics,
+) {
+    for one in handled.settled {
         count(stats, one, metrics);
     }
+    acking.extend(handled.acks);
 }
 
 fn count(stats: &mut ConsumerStats, settled: Settled, metrics: &RunMetrics) {
