@@ -1026,9 +1026,20 @@ async fn main() -> anyhow::Result<()> {
     let server = local_pg::database_url()
         .await
         .map_err(|e| anyhow::anyhow!("no PostgreSQL: {e}"))?;
-    let rabbit_url = brokers::rabbitmq_url().await;
-    let nats_url = brokers::nats_url().await;
-    let kafka_url = brokers::kafka_url().await;
+    // Only the brokers of the transports asked for are found (or started).
+    let wanted = |name: &str| args.only.is_empty() || args.only.iter().any(|o| o == name);
+    let rabbit_url = match wanted("rabbitmq") {
+        true => brokers::rabbitmq_url().await,
+        false => String::new(),
+    };
+    let nats_url = match wanted("nats") {
+        true => brokers::nats_url().await,
+        false => String::new(),
+    };
+    let kafka_url = match wanted("kafka") {
+        true => brokers::kafka_url().await,
+        false => String::new(),
+    };
     let run = uuid::Uuid::now_v7().simple().to_string();
     let database = format!("pgbox_bench_brokers_{run}");
     let mut admin = sqlx::PgConnection::connect(&server).await?;
