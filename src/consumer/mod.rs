@@ -429,6 +429,9 @@ impl<S: Subscriber> Consumer<S> {
 
     /// Processes messages until `shutdown` is cancelled, then finishes the ones in hand and
     /// returns what it did. The handler gets the message and the transaction's connection.
+    /// Acks still unanswered a visibility timeout after the last transaction ended (a broker
+    /// or database that stopped answering) are given up: those messages come back and are
+    /// answered as duplicates.
     pub async fn run<F, E>(&self, handler: F, shutdown: CancellationToken) -> Result<ConsumerStats>
     where
         F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<(), E> + Clone,
@@ -516,11 +519,16 @@ impl<S: Subscriber> Consumer<S> {
     /// (one transaction's worth), and at most `concurrency` units are in flight.
     ///
     /// A unit holds its slot while its transaction is open, not while its acks are made: once
-    /// it has committed (or rolled back), its acks join a set of their own, run beside the
-    /// handlers, and the slot takes the next delivery. Receiving while acks are still out is
-    /// safe for order: every transport hands out a key's next message only once the ack of
-    /// the one before has been made. The set is bounded by what the slots could hold
-    /// (`concurrency` × `batch` acks); while it is full, nothing more is received.
+    /// it has committed, its acks join a set of their own, run beside the handlers, and the
+    /// slot takes the next delivery. Receiving while acks are still out keeps per-key order
+    /// only because every transport holds a key from handing out a message until that
+    /// message is settled, and lets no later message of the key overtake one it holds back
+    /// (RabbitMQ's receive keeps a key's messages behind its held ones even when the key is
+    /// released mid-receive). While the set holds `concurrency` × `batch` acks or more,
+    /// nothing more is received; units already in flight may still add theirs, so it never
+    /// holds twice that. At shutdown, acks still out a visibility timeout after the last
+    /// unit ended are abandoned (logged): their messages come back and are answered as
+    /// duplicates.
     async fn drive<'a, H, Fut>(
         &'a self,
         batch: usize,
@@ -536,6 +544,8 @@ impl<S: Subscriber> Consumer<S> {
         let mut in_flight = FuturesUnordered::new();
         let mut acking: FuturesUnordered<Ack<'a>> = FuturesUnordered::new();
         let max_acking = self.concurrency * batch;
+        // When the acks still out at shutdown are given up (see above).
+        let mut abandon_acks_at: Option<tokio::time::Instant> = None;
         // The wake-up channel, when the source has one. Lost or never made, the listener is
         // made again with backoff (the server restarted, a failover, a network blip): a
         // consumer that stopped listening would wait out every poll interval for as long as
@@ -562,8 +572,19 @@ impl<S: Subscriber> Consumer<S> {
         let mut next_poll = tokio::time::Instant::now();
         loop {
             let stopping = shutdown.is_cancelled();
-            if stopping && in_flight.is_empty() && acking.is_empty() {
-                return Ok(stats);
+            if stopping && in_flight.is_empty() {
+                if acking.is_empty() {
+                    return Ok(stats);
+                }
+                let at = *abandon_acks_at
+                    .get_or_insert_with(|| tokio::time::Instant::now() + self.visibility_timeout);
+                if tokio::time::Instant::now() >= at {
+                    tracing::warn!(
+                        acks = acking.len(),
+                        "pgbox consumer stopping with acks that did not finish within the visibility timeout; their messages will be redelivered and answered as duplicates"
+                    );
+                    return Ok(stats);
+                }
             }
             if listener.is_none()
                 && !stopping
@@ -642,6 +663,12 @@ impl<S: Subscriber> Consumer<S> {
                 }
                 Some(()) = acking.next(), if !acking.is_empty() => {}
                 _ = shutdown.cancelled(), if !stopping => {}
+                _ = async {
+                    match abandon_acks_at {
+                        Some(at) => tokio::time::sleep_until(at).await,
+                        None => std::future::pending().await,
+                    }
+                } => {}
                 _ = tokio::time::sleep_until(next_poll) => {
                     eager = true;
                     next_poll = tokio::time::Instant::now()

@@ -129,7 +129,7 @@
 //! delayed retries.
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -1668,6 +1668,14 @@ impl Subscriber for RabbitMq {
             }
         }
         state.held = still_held;
+        // Keys with a message still held: a later message of such a key pulled below waits
+        // behind it even if the key is released meanwhile (an ack made while this receive
+        // waits), or it would overtake the held one.
+        let mut held_keys: HashSet<String> = state
+            .held
+            .iter()
+            .filter_map(|d| d.envelope.ordering_key.clone())
+            .collect();
         let mut waited = false;
         // Bounded: each turn takes one message off the prefetch buffer.
         for _ in 0..(max + usize::from(self.inner.config.prefetch)) {
@@ -1735,9 +1743,17 @@ impl Subscriber for RabbitMq {
                 bound: self.inner.bound.clone(),
                 hold_requeued: self.inner.config.single_active_consumer,
             };
-            if admit(&state.gate, &d) {
+            let behind_held = d
+                .envelope
+                .ordering_key
+                .as_ref()
+                .is_some_and(|k| held_keys.contains(k));
+            if !behind_held && admit(&state.gate, &d) {
                 out.push(d);
             } else {
+                if let Some(k) = &d.envelope.ordering_key {
+                    held_keys.insert(k.clone());
+                }
                 state.held.push_back(d);
             }
         }
