@@ -53,6 +53,8 @@ enum AckMode {
     FailFirst,
     /// Never returns once `stuck` is set.
     HangWhen,
+    /// The first delivery's ack waits 1.5 s (past a 1 s visibility timeout) before acking.
+    OutlastVisibility,
 }
 
 /// The built-in queue with acks made slow, failing or hanging, and counted.
@@ -97,6 +99,12 @@ impl Subscriber for SlowAcks {
                 Err(Error::InvalidConfig("attack: this ack fails".into()))
             }
             AckMode::FailFirst => self.queue.ack(delivery).await,
+            AckMode::OutlastVisibility => {
+                if delivery.delivery == 1 {
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                }
+                self.queue.ack(delivery).await
+            }
             AckMode::HangWhen => {
                 if self.stuck.load(Ordering::SeqCst) {
                     std::future::pending::<()>().await;
@@ -612,4 +620,171 @@ async fn holds_per_key_order_with_slow_acks_on_rabbitmq() {
         assert!(seen.handlers_most.load(Ordering::SeqCst) <= 8);
         assert_per_key_order_once(&db.pool, &messages).await;
     }
+}
+
+/// The consumer process of `holds_sigkill_with_slow_acks_on_rabbitmq`: acks slow and
+/// staggered, so many are pending when the process is killed. A no-op in a normal run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_rabbit_slow_acks() {
+    let url = support::brokers::rabbitmq_url().await;
+    support::brokers::child_consumer(|prefix| Staggered {
+        inner: rabbit(&url, prefix),
+        seen: Arc::new(Seen::default()),
+    })
+    .await;
+}
+
+/// The consumer process of `holds_sigkill_with_slow_acks_on_the_queue` (its `extra` is
+/// the database URL). A no-op in a normal run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_queue_slow_acks() {
+    support::brokers::child_consumer(|url| Staggered {
+        inner: PgQueue::new(
+            sqlx::postgres::PgPoolOptions::new()
+                .max_connections(4)
+                .connect_lazy(url)
+                .unwrap(),
+        ),
+        seen: Arc::new(Seen::default()),
+    })
+    .await;
+}
+
+/// A consumer process SIGKILLed with acks pending (slow, staggered acks; 8 slots) on
+/// RabbitMQ, then a second one: each of 600 messages took effect exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn holds_sigkill_with_slow_acks_on_rabbitmq() {
+    support::init_tracing();
+    let url = support::brokers::rabbitmq_url().await;
+    let prefix = format!("pgbox-attack-acks-{}.", uuid::Uuid::now_v7().simple());
+    let topic = format!("t-{}", uuid::Uuid::now_v7().simple());
+    let admin = rabbit(&url, &prefix);
+    admin.declare_topic(&topic).await.expect("declare topic");
+    admin.close().await;
+    let db = TestDb::migrated().await;
+    support::brokers::pipeline_with_killed_consumer(
+        &db.pool,
+        &db.url(),
+        rabbit(&url, &prefix),
+        &topic,
+        "child_rabbit_slow_acks",
+        &prefix,
+    )
+    .await;
+}
+
+/// As [`holds_sigkill_with_slow_acks_on_rabbitmq`], on the built-in queue (the killed
+/// process's messages come back after the 30 s visibility timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn holds_sigkill_with_slow_acks_on_the_queue() {
+    support::init_tracing();
+    let db = TestDb::migrated().await;
+    support::brokers::pipeline_with_killed_consumer(
+        &db.pool,
+        &db.url(),
+        PgQueue::new(db.pool.clone()),
+        TOPIC,
+        "child_queue_slow_acks",
+        &db.url(),
+    )
+    .await;
+}
+
+/// Lease mode (`run_leased`) with slow, staggered acks and hot keys on the built-in queue:
+/// at most `concurrency` handlers at once, each message's (external) effect once, each
+/// key's effects in publication order, and `run` returns with every counted ack made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_lease_mode_with_slow_acks() {
+    support::init_tracing();
+    let db = TestDb::migrated().await;
+    effects_table(&db.pool).await;
+    let messages = mixed_keys(3, 12, 12);
+    enqueue_keyed(&db.pool, &messages).await;
+    let seen = Arc::new(Seen::default());
+    let stuck = Arc::new(AtomicBool::new(false));
+    let c = consumer(
+        &db.pool,
+        AckMode::Staggered,
+        &seen,
+        &stuck,
+        4,
+        1,
+        Duration::from_secs(60),
+    );
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (seen, shutdown, pool) = (seen.clone(), shutdown.clone(), db.pool.clone());
+        async move {
+            c.run_leased(
+                async move |e: &Envelope, _lease: &mut pgbox::Lease| {
+                    let now = seen.handlers.fetch_add(1, Ordering::SeqCst) + 1;
+                    seen.handlers_most.fetch_max(now, Ordering::SeqCst);
+                    let (key, n) = split(e);
+                    // The "external" effect: autocommitted on the pool, outside the inbox.
+                    let written =
+                        sqlx::query("INSERT INTO effects (key, n, message_id) VALUES ($1, $2, $3)")
+                            .bind(&key)
+                            .bind(n)
+                            .bind(e.id)
+                            .execute(&pool)
+                            .await;
+                    seen.handlers.fetch_sub(1, Ordering::SeqCst);
+                    written?;
+                    Ok::<(), Error>(())
+                },
+                Duration::from_secs(30),
+                shutdown,
+            )
+            .await
+        }
+    });
+    let n = messages.len() as i64;
+    assert!(drained(&db.pool, n, Duration::from_secs(180)).await);
+    let stats = support::stop_runner(shutdown, run, Duration::from_secs(60)).await;
+    assert_eq!(stats.processed, n as u64, "{stats:?}");
+    assert!(seen.handlers_most.load(Ordering::SeqCst) <= 4);
+    assert_eq!(
+        seen.acks_done.load(Ordering::SeqCst) as u64,
+        stats.processed + stats.duplicates
+    );
+    assert_per_key_order_once(&db.pool, &messages).await;
+}
+
+/// Acks slower than the visibility timeout: each message comes back while its first ack is
+/// still pending, is absorbed as a duplicate and acked; the stale first ack is refused.
+/// One effect per message, key order kept, nothing dead-lettered, nothing left queued.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_acks_outlasting_the_visibility_timeout() {
+    support::init_tracing();
+    let db = TestDb::migrated().await;
+    effects_table(&db.pool).await;
+    let messages = mixed_keys(2, 5, 8);
+    enqueue_keyed(&db.pool, &messages).await;
+    let seen = Arc::new(Seen::default());
+    let stuck = Arc::new(AtomicBool::new(false));
+    let c = consumer(
+        &db.pool,
+        AckMode::OutlastVisibility,
+        &seen,
+        &stuck,
+        4,
+        2,
+        Duration::from_secs(1),
+    );
+    let shutdown = CancellationToken::new();
+    let run = spawn(c, seen.clone(), shutdown.clone());
+    let n = messages.len() as i64;
+    assert!(drained(&db.pool, n, Duration::from_secs(180)).await);
+    let stats = support::stop_runner(shutdown, run, Duration::from_secs(60)).await;
+    assert_eq!(stats.processed, n as u64, "{stats:?}");
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    eprintln!("acks outlasting visibility: {stats:?}");
+    assert!(stats.duplicates > 0, "no redelivery came while its ack was pending");
+    assert_eq!(
+        seen.acks_done.load(Ordering::SeqCst) as u64,
+        stats.processed + stats.duplicates,
+        "{stats:?}"
+    );
+    assert_per_key_order_once(&db.pool, &messages).await;
+    assert_eq!(scalar(&db.pool, "SELECT count(*) FROM pgbox.queue").await, 0);
 }
