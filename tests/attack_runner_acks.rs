@@ -196,34 +196,41 @@ fn consumer(
 }
 
 /// The handler: counts itself running, writes one effect row, yields a little.
+async fn run_counting(
+    consumer: Consumer<SlowAcks>,
+    seen: Arc<Seen>,
+    shutdown: CancellationToken,
+) -> pgbox::Result<ConsumerStats> {
+    consumer
+        .run(
+            async move |e: &Envelope, conn: &mut HandlerConnection<'_>| {
+                let now = seen.handlers.fetch_add(1, Ordering::SeqCst) + 1;
+                seen.handlers_most.fetch_max(now, Ordering::SeqCst);
+                let (key, n) = split(e);
+                let written =
+                    sqlx::query("INSERT INTO effects (key, n, message_id) VALUES ($1, $2, $3)")
+                        .bind(&key)
+                        .bind(n)
+                        .bind(e.id)
+                        .execute(&mut **conn)
+                        .await;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                seen.handlers.fetch_sub(1, Ordering::SeqCst);
+                written?;
+                Ok::<(), Error>(())
+            },
+            shutdown,
+        )
+        .await
+}
+
+/// [`run_counting`] in a task of its own.
 fn spawn(
     consumer: Consumer<SlowAcks>,
     seen: Arc<Seen>,
     shutdown: CancellationToken,
 ) -> tokio::task::JoinHandle<pgbox::Result<ConsumerStats>> {
-    tokio::spawn(async move {
-        consumer
-            .run(
-                async move |e: &Envelope, conn: &mut HandlerConnection<'_>| {
-                    let now = seen.handlers.fetch_add(1, Ordering::SeqCst) + 1;
-                    seen.handlers_most.fetch_max(now, Ordering::SeqCst);
-                    let (key, n) = split(e);
-                    let written =
-                        sqlx::query("INSERT INTO effects (key, n, message_id) VALUES ($1, $2, $3)")
-                            .bind(&key)
-                            .bind(n)
-                            .bind(e.id)
-                            .execute(&mut **conn)
-                            .await;
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                    seen.handlers.fetch_sub(1, Ordering::SeqCst);
-                    written?;
-                    Ok::<(), Error>(())
-                },
-                shutdown,
-            )
-            .await
-    })
+    tokio::spawn(run_counting(consumer, seen, shutdown))
 }
 
 async fn scalar(pool: &PgPool, sql: &'static str) -> i64 {
@@ -787,4 +794,50 @@ async fn holds_acks_outlasting_the_visibility_timeout() {
     );
     assert_per_key_order_once(&db.pool, &messages).await;
     assert_eq!(scalar(&db.pool, "SELECT count(*) FROM pgbox.queue").await, 0);
+}
+
+/// The test kit's `consumer.after_handler_commit_before_ack` fault point fired 30 times
+/// from the ack set (each a runner "dying" between commit and ack), with slow staggered
+/// acks, hot keys, 4 slots of batches of 2: every redelivery is absorbed as a duplicate,
+/// one effect per message, each key's effects in publication order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_commit_before_ack_fault_point_from_the_ack_set() {
+    use pgbox::testing::{FaultPoint, FaultPoints};
+    support::init_tracing();
+    let db = TestDb::migrated().await;
+    effects_table(&db.pool).await;
+    let messages = mixed_keys(3, 10, 10);
+    enqueue_keyed(&db.pool, &messages).await;
+    let seen = Arc::new(Seen::default());
+    let stuck = Arc::new(AtomicBool::new(false));
+    let c = consumer(
+        &db.pool,
+        AckMode::Staggered,
+        &seen,
+        &stuck,
+        4,
+        2,
+        Duration::from_secs(60),
+    );
+    let faults = FaultPoints::new();
+    faults.arm(FaultPoint::ConsumerAfterHandlerCommitBeforeAck, 30);
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let (faults, seen, shutdown) = (faults.clone(), seen.clone(), shutdown.clone());
+        async move {
+            faults
+                .scope(run_counting(c, seen, shutdown))
+                .await
+        }
+    });
+    let n = messages.len() as i64;
+    assert!(drained(&db.pool, n, Duration::from_secs(180)).await);
+    let stats = support::stop_runner(shutdown, run, Duration::from_secs(60)).await;
+    assert_eq!(
+        faults.fired(FaultPoint::ConsumerAfterHandlerCommitBeforeAck),
+        30
+    );
+    assert_eq!(stats.processed, n as u64, "{stats:?}");
+    assert!(stats.duplicates >= 30, "{stats:?}");
+    assert_per_key_order_once(&db.pool, &messages).await;
 }
