@@ -841,3 +841,52 @@ async fn holds_commit_before_ack_fault_point_from_the_ack_set() {
     assert!(stats.duplicates >= 30, "{stats:?}");
     assert_per_key_order_once(&db.pool, &messages).await;
 }
+
+/// (Built with `--features nats`, as the NATS suites are.)
+/// NATS as the pgbox NATS tests set it up (their stream and subject prefix: the server is
+/// shared), acks waited for 2 s.
+#[cfg(feature = "nats")]
+fn nats(url: &str) -> pgbox::transport::nats::Nats {
+    pgbox::transport::nats::Nats::builder(url)
+        .stream("PGBOX_TEST")
+        .subject_prefix("pgbox-test")
+        .max_age(Duration::from_secs(3600))
+        .inactive_threshold(Duration::from_secs(600))
+        .ack_wait(Duration::from_secs(2))
+        .receive_wait(Duration::from_millis(100))
+        .build()
+        .expect("valid config")
+}
+
+/// The consumer process of `holds_sigkill_with_slow_acks_on_nats`. A no-op in a normal run.
+#[cfg(feature = "nats")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_nats_slow_acks() {
+    let url = support::brokers::nats_url().await;
+    support::brokers::child_consumer(|_| Staggered {
+        inner: nats(&url),
+        seen: Arc::new(Seen::default()),
+    })
+    .await;
+}
+
+/// A consumer process SIGKILLed with acks pending on NATS JetStream, then a second one:
+/// each of 600 messages took effect exactly once.
+#[cfg(feature = "nats")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn holds_sigkill_with_slow_acks_on_nats() {
+    support::init_tracing();
+    let url = support::brokers::nats_url().await;
+    let topic = format!("t.{}", uuid::Uuid::now_v7().simple());
+    nats(&url).declare_topic(&topic).await.expect("declare topic");
+    let db = TestDb::migrated().await;
+    support::brokers::pipeline_with_killed_consumer(
+        &db.pool,
+        &db.url(),
+        nats(&url),
+        &topic,
+        "child_nats_slow_acks",
+        "",
+    )
+    .await;
+}
