@@ -185,14 +185,19 @@ fn consumer(
         seen: seen.clone(),
         stuck: stuck.clone(),
     };
-    Consumer::builder(pool.clone(), source, TOPIC, Inbox::new("attack-acks").unwrap())
-        .concurrency(concurrency)
-        .batch_size(batch)
-        .visibility_timeout(visibility)
-        .poll_interval(Duration::from_millis(20))
-        .max_deliveries(50)
-        .build()
-        .unwrap()
+    Consumer::builder(
+        pool.clone(),
+        source,
+        TOPIC,
+        Inbox::new("attack-acks").unwrap(),
+    )
+    .concurrency(concurrency)
+    .batch_size(batch)
+    .visibility_timeout(visibility)
+    .poll_interval(Duration::from_millis(20))
+    .max_deliveries(50)
+    .build()
+    .unwrap()
 }
 
 /// The handler: counts itself running, writes one effect row, yields a little.
@@ -285,7 +290,10 @@ async fn assert_per_key_order_once(pool: &PgPool, messages: &[(String, usize)]) 
     for (k, count) in want {
         let got = per_key.remove(&k).unwrap_or_default();
         let expected: Vec<i32> = (0..count as i32).collect();
-        assert_eq!(got, expected, "key {k}: effects out of order, lost or doubled");
+        assert_eq!(
+            got, expected,
+            "key {k}: effects out of order, lost or doubled"
+        );
     }
     assert!(per_key.is_empty(), "effects of unknown keys: {per_key:?}");
 }
@@ -560,8 +568,7 @@ async fn holds_per_key_order_with_slow_acks_on_rabbitmq() {
         let envelopes: Vec<Envelope> = messages
             .iter()
             .map(|(k, n)| {
-                let mut e =
-                    pgbox::transport::conformance::envelope(&topic, format!("{k}:{n}"));
+                let mut e = pgbox::transport::conformance::envelope(&topic, format!("{k}:{n}"));
                 e.ordering_key = Some(k.clone());
                 e
             })
@@ -578,13 +585,18 @@ async fn holds_per_key_order_with_slow_acks_on_rabbitmq() {
             inner: rabbit(&url, &prefix),
             seen: seen.clone(),
         };
-        let c = Consumer::builder(db.pool.clone(), source, topic.clone(), Inbox::new("r").unwrap())
-            .concurrency(8)
-            .batch_size(batch)
-            .poll_interval(Duration::from_millis(20))
-            .max_deliveries(50)
-            .build()
-            .unwrap();
+        let c = Consumer::builder(
+            db.pool.clone(),
+            source,
+            topic.clone(),
+            Inbox::new("r").unwrap(),
+        )
+        .concurrency(8)
+        .batch_size(batch)
+        .poll_interval(Duration::from_millis(20))
+        .max_deliveries(50)
+        .build()
+        .unwrap();
         let shutdown = CancellationToken::new();
         let handler_seen = seen.clone();
         let run = tokio::spawn({
@@ -786,14 +798,20 @@ async fn holds_acks_outlasting_the_visibility_timeout() {
     assert_eq!(stats.processed, n as u64, "{stats:?}");
     assert_eq!(stats.dead_lettered, 0, "{stats:?}");
     eprintln!("acks outlasting visibility: {stats:?}");
-    assert!(stats.duplicates > 0, "no redelivery came while its ack was pending");
+    assert!(
+        stats.duplicates > 0,
+        "no redelivery came while its ack was pending"
+    );
     assert_eq!(
         seen.acks_done.load(Ordering::SeqCst) as u64,
         stats.processed + stats.duplicates,
         "{stats:?}"
     );
     assert_per_key_order_once(&db.pool, &messages).await;
-    assert_eq!(scalar(&db.pool, "SELECT count(*) FROM pgbox.queue").await, 0);
+    assert_eq!(
+        scalar(&db.pool, "SELECT count(*) FROM pgbox.queue").await,
+        0
+    );
 }
 
 /// The test kit's `consumer.after_handler_commit_before_ack` fault point fired 30 times
@@ -824,11 +842,7 @@ async fn holds_commit_before_ack_fault_point_from_the_ack_set() {
     let shutdown = CancellationToken::new();
     let run = tokio::spawn({
         let (faults, seen, shutdown) = (faults.clone(), seen.clone(), shutdown.clone());
-        async move {
-            faults
-                .scope(run_counting(c, seen, shutdown))
-                .await
-        }
+        async move { faults.scope(run_counting(c, seen, shutdown)).await }
     });
     let n = messages.len() as i64;
     assert!(drained(&db.pool, n, Duration::from_secs(180)).await);
@@ -878,7 +892,10 @@ async fn holds_sigkill_with_slow_acks_on_nats() {
     support::init_tracing();
     let url = support::brokers::nats_url().await;
     let topic = format!("t.{}", uuid::Uuid::now_v7().simple());
-    nats(&url).declare_topic(&topic).await.expect("declare topic");
+    nats(&url)
+        .declare_topic(&topic)
+        .await
+        .expect("declare topic");
     let db = TestDb::migrated().await;
     support::brokers::pipeline_with_killed_consumer(
         &db.pool,
