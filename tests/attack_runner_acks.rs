@@ -449,6 +449,7 @@ async fn holds_failed_acks_are_absorbed_as_duplicates() {
 /// ones in hand and returns". An ack that never returns (a broker or queue connection
 /// that stopped answering, with no timeout of its own) keeps `run` from ever returning:
 /// nothing bounds the wait for the ack set at shutdown, though every transaction ended.
+/// (Before the change the hung ack held its slot and `run` waited for it the same way.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finding_shutdown_waits_forever_on_a_hung_ack() {
     support::init_tracing();
@@ -721,7 +722,11 @@ async fn finding_rabbitmq_key_order_broken_with_batches_and_slow_acks() {
 /// a receive that waits up to 1 s for the broker. The runner receives while the first
 /// message's ack is still out (the change): the receive finds messages 1 to 3 held (the
 /// key is in hand), waits on the broker; the ack releases the key and frees prefetch
-/// credit; the broker sends message 4, which the receive hands out ahead of 1, 2 and 3.
+/// credit; the broker sends message 4, which the receive hands out ahead of 1, 2 and 3
+/// (seen: `[0, 4, 5, ..., 11, 1, 2, 3]`: the held ones wait until the end). The race is in
+/// the transport and also fails on the code before the change (any `concurrency` of 2 or
+/// more, where another slot's ack can land during a receive); the change makes it happen
+/// in the common configuration (see the batched test above, which passes before it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn finding_rabbitmq_ack_during_receive_lets_a_later_message_of_the_key_out() {
     support::init_tracing();
