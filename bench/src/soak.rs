@@ -154,7 +154,7 @@ async fn soak(args: &SoakArgs, payload: usize, url: &str) -> anyhow::Result<()> 
     );
     let tables = table_stats(&pools.stats).await?;
     let names: Vec<String> = tables.iter().map(|t| t.name.clone()).collect();
-    print_header(&names);
+    print_header();
     let started = Instant::now();
     let mut last = Snapshot::take(&pools.stats, &pipeline.tracker, started).await?;
     let mut rows = Vec::new();
@@ -173,7 +173,7 @@ async fn soak(args: &SoakArgs, payload: usize, url: &str) -> anyhow::Result<()> 
             &now,
             &hist,
         );
-        print_row(&row, &names);
+        print_row(&row);
         rows.push(row);
         last = now;
     }
@@ -769,7 +769,16 @@ fn opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
 }
 
-fn print_header(names: &[String]) {
+/// The tables the pipeline writes to, shown on the console (soak.md and soak.csv have all).
+const BUSY_TABLES: &[&str] = &[
+    "pgbox.outbox",
+    "pgbox.queue",
+    "pgbox.inbox",
+    "soak_effects",
+    "soak_orders",
+];
+
+fn print_header() {
     println!(
         "{:>4} {:>9} {:>9} {:>8} {:>8} {:>8} {:>9} {:>10} {:>10} {:>3}   tables: total MiB / dead tuples",
         "min",
@@ -783,17 +792,17 @@ fn print_header(names: &[String]) {
         "dead",
         "av"
     );
-    println!("     ({})", names.join(", "));
+    println!("     ({})", BUSY_TABLES.join(", "));
 }
 
-fn print_row(m: &Minute, names: &[String]) {
+fn print_row(m: &Minute) {
     let dead: i64 = m
         .tables
         .iter()
         .filter(|t| t.name.starts_with("pgbox."))
         .map(|t| t.dead)
         .sum();
-    let per_table: Vec<String> = names
+    let per_table: Vec<String> = BUSY_TABLES
         .iter()
         .filter_map(|n| m.table(n))
         .map(|t| format!("{:.1}/{}", t.total as f64 / MIB, t.dead))
@@ -1222,7 +1231,13 @@ fn svg(rows: &[Minute], warmup: u32) -> String {
                 bottom + 16.0
             );
         }
-        for (j, line) in lines.iter().enumerate() {
+        // The first series (the main one) is drawn last, on top; the others dashed.
+        for (j, line) in lines.iter().enumerate().rev() {
+            let dash = if j == 0 {
+                ""
+            } else {
+                " stroke-dasharray=\"6 3\""
+            };
             let points: Vec<String> = line
                 .points
                 .iter()
@@ -1231,7 +1246,7 @@ fn svg(rows: &[Minute], warmup: u32) -> String {
                 .collect();
             let _ = writeln!(
                 s,
-                "<polyline points=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"2\"/>",
+                "<polyline points=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"2\"{dash}/>",
                 points.join(" "),
                 line.color
             );
@@ -1247,7 +1262,7 @@ fn svg(rows: &[Minute], warmup: u32) -> String {
             let lx = LEFT + plot_w + 14.0;
             let _ = writeln!(
                 s,
-                "<line x1=\"{lx:.1}\" y1=\"{0:.1}\" x2=\"{1:.1}\" y2=\"{0:.1}\" stroke=\"{2}\" stroke-width=\"3\"/>\
+                "<line x1=\"{lx:.1}\" y1=\"{0:.1}\" x2=\"{1:.1}\" y2=\"{0:.1}\" stroke=\"{2}\" stroke-width=\"3\"{dash}/>\
                  <text x=\"{3:.1}\" y=\"{4:.1}\">{5}</text>",
                 ly - 4.0,
                 lx + 20.0,
@@ -1281,7 +1296,7 @@ fn nice_ceiling(v: f64) -> f64 {
 }
 
 fn tick(v: f64) -> String {
-    if v == 0.0 || v.abs() >= 10.0 {
+    if v.fract() == 0.0 {
         format!("{v:.0}")
     } else if v.abs() >= 1.0 {
         format!("{v:.1}")
