@@ -160,10 +160,16 @@ async fn soak(args: &SoakArgs, payload: usize, url: &str) -> anyhow::Result<()> 
     let mut rows = Vec::new();
     for minute in 1..=args.soak_minutes {
         tokio::time::sleep_until((started + MINUTE * minute).into()).await;
-        anyhow::ensure!(
-            !pipeline.finished(),
-            "a pipeline task stopped during the soak"
-        );
+        // A task that stopped early says why when it is joined.
+        if pipeline.finished() {
+            pipeline.stop().await?;
+            anyhow::bail!("a pipeline task stopped during the soak");
+        }
+        if producers.iter().any(|p| p.is_finished()) {
+            stop_producers.cancel();
+            join_producers(producers).await?;
+            anyhow::bail!("a producer stopped during the soak");
+        }
         let now = Snapshot::take(&pools.stats, &pipeline.tracker, started).await?;
         let hist = std::mem::take(&mut *pipeline.tracker.latency.lock().unwrap());
         let row = Minute::between(
