@@ -8,6 +8,7 @@
 //! cargo run --release -p pgbox-bench -- --only A1    # the archive: O2 with it off/on, replay
 //! cargo run --release -p pgbox-bench -- --only F1    # fan-out: per-destination drain, O1 with the header
 //! cargo run --release -p pgbox-bench -- --only CE1   # CloudEvents' encode cost (no database)
+//! cargo run --release -p pgbox-bench -- --soak       # 30-minute soak on a private cluster
 //! ```
 
 mod archive;
@@ -16,6 +17,7 @@ mod fanout;
 #[path = "../../tests/support/local_pg.rs"]
 mod local_pg;
 mod scheduled;
+mod soak;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -82,6 +84,8 @@ struct Args {
     /// Only workloads whose id starts with one of these (e.g. `I1,O2`).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
+    #[command(flatten)]
+    soak: soak::SoakArgs,
 }
 
 type OpFuture = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send>>;
@@ -751,6 +755,9 @@ async fn fingerprint(pool: &PgPool) -> anyhow::Result<()> {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let mut args = Args::parse();
+    if args.soak.soak {
+        return soak::run(&args.soak, args.payload).await;
+    }
     if args.quick {
         args.clients = vec![1, 4];
         args.duration = 1.0;
