@@ -485,10 +485,7 @@ mod apalis_arm {
     use apalis_postgres::{Config, PostgresStorage};
 
     async fn handler(key: String, ctx: Data<Arc<Ctx>>) -> Result<(), BoxDynError> {
-        if let Err(e) = ctx.handle(&key).await {
-            eprintln!("  apalis handler: {e:#}");
-            return Err(e.to_string().into());
-        }
+        ctx.handle(&key).await.map_err(|e| e.to_string())?;
         Ok(())
     }
 
@@ -507,7 +504,9 @@ mod apalis_arm {
         let backend = storage(pool)
             .with_pubsub()
             .poll_with_strategy(Strategy::new().interval(POLL));
-        let worker = WorkerBuilder::new("jq")
+        // A name of its own per run: apalis refuses a name its workers table still holds
+        // (`WorkerAlreadyExists`).
+        let worker = WorkerBuilder::new(format!("jq-{}", uuid::Uuid::now_v7().simple()))
             .backend(backend)
             .data(ctx.clone())
             .concurrency(CONCURRENCY)
@@ -517,23 +516,15 @@ mod apalis_arm {
         let _stop = shutdown.clone().drop_guard();
         let s = shutdown.clone();
         let started = Instant::now();
-        // A worker that starts on an empty queue never fetches again here (its first empty
-        // fetch parks it, and neither the poll interval nor the listener woke it): in J2 it
-        // is started once the first job is in, and the clock started before that job.
-        let mut first = 0;
-        if with_inbox {
-            storage(pool).push(format!("apalis-{first}")).await?;
-            first = 1;
-        }
         let task = tokio::spawn(worker.run_until(async move {
             s.cancelled().await;
             Ok::<(), WorkerError>(())
         }));
         if with_inbox {
-            producers(n - first, |i| {
+            producers(n, |i| {
                 let mut s = storage(pool);
                 async move {
-                    s.push(format!("apalis-{}", i + first)).await?;
+                    s.push(format!("apalis-{i}")).await?;
                     Ok(())
                 }
             })
