@@ -7,6 +7,7 @@
 //! cargo run --release -p pgbox-bench -- --only P     # the time-partitioned inbox (P1-P3)
 //! cargo run --release -p pgbox-bench -- --only A1    # the archive: O2 with it off/on, replay
 //! cargo run --release -p pgbox-bench -- --only F1    # fan-out: per-destination drain, O1 with the header
+//! cargo run --release -p pgbox-bench -- --only J     # the Rust job queues as peers of the built-in queue
 //! cargo run --release -p pgbox-bench -- --only CE1   # CloudEvents' encode cost (no database)
 //! cargo run --release -p pgbox-bench -- --soak       # 30-minute soak on a private cluster
 //! ```
@@ -14,6 +15,7 @@
 mod archive;
 mod cloudevents;
 mod fanout;
+mod jobqueues;
 #[path = "../../tests/support/local_pg.rs"]
 mod local_pg;
 mod scheduled;
@@ -855,6 +857,11 @@ async fn main() -> anyhow::Result<()> {
     // F1: fan-out (bench/src/fanout.rs); only when asked for (`--only F1`).
     if bench.args.only.iter().any(|p| p.starts_with('F')) {
         fanout::run(&bench.options, bench.args.quick).await?;
+    }
+
+    // J1, J2: the job-queue peers (bench/src/jobqueues.rs); only when asked for (`--only J`).
+    if bench.args.only.iter().any(|p| p.starts_with('J')) {
+        jobqueues::run(&server, &database, bench.args.quick).await?;
     }
 
     // B0: the business write alone.
