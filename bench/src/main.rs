@@ -7,7 +7,7 @@
 //! cargo run --release -p pgbox-bench -- --only P     # the time-partitioned inbox (P1-P3)
 //! cargo run --release -p pgbox-bench -- --only A1    # the archive: O2 with it off/on, replay
 //! cargo run --release -p pgbox-bench -- --only F1    # fan-out: per-destination drain, O1 with the header
-//! cargo run --release -p pgbox-bench -- --only J     # the Rust job queues as peers of the built-in queue
+//! cargo run --release -p pgbox-bench --features job-queues -- --only J   # the Rust job queues as peers of the built-in queue
 //! cargo run --release -p pgbox-bench -- --only CE1   # CloudEvents' encode cost (no database)
 //! cargo run --release -p pgbox-bench -- --soak       # 30-minute soak on a private cluster
 //! ```
@@ -15,6 +15,7 @@
 mod archive;
 mod cloudevents;
 mod fanout;
+#[cfg(feature = "job-queues")]
 mod jobqueues;
 #[path = "../../tests/support/local_pg.rs"]
 mod local_pg;
@@ -861,6 +862,9 @@ async fn main() -> anyhow::Result<()> {
 
     // J1, J2: the job-queue peers (bench/src/jobqueues.rs); only when asked for (`--only J`).
     if bench.args.only.iter().any(|p| p.starts_with('J')) {
+        #[cfg(not(feature = "job-queues"))]
+        anyhow::bail!("J1/J2 need the job-queue peers: add `--features job-queues`");
+        #[cfg(feature = "job-queues")]
         jobqueues::run(&server, &database, bench.args.quick).await?;
     }
 
