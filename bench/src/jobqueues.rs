@@ -211,7 +211,7 @@ pub(crate) async fn run(server: &str, database: &str, quick: bool) -> anyhow::Re
 
 const NOTES: [&str; 4] = [
     "pgbox's runner records every message in its inbox, in J1 too (it has no mode without); the peers' no-op handlers write nothing",
-    "sqlxmq's runner polls on a fixed schedule besides NOTIFY and gives no poll setting; driven at concurrency 16..16",
+    "sqlxmq's runner polls when its NOTIFY or a finished job wakes it, else at the earliest retry time (at most 60 s); it has no poll setting; driven at concurrency 16..16",
     "underway's worker starts one more task-processing loop per NOTIFY or poll tick, up to its limit: polled every 10 ms (its `run_every`) so that it reaches 16 on a backlog that sends no NOTIFY",
     "apalis-postgres fetches in batches (batch size 10, its default) and is woken by its pub/sub listener besides a 10 ms poll; graphile_worker polled every 10 ms besides its LISTEN",
 ];
