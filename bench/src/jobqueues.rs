@@ -36,14 +36,18 @@ const POLL: Duration = Duration::from_millis(10);
 #[derive(Clone, Copy, PartialEq, Debug)]
 enum System {
     Pgbox,
+    /// The built-in queue without the runner: tasks that receive, handle as the peers' handlers
+    /// do (nothing in J1; their own inbox transaction in J2), and ack.
+    PgboxLoop,
     Sqlxmq,
     Underway,
     Apalis,
     Graphile,
 }
 
-const SYSTEMS: [System; 5] = [
+const SYSTEMS: [System; 6] = [
     System::Pgbox,
+    System::PgboxLoop,
     System::Sqlxmq,
     System::Underway,
     System::Apalis,
@@ -54,6 +58,7 @@ impl System {
     fn name(self) -> &'static str {
         match self {
             System::Pgbox => "pgbox PgQueue + Consumer",
+            System::PgboxLoop => "pgbox PgQueue, a worker loop like the peers'",
             System::Sqlxmq => "sqlxmq 0.6.0",
             System::Underway => "underway 0.2.0",
             System::Apalis => "apalis 1.0.0 + apalis-postgres 1.0.0",
@@ -168,7 +173,7 @@ pub(crate) async fn run(server: &str, database: &str, quick: bool) -> anyhow::Re
                         );
                         rates[i].push(rate);
                     }
-                    Err(e) if SYSTEMS[i] != System::Pgbox => {
+                    Err(e) if !matches!(SYSTEMS[i], System::Pgbox | System::PgboxLoop) => {
                         eprintln!("  {id} round {round}: {} failed: {e:#}", SYSTEMS[i].name());
                         failed[i] = Some(format!("{e:#}"));
                     }
@@ -177,15 +182,16 @@ pub(crate) async fn run(server: &str, database: &str, quick: bool) -> anyhow::Re
             }
         }
         let pgbox = median(rates[0].clone());
+        let pgbox_loop = median(rates[1].clone());
         println!();
         println!("{id}, {n} jobs");
         println!();
-        println!("| system | jobs/s (median) | pgbox / it |");
-        println!("|---|---:|---:|");
+        println!("| system | jobs/s (median) | pgbox runner / it | pgbox worker loop / it |");
+        println!("|---|---:|---:|---:|");
         for (i, s) in SYSTEMS.iter().enumerate() {
             if rates[i].is_empty() {
                 println!(
-                    "| {} | failed: {} | - |",
+                    "| {} | failed: {} | - | - |",
                     s.name(),
                     failed[i].as_deref().unwrap_or("-")
                 );
@@ -199,7 +205,12 @@ pub(crate) async fn run(server: &str, database: &str, quick: bool) -> anyhow::Re
                 ),
                 None => String::new(),
             };
-            println!("| {}{note} | {m:.0} | {:.2}× |", s.name(), pgbox / m);
+            println!(
+                "| {}{note} | {m:.0} | {:.2}× | {:.2}× |",
+                s.name(),
+                pgbox / m,
+                pgbox_loop / m
+            );
         }
     }
     println!();
@@ -209,8 +220,9 @@ pub(crate) async fn run(server: &str, database: &str, quick: bool) -> anyhow::Re
     Ok(())
 }
 
-const NOTES: [&str; 4] = [
+const NOTES: [&str; 5] = [
     "pgbox's runner records every message in its inbox, in J1 too (it has no mode without); the peers' no-op handlers write nothing",
+    "pgbox's worker loop is driven as the peers are: 16 tasks receive up to 4 messages, run the peers' handler (nothing in J1; its own inbox transaction in J2) and ack",
     "sqlxmq's runner polls when its NOTIFY or a finished job wakes it, else at the earliest retry time (at most 60 s); it has no poll setting; driven at concurrency 16..16",
     "underway's worker starts one more task-processing loop per NOTIFY or poll tick, up to its limit: polled every 10 ms (its `run_every`) so that it reaches 16 on a backlog that sends no NOTIFY",
     "apalis-postgres fetches in batches (batch size 10, its default) and is woken by its pub/sub listener besides a 10 ms poll; graphile_worker polled every 10 ms besides its LISTEN",
@@ -233,6 +245,7 @@ async fn arm(
     pool.execute("VACUUM ANALYZE").await?;
     let rate = match s {
         System::Pgbox => pgbox_arm(pool, n, with_inbox).await?,
+        System::PgboxLoop => pgbox_loop_arm(pool, n, with_inbox).await?,
         System::Sqlxmq => sqlxmq_arm::arm(pool, pool08, n, with_inbox).await?,
         System::Underway => underway_arm::arm(pool, pool08, n, with_inbox).await?,
         System::Apalis => apalis_arm::arm(pool, n, with_inbox).await?,
@@ -358,6 +371,82 @@ async fn pgbox_arm(pool: &PgPool, n: usize, with_inbox: bool) -> anyhow::Result<
     if let Some(relay) = relay {
         tokio::time::timeout(Duration::from_secs(30), relay).await???;
     }
+    Ok(rate)
+}
+
+/// The built-in queue driven as the peers are: `CONCURRENCY` tasks that receive a few
+/// messages, run the peers' handler on each and ack it.
+async fn pgbox_loop_arm(pool: &PgPool, n: usize, with_inbox: bool) -> anyhow::Result<f64> {
+    let queue = PgQueue::new(pool.clone());
+    let shutdown = CancellationToken::new();
+    let relay = if with_inbox {
+        let relay = Relay::builder(pool.clone(), queue.clone()).build()?;
+        let s = shutdown.clone();
+        Some(tokio::spawn(async move { relay.run(s).await }))
+    } else {
+        let mut tx = pool.begin().await?;
+        Outbox::new()
+            .enqueue_batch(
+                &mut tx,
+                (0..n).map(|_| Message::bytes(TOPIC, vec![b'x'; 16])),
+            )
+            .await?;
+        tx.commit().await?;
+        let report = Relay::builder(pool.clone(), queue.clone())
+            .build()?
+            .drain()
+            .await?;
+        anyhow::ensure!(
+            report.published == n,
+            "J1 pgbox loop: relayed {report:?} of {n}"
+        );
+        pool.execute("VACUUM ANALYZE pgbox.queue").await?;
+        None
+    };
+    let ctx = Ctx::new(pool, with_inbox);
+    let started = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..CONCURRENCY {
+        let (queue, ctx, shutdown) = (queue.clone(), ctx.clone(), shutdown.clone());
+        workers.push(tokio::spawn(async move {
+            while !shutdown.is_cancelled() {
+                let got = queue.receive(TOPIC, 4, Duration::from_secs(60)).await?;
+                if got.is_empty() {
+                    tokio::time::sleep(POLL).await;
+                    continue;
+                }
+                for d in &got {
+                    ctx.handle(&d.envelope.id.to_string()).await?;
+                    queue.ack(d).await?;
+                }
+            }
+            anyhow::Ok(())
+        }));
+    }
+    if with_inbox {
+        producers(n, |_| {
+            let pool = pool.clone();
+            async move {
+                let mut tx = pool.begin().await?;
+                Outbox::new()
+                    .enqueue(&mut tx, Message::bytes(TOPIC, vec![b'x'; 16]))
+                    .await?;
+                tx.commit().await?;
+                Ok(())
+            }
+        })
+        .await?;
+    }
+    let waited = ctx.until(n, started).await;
+    let rate = n as f64 / started.elapsed().as_secs_f64();
+    shutdown.cancel();
+    for w in workers {
+        tokio::time::timeout(Duration::from_secs(30), w).await???;
+    }
+    if let Some(relay) = relay {
+        tokio::time::timeout(Duration::from_secs(30), relay).await???;
+    }
+    waited?;
     Ok(rate)
 }
 
