@@ -291,32 +291,57 @@ where
     Ok(())
 }
 
-async fn pgbox_arm(pool: &PgPool, n: usize, with_inbox: bool) -> anyhow::Result<f64> {
-    let queue = PgQueue::new(pool.clone());
-    let outbox = Outbox::new();
-    let shutdown = CancellationToken::new();
-    let relay = if with_inbox {
+/// J1: the backlog of `n` messages, through the outbox and a relay into the queue, untimed;
+/// J2: a relay running into the queue while the producers enqueue.
+async fn pgbox_relay(
+    pool: &PgPool,
+    queue: &PgQueue,
+    n: usize,
+    with_inbox: bool,
+    shutdown: &CancellationToken,
+) -> anyhow::Result<Option<tokio::task::JoinHandle<pgbox::Result<()>>>> {
+    if with_inbox {
         let relay = Relay::builder(pool.clone(), queue.clone()).build()?;
         let s = shutdown.clone();
-        Some(tokio::spawn(async move { relay.run(s).await }))
-    } else {
-        // The backlog: through the outbox and a relay into the queue, untimed.
-        let mut tx = pool.begin().await?;
-        outbox
-            .enqueue_batch(
-                &mut tx,
-                (0..n).map(|_| Message::bytes(TOPIC, vec![b'x'; 16])),
-            )
-            .await?;
-        tx.commit().await?;
-        let report = Relay::builder(pool.clone(), queue.clone())
-            .build()?
-            .drain()
-            .await?;
-        anyhow::ensure!(report.published == n, "J1 pgbox: relayed {report:?} of {n}");
-        pool.execute("VACUUM ANALYZE pgbox.queue").await?;
-        None
-    };
+        return Ok(Some(tokio::spawn(async move { relay.run(s).await })));
+    }
+    let mut tx = pool.begin().await?;
+    Outbox::new()
+        .enqueue_batch(
+            &mut tx,
+            (0..n).map(|_| Message::bytes(TOPIC, vec![b'x'; 16])),
+        )
+        .await?;
+    tx.commit().await?;
+    let report = Relay::builder(pool.clone(), queue.clone())
+        .build()?
+        .drain()
+        .await?;
+    anyhow::ensure!(report.published == n, "J1 pgbox: relayed {report:?} of {n}");
+    pool.execute("VACUUM ANALYZE pgbox.queue").await?;
+    Ok(None)
+}
+
+/// Producers through the outbox, one message per transaction (J2).
+async fn pgbox_producers(pool: &PgPool, n: usize) -> anyhow::Result<()> {
+    producers(n, |_| {
+        let pool = pool.clone();
+        async move {
+            let mut tx = pool.begin().await?;
+            Outbox::new()
+                .enqueue(&mut tx, Message::bytes(TOPIC, vec![b'x'; 16]))
+                .await?;
+            tx.commit().await?;
+            Ok(())
+        }
+    })
+    .await
+}
+
+async fn pgbox_arm(pool: &PgPool, n: usize, with_inbox: bool) -> anyhow::Result<f64> {
+    let queue = PgQueue::new(pool.clone());
+    let shutdown = CancellationToken::new();
+    let relay = pgbox_relay(pool, &queue, n, with_inbox, &shutdown).await?;
     let done = Arc::new(AtomicUsize::new(0));
     let consumer = Consumer::builder(pool.clone(), queue, TOPIC, Inbox::new("jq")?)
         .concurrency(CONCURRENCY)
@@ -340,18 +365,7 @@ async fn pgbox_arm(pool: &PgPool, n: usize, with_inbox: bool) -> anyhow::Result<
             .await
     });
     if with_inbox {
-        producers(n, |_| {
-            let pool = pool.clone();
-            async move {
-                let mut tx = pool.begin().await?;
-                Outbox::new()
-                    .enqueue(&mut tx, Message::bytes(TOPIC, vec![b'x'; 16]))
-                    .await?;
-                tx.commit().await?;
-                Ok(())
-            }
-        })
-        .await?;
+        pgbox_producers(pool, n).await?;
     }
     let wait = async {
         while done.load(Relaxed) < n {
@@ -379,30 +393,7 @@ async fn pgbox_arm(pool: &PgPool, n: usize, with_inbox: bool) -> anyhow::Result<
 async fn pgbox_loop_arm(pool: &PgPool, n: usize, with_inbox: bool) -> anyhow::Result<f64> {
     let queue = PgQueue::new(pool.clone());
     let shutdown = CancellationToken::new();
-    let relay = if with_inbox {
-        let relay = Relay::builder(pool.clone(), queue.clone()).build()?;
-        let s = shutdown.clone();
-        Some(tokio::spawn(async move { relay.run(s).await }))
-    } else {
-        let mut tx = pool.begin().await?;
-        Outbox::new()
-            .enqueue_batch(
-                &mut tx,
-                (0..n).map(|_| Message::bytes(TOPIC, vec![b'x'; 16])),
-            )
-            .await?;
-        tx.commit().await?;
-        let report = Relay::builder(pool.clone(), queue.clone())
-            .build()?
-            .drain()
-            .await?;
-        anyhow::ensure!(
-            report.published == n,
-            "J1 pgbox loop: relayed {report:?} of {n}"
-        );
-        pool.execute("VACUUM ANALYZE pgbox.queue").await?;
-        None
-    };
+    let relay = pgbox_relay(pool, &queue, n, with_inbox, &shutdown).await?;
     let ctx = Ctx::new(pool, with_inbox);
     let started = Instant::now();
     let mut workers = Vec::new();
@@ -424,18 +415,7 @@ async fn pgbox_loop_arm(pool: &PgPool, n: usize, with_inbox: bool) -> anyhow::Re
         }));
     }
     if with_inbox {
-        producers(n, |_| {
-            let pool = pool.clone();
-            async move {
-                let mut tx = pool.begin().await?;
-                Outbox::new()
-                    .enqueue(&mut tx, Message::bytes(TOPIC, vec![b'x'; 16]))
-                    .await?;
-                tx.commit().await?;
-                Ok(())
-            }
-        })
-        .await?;
+        pgbox_producers(pool, n).await?;
     }
     let waited = ctx.until(n, started).await;
     let rate = n as f64 / started.elapsed().as_secs_f64();

@@ -766,6 +766,18 @@ impl<S: Subscriber> Consumer<S> {
         }
         .instrument(span.clone())
         .await;
+        self.then_ack(settled, id, delivery, span)
+    }
+
+    /// A delivery settled in the inbox (`Ok`) is forgotten by the away tally and comes back
+    /// with its ack still to make; one settled by a nack or a dead letter (`Err`) without.
+    fn then_ack(
+        &self,
+        settled: std::result::Result<Settled, Settled>,
+        id: uuid::Uuid,
+        delivery: S::Delivery,
+        span: tracing::Span,
+    ) -> (Settled, Option<Ack<'_>>) {
         match settled {
             Ok(settled) => {
                 self.away.lock().expect("away tally").forget(&id);
@@ -905,13 +917,7 @@ impl<S: Subscriber> Consumer<S> {
         }
         .instrument(span.clone())
         .await;
-        match settled {
-            Ok(settled) => {
-                self.away.lock().expect("away tally").forget(&id);
-                (settled, Some(self.ack_later(delivery, span)))
-            }
-            Err(settled) => (settled, None),
-        }
+        self.then_ack(settled, id, delivery, span)
     }
 
     /// One delivery through the inbox. pgbox's own failures (the claim, the commit) stay
