@@ -1904,7 +1904,25 @@ fn kafka_publish_error(what: &str, e: &rdkafka::error::KafkaError) -> PublishErr
     }
 }
 
+/// The producer's session is broken, not the message: fenced by a newer producer, or its
+/// id or sequence lost or refused by the broker. Reported on an ack, possibly without
+/// librdkafka marking the producer fatal: the producer is made again (see the publish).
+fn is_producer_session_error(code: RDKafkaErrorCode) -> bool {
+    use RDKafkaErrorCode as C;
+    matches!(
+        code,
+        C::ProducerFenced
+            | C::InvalidProducerEpoch
+            | C::InvalidProducerIdMapping
+            | C::UnknownProducerId
+            | C::OutOfOrderSequenceNumber
+    )
+}
+
 fn is_outage(code: RDKafkaErrorCode) -> bool {
+    if is_producer_session_error(code) {
+        return true;
+    }
     use RDKafkaErrorCode as C;
     matches!(
         code,
@@ -1991,11 +2009,20 @@ impl Publisher for Kafka {
             };
             pending.push(sent);
         }
+        let session_lost = std::sync::atomic::AtomicBool::new(false);
+        let session_lost = &session_lost;
         let acks = join_all(pending.into_iter().map(|p| async move {
             match p {
                 Ok(future) => match future.await {
                     Ok(Ok(delivery)) => Ok((delivery.partition, delivery.offset)),
-                    Ok(Err((e, _))) => Err(kafka_publish_error("publish ack", &e)),
+                    Ok(Err((e, _))) => {
+                        if e.rdkafka_error_code()
+                            .is_some_and(is_producer_session_error)
+                        {
+                            session_lost.store(true, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        Err(kafka_publish_error("publish ack", &e))
+                    }
                     Err(_) => Err(PublishError::unavailable("publish ack: producer gone")),
                 },
                 Err(e) => Err(e),
@@ -2007,6 +2034,19 @@ impl Publisher for Kafka {
             Ok(acks) => acks,
             Err(e) => return fail_all(&e),
         };
+        // A producer whose session the broker ended is made again at the next publish.
+        if session_lost.load(std::sync::atomic::Ordering::Relaxed) {
+            tracing::warn!(
+                "pgbox kafka: the producer's session was ended by the broker (fenced, or its id or sequence refused); making a new one"
+            );
+            let mut slot = self.inner.producer.lock().expect("producer");
+            if slot
+                .as_ref()
+                .is_some_and(|p| p.client().native_ptr() == producer.client().native_ptr())
+            {
+                *slot = None;
+            }
+        }
         // A fatal error of the producer fails what it held, whatever the error each message
         // reports (`_FATAL`, or the broker's answer that caused it): not the messages'
         // fault. An outage until the next publish, which makes a new producer.
