@@ -76,7 +76,8 @@ pub use crate::inbox::{
     Sequenced, Verdict, Wait,
 };
 pub use crate::migrate::{
-    AppliedMigration, DEFAULT_SCHEMA, HISTORY_TABLE, MigrationReport, Migrator, migrate,
+    AppliedMigration, DEFAULT_SCHEMA, HISTORY_TABLE, MigrationReport, Migrator, SchemaMigration,
+    migrate,
 };
 pub use crate::outbox::{
     DEFAULT_MAX_MESSAGE_BYTES, Envelope, InTransaction, MAX_HEADER_NAME_BYTES,

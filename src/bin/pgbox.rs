@@ -7,6 +7,8 @@
 
 #[path = "pgbox/archive.rs"]
 mod archive;
+#[path = "pgbox/tenants.rs"]
+mod tenants;
 
 use std::collections::HashSet;
 use std::process::ExitCode;
@@ -47,6 +49,16 @@ struct Cli {
     /// Machine-readable JSON output.
     #[arg(long, global = true)]
     json: bool,
+    /// Every tenant schema whose name matches this SQL `LIKE` pattern (`tenant\_%`), instead
+    /// of `--schema`: for `migrate` (every matching schema, even an empty one), `status` and
+    /// `doctor` (schemas holding pgbox's tables). One line per tenant, then a summary.
+    #[arg(long, global = true, value_name = "PATTERN")]
+    tenants: Option<String>,
+    /// Every database of the server whose name matches this SQL `LIKE` pattern, instead of
+    /// the URL's database (which is still the one connected to first): for `migrate`,
+    /// `status` and `doctor`, with `--tenants` or the `--schema` in each.
+    #[arg(long, global = true, value_name = "PATTERN")]
+    databases: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -74,6 +86,9 @@ enum Command {
         /// no ownership), again on every run. Repeat for several roles. Also in --print-sql.
         #[arg(long = "grant-to", value_name = "ROLE")]
         grant_to: Vec<String>,
+        /// With `--tenants` or `--databases`: tenant schemas migrated at once, per database.
+        #[arg(long, default_value_t = 2)]
+        jobs: usize,
     },
     /// The time-partitioned inbox's partitions: list them, create them ahead, drop old ones.
     Partitions {
@@ -573,9 +588,73 @@ fn advice_line(severity: Severity, advice: &str) -> Option<(&'static str, &str)>
     (!rest.is_empty()).then_some(("note", rest))
 }
 
+/// `migrate`, `status` and `doctor` over the tenants `--tenants`/`--databases` select.
+async fn run_fleet(cli: Cli, selection: &tenants::Selection) -> Result<(), Failure> {
+    let url = cli.database_url.as_deref();
+    match cli.command {
+        Command::Migrate {
+            print_sql: false,
+            partitioned_inbox,
+            partition_min_retention,
+            partitions_ahead,
+            grant_to,
+            jobs,
+        } => {
+            let mut migrator = Migrator::new();
+            for role in &grant_to {
+                migrator = migrator.grant_to(role)?;
+            }
+            if let Some(width) = partitioned_inbox {
+                migrator = migrator.partitioned_inbox(
+                    pgbox::InboxPartitioning::every(width)
+                        .minimum_retention(partition_min_retention)
+                        .ahead(partitions_ahead),
+                );
+            }
+            if jobs == 0 {
+                return Err(fail(2, "--jobs must be at least 1"));
+            }
+            tenants::migrate(url, selection, migrator, jobs, cli.json).await
+        }
+        Command::Status => tenants::status(url, selection, cli.json).await,
+        Command::Doctor {
+            xmin_age_warn,
+            xmin_age_critical,
+            role,
+        } => {
+            if xmin_age_warn > xmin_age_critical {
+                return Err(fail(
+                    2,
+                    "--xmin-age-warn is above --xmin-age-critical: the warning must come first",
+                ));
+            }
+            let mut doctor = Doctor::new()
+                .xmin_age_warn(xmin_age_warn)
+                .xmin_age_critical(xmin_age_critical);
+            if let Some(role) = &role {
+                doctor = doctor.application_role(role)?;
+            }
+            tenants::doctor(url, selection, doctor, cli.json).await
+        }
+        _ => Err(fail(
+            2,
+            "--tenants and --databases apply to migrate (without --print-sql), status and \
+             doctor; run other commands with --schema against one database",
+        )),
+    }
+}
+
 async fn run(cli: Cli) -> Result<(), Failure> {
     let json_mode = cli.json;
     let schema = cli.schema.as_str();
+    let selection = tenants::Selection {
+        tenants: cli.tenants.clone(),
+        databases: cli.databases.clone(),
+        schema: cli.schema.clone(),
+    };
+    if selection.is_fleet() {
+        return run_fleet(cli, &selection).await;
+    }
     match cli.command {
         Command::Migrate {
             print_sql: true,
@@ -595,6 +674,7 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             partition_min_retention,
             partitions_ahead,
             grant_to,
+            jobs: _,
         } => {
             let mut migrator = Migrator::new().schema(schema)?;
             for role in &grant_to {
