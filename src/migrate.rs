@@ -278,13 +278,24 @@ impl Migrator {
         // The idempotent DDL (`IF NOT EXISTS`, here and refinery's history table) answers a
         // re-run with NOTICEs ("already exists, skipping") that land in the application's
         // log: quiet for this session's migration work, reset before the connection is reused.
-        let create = format!(
-            "SET client_min_messages = warning; CREATE SCHEMA IF NOT EXISTS {}",
-            self.schema.quoted()
-        );
-        sqlx::raw_sql(AssertSqlSafe(create))
+        sqlx::raw_sql("SET client_min_messages = warning")
             .execute(&mut **conn)
             .await?;
+        // `CREATE SCHEMA IF NOT EXISTS` checks the database's CREATE privilege before it looks
+        // for the schema: a schema's owner without that privilege (a schema per tenant made by
+        // a DBA) could never migrate. Only a missing schema is created.
+        let exists: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = $1)",
+        )
+        .bind(self.schema.as_str())
+        .fetch_one(&mut **conn)
+        .await?;
+        if !exists {
+            let create = format!("CREATE SCHEMA IF NOT EXISTS {}", self.schema.quoted());
+            sqlx::raw_sql(AssertSqlSafe(create))
+                .execute(&mut **conn)
+                .await?;
+        }
 
         let applied = self.apply_pending(conn).await?;
         let partitions_created = match &self.partitioning {
