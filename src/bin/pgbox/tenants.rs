@@ -34,6 +34,9 @@ struct Target {
     schemas: Vec<String>,
     /// Names that matched the pattern but are not valid pgbox schema names (left alone).
     skipped: Vec<String>,
+    /// Why the database's schemas could not be listed (it refuses this role's connection,
+    /// was dropped, ...): reported as a failed line of its own, never as a skipped name.
+    unreadable: Option<String>,
 }
 
 /// Schemas matching `pattern` in the pool's database: every schema for `migrate` (a new
@@ -107,7 +110,8 @@ async fn targets(
                         database,
                         pool,
                         schemas: Vec::new(),
-                        skipped: vec![format!("(database not readable: {})", e.message)],
+                        skipped: Vec::new(),
+                        unreadable: Some(e.message),
                     });
                     continue;
                 }
@@ -118,6 +122,7 @@ async fn targets(
             pool,
             schemas: found,
             skipped,
+            unreadable: None,
         });
     }
     Ok(out)
@@ -161,6 +166,20 @@ pub(crate) async fn migrate(
     let (mut migrated, mut current, mut failed) = (0usize, 0usize, 0usize);
     let mut text = String::new();
     for t in &targets {
+        if let Some(e) = &t.unreadable {
+            failed += 1;
+            text.push_str(&format!(
+                "{}: FAILED: database not readable: {e}\n",
+                t.database
+            ));
+            rows.push(json!({
+                "database": t.database,
+                "schema": null,
+                "state": "failed",
+                "applied": [],
+                "error": format!("database not readable: {e}"),
+            }));
+        }
         let outcomes = if t.schemas.is_empty() {
             Vec::new()
         } else {
@@ -239,6 +258,17 @@ pub(crate) async fn status(
     let mut text = String::new();
     let mut broken = 0usize;
     for t in &targets {
+        if let Some(e) = &t.unreadable {
+            broken += 1;
+            text.push_str(&format!(
+                "{}: FAILED: database not readable: {e}\n",
+                t.database
+            ));
+            rows.push(json!({
+                "database": t.database, "schema": null, "ok": false,
+                "error": format!("database not readable: {e}"),
+            }));
+        }
         for schema in &t.schemas {
             match pgbox::status(&t.pool, schema).await {
                 Ok(s) => {
@@ -321,6 +351,19 @@ pub(crate) async fn doctor(
         _ => 0,
     };
     for t in &targets {
+        if let Some(e) = &t.unreadable {
+            if rank(1) > rank(worst) {
+                worst = 1;
+            }
+            text.push_str(&format!(
+                "{}: FAILED: database not readable: {e}\n",
+                t.database
+            ));
+            rows.push(json!({
+                "database": t.database, "schema": null,
+                "error": format!("database not readable: {e}"), "exit_code": 1,
+            }));
+        }
         for schema in &t.schemas {
             let doctor = template.clone().schema(schema)?;
             let (code, row, line) = match doctor.check(&t.pool).await {
