@@ -376,3 +376,72 @@ async fn holds_two_cli_migrations_at_once() {
     }
     conn.close().await.ok();
 }
+
+/// A `pgbox migrate --tenants` process SIGKILLed mid-run (some tenants done, one maybe
+/// half-way), then the same command again: it succeeds and every tenant holds every migration
+/// exactly once.
+#[tokio::test]
+async fn holds_sigkilled_cli_migrate_is_finished_by_running_it_again() {
+    let db = TestDb::empty().await;
+    let mut conn = db.connect().await;
+    for i in 0..30 {
+        conn.execute(sqlx::AssertSqlSafe(format!("CREATE SCHEMA kil_{i:02}")))
+            .await
+            .unwrap();
+    }
+    let args = ["--json", "--tenants", "kil\\_%", "migrate", "--jobs", "2"];
+    let mut child = Command::new(env!("CARGO_BIN_EXE_pgbox"))
+        .args(args)
+        .env("DATABASE_URL", db.url())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Wait (bounded) until a few tenants have their history, then kill the process.
+    let mut started = 0i64;
+    for _ in 0..2_000 {
+        started = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_catalog.pg_tables \
+             WHERE schemaname LIKE 'kil\\_%' AND tablename = 'pgbox_migrations'",
+        )
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        if started >= 3 || child.try_wait().unwrap().is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(started > 0, "the first run never started");
+    let again = pgbox(&db.url(), &args);
+    assert!(
+        again.status.success(),
+        "{} / {}",
+        String::from_utf8_lossy(&again.stdout),
+        String::from_utf8_lossy(&again.stderr)
+    );
+    let full = Migrator::new()
+        .schema("kil_29")
+        .unwrap()
+        .applied(&db.pool)
+        .await
+        .unwrap()
+        .len();
+    assert!(full >= 18, "{full}");
+    for i in 0..30 {
+        let (rows, distinct): (i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*), count(DISTINCT version) FROM kil_{i:02}.pgbox_migrations"
+        )))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        assert_eq!(
+            (rows as usize, distinct as usize),
+            (full, full),
+            "kil_{i:02}"
+        );
+    }
+    conn.close().await.ok();
+}
