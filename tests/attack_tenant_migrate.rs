@@ -445,3 +445,49 @@ async fn holds_sigkilled_cli_migrate_is_finished_by_running_it_again() {
     }
     conn.close().await.ok();
 }
+
+/// Through PgBouncer in transaction mode, `run` refuses ([`pgbox::Error::SessionRequired`]:
+/// its advisory lock needs a session). `run_each` with `jobs` = the pool's size (the
+/// documented bound) keeps every connection busy, so each schema's pooler probe finds no
+/// second connection, gives up, and the migration goes ahead through the pooler.
+#[tokio::test]
+async fn finding_run_each_with_jobs_at_pool_size_migrates_through_a_transaction_pooler() {
+    use support::cluster::Cluster;
+    use support::pooler::PgBouncer;
+    let cluster = Cluster::start();
+    let bouncer = PgBouncer::start(&cluster, 4);
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&bouncer.url("postgres"))
+        .await
+        .unwrap();
+    // Baseline: one schema at a time, the pooler is found and refused.
+    let alone = Migrator::new()
+        .schema("solo")
+        .unwrap()
+        .run(&pool)
+        .await
+        .expect_err("run through a transaction pooler");
+    assert!(
+        matches!(alone, pgbox::Error::SessionRequired { .. }),
+        "{alone:?}"
+    );
+    let tenants = ["t_a", "t_b", "t_c", "t_d"];
+    let out = Migrator::new().run_each(&pool, tenants, 2).await.unwrap();
+    let went_ahead: Vec<String> = out
+        .iter()
+        .filter(|o| !matches!(o.result, Err(pgbox::Error::SessionRequired { .. })))
+        .map(|o| {
+            format!(
+                "{}: {:?}",
+                o.schema,
+                o.result.as_ref().map(|r| r.applied.len())
+            )
+        })
+        .collect();
+    pool.close().await;
+    assert!(
+        went_ahead.is_empty(),
+        "migrated through a transaction-mode pooler: {went_ahead:?}"
+    );
+}
