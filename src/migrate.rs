@@ -162,17 +162,18 @@ impl Migrator {
     /// mode (found by the doctor's probe, when the pool can lend two connections) is refused
     /// with [`Error::SessionRequired`] before anything is locked or applied.
     pub async fn run(&self, pool: &PgPool) -> Result<MigrationReport> {
+        self.run_probed(pool, true).await
+    }
+
+    /// [`run`](Migrator::run), with the pooler probe only when `probe` ([`run_each`]
+    /// probes once, before its jobs take the pool's connections).
+    ///
+    /// [`run_each`]: Migrator::run_each
+    async fn run_probed(&self, pool: &PgPool, probe: bool) -> Result<MigrationReport> {
         let span = tracing::info_span!("pgbox.migrate", schema = self.schema.as_str());
         async {
-            if crate::pooler::shares_sessions(pool).await? == Some(true) {
-                return Err(Error::SessionRequired {
-                    component: "migrations",
-                    reason: "they hold a session advisory lock while they apply, and this pool's \
-                             connections go through a pooler in transaction mode, which would \
-                             hand that lock to other clients' transactions; migrate on a direct \
-                             connection (the server's own address)"
-                        .to_owned(),
-                });
+            if probe && crate::pooler::shares_sessions(pool).await? == Some(true) {
+                return Err(session_required());
             }
             let mut guard = SessionGuard(Some(pool.acquire().await?));
             let conn = guard.0.as_mut().expect("just set");
@@ -243,10 +244,22 @@ impl Migrator {
         }
         let jobs = jobs.clamp(1, (pool.options().get_max_connections() as usize).max(1));
         let total = migrators.len();
+        // The pooler probe needs two of the pool's connections: once, here, while the pool is
+        // free. Probed per schema, `jobs` at the pool's size would leave every probe without a
+        // second connection, and each would go ahead through a transaction-mode pooler. A
+        // probe that fails (the server away) leaves each schema to fail on its own.
+        let through_pooler = match total {
+            0 => false,
+            _ => matches!(crate::pooler::shares_sessions(pool).await, Ok(Some(true))),
+        };
         let mut done = 0usize;
         let outcomes: Vec<SchemaMigration> = futures_util::stream::iter(migrators)
             .map(|migrator| async move {
-                let result = migrator.run(pool).await;
+                let result = if through_pooler {
+                    Err(session_required())
+                } else {
+                    migrator.run_probed(pool, false).await
+                };
                 SchemaMigration {
                     schema: migrator.schema.as_str().to_owned(),
                     result,
@@ -509,6 +522,18 @@ fn history_row_sql(history: &str, m: &Migration) -> String {
 /// A string as an SQL literal (standard-conforming strings: only `'` needs doubling).
 fn sql_literal(s: &str) -> String {
     format!("'{}'", s.replace('\'', "''"))
+}
+
+/// What a migration through a pooler in transaction mode is refused with.
+fn session_required() -> Error {
+    Error::SessionRequired {
+        component: "migrations",
+        reason: "they hold a session advisory lock while they apply, and this pool's \
+                 connections go through a pooler in transaction mode, which would \
+                 hand that lock to other clients' transactions; migrate on a direct \
+                 connection (the server's own address)"
+            .to_owned(),
+    }
 }
 
 /// Owns the migrating connection. Unless the run completed, dropping it (on an error, or when
