@@ -491,3 +491,37 @@ async fn finding_run_each_with_jobs_at_pool_size_migrates_through_a_transaction_
         "migrated through a transaction-mode pooler: {went_ahead:?}"
     );
 }
+
+/// `grant_to` across tenants: the application role gets pgbox's grants on every schema of
+/// the list (and a re-run with nothing pending still grants).
+#[tokio::test]
+async fn holds_grant_to_applies_to_every_tenant() {
+    let fx = Fixture::create(&unique("pgbox_atkmig"), 1).await;
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&fx.url(0, None, None))
+        .await
+        .unwrap();
+    let tenants = ["gr_a", "gr_b", "gr_c"];
+    Migrator::new().run_each(&pool, tenants, 2).await.unwrap();
+    let out = Migrator::new()
+        .grant_to(&fx.role)
+        .unwrap()
+        .run_each(&pool, tenants, 3)
+        .await
+        .unwrap();
+    assert!(out.iter().all(|o| o.result.is_ok()), "{out:?}");
+    for t in tenants {
+        let (usage, insert): (bool, bool) = sqlx::query_as(
+            "SELECT has_schema_privilege($1, $2, 'USAGE'), \
+             has_table_privilege($1, $2 || '.outbox', 'INSERT')",
+        )
+        .bind(&fx.role)
+        .bind(t)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert!(usage && insert, "{t}: usage {usage}, insert {insert}");
+    }
+    pool.close().await;
+}
