@@ -130,32 +130,53 @@ async fn one_broken_tenant_fails_alone_and_the_others_are_migrated() {
 #[tokio::test]
 async fn an_interrupted_run_is_finished_by_running_it_again() {
     let db = TestDb::empty().await;
-    let tenants: Vec<String> = (0..40).map(|i| format!("resume_{i:03}")).collect();
-    // Cut the run off part-way: the future is dropped mid-flight (as a killed deploy job's).
-    let cut = tokio::time::timeout(
-        Duration::from_millis(400),
-        Migrator::new().run_each(&db.pool, &tenants, 2),
-    )
-    .await;
-    assert!(cut.is_err(), "the run was still going when it was cut off");
-    let mut partial = 0;
+    let tenants: Vec<String> = (0..60).map(|i| format!("resume_{i:03}")).collect();
+    let full = Migrator::new()
+        .schema("resume_probe")
+        .unwrap()
+        .run(&db.pool)
+        .await
+        .unwrap()
+        .applied
+        .len();
+    // Cut the run off once a few tenants are complete: the task is aborted mid-flight (as a
+    // killed deploy job's would be), whatever migration it is in.
+    let run = {
+        let (pool, tenants) = (db.pool.clone(), tenants.clone());
+        tokio::spawn(async move { Migrator::new().run_each(&pool, &tenants, 1).await })
+    };
+    let mut complete_before = Vec::new();
+    for _ in 0..3_000 {
+        complete_before.clear();
+        for t in &tenants {
+            if history_len(&db, t).await == full {
+                complete_before.push(t.clone());
+            }
+        }
+        if complete_before.len() >= 3 || run.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    run.abort();
+    let _ = run.await;
+    assert!(
+        complete_before.len() >= 3,
+        "the run made progress before the cut"
+    );
+    let mut complete_at_cut = 0;
     for t in &tenants {
-        if history_len(&db, t).await > 0 {
-            partial += 1;
+        if history_len(&db, t).await == full {
+            complete_at_cut += 1;
         }
     }
     assert!(
-        partial < tenants.len(),
-        "some tenants were left for the re-run"
+        complete_at_cut < tenants.len(),
+        "the cut left tenants for the re-run"
     );
     let out = Migrator::new()
         .run_each(&db.pool, &tenants, 2)
         .await
-        .unwrap();
-    let full = out
-        .iter()
-        .map(|o| o.result.as_ref().unwrap().applied.len())
-        .max()
         .unwrap();
     for t in &tenants {
         assert_eq!(
@@ -164,14 +185,15 @@ async fn an_interrupted_run_is_finished_by_running_it_again() {
             "{t} complete after the re-run"
         );
     }
-    let resumed = out
-        .iter()
-        .filter(|o| o.result.as_ref().unwrap().applied.is_empty())
-        .count();
-    assert!(
-        resumed > 0 || partial == 0,
-        "tenants done before the cut were not redone"
-    );
+    for o in &out {
+        if complete_before.contains(&o.schema) {
+            assert!(
+                o.result.as_ref().unwrap().applied.is_empty(),
+                "{} was complete before the cut and is not migrated again",
+                o.schema
+            );
+        }
+    }
 }
 
 /// Two databases made for this test (the pattern must select them and nothing else).
