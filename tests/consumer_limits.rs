@@ -22,7 +22,8 @@ const TOPIC: &str = "limited";
 /// The slots held right now, as the server sees them (class 1885499244 = 0x7062_6f6c,
 /// pgbox's "pbol").
 const SLOTS_HELD: &str = "SELECT count(*) FROM pg_catalog.pg_locks \
-     WHERE locktype = 'advisory' AND classid = 1885499244 AND objsubid = 2 AND granted";
+     WHERE locktype = 'advisory' AND classid = 1885499244 AND objsubid = 2 AND granted \
+       AND database = (SELECT oid FROM pg_catalog.pg_database WHERE datname = current_database())";
 
 /// What the handlers saw: per prefix, how many ran at once now and at most; at most in all;
 /// and the most slots the server showed held while a handler ran.
@@ -386,7 +387,9 @@ async fn a_slot_comes_back_when_its_holder_connection_is_terminated() {
     for _ in 0..500 {
         holder_pid = sqlx::query_scalar::<_, i32>(
             "SELECT pid FROM pg_catalog.pg_locks \
-             WHERE locktype = 'advisory' AND classid = 1885499244 AND granted",
+             WHERE locktype = 'advisory' AND classid = 1885499244 AND granted \
+               AND database = (SELECT oid FROM pg_catalog.pg_database \
+                                WHERE datname = current_database())",
         )
         .fetch_optional(&db.pool)
         .await
