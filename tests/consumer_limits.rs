@@ -130,9 +130,7 @@ fn spawn(
                         let all: usize = p.now.values().sum();
                         p.most_in_all = p.most_in_all.max(all);
                     }
-                    let held: i64 = sqlx::query_scalar(SLOTS_HELD)
-                        .fetch_one(&mut *conn)
-                        .await?;
+                    let held: i64 = sqlx::query_scalar(SLOTS_HELD).fetch_one(&mut *conn).await?;
                     tokio::time::sleep(hold).await;
                     {
                         let mut p = probe.lock().unwrap();
@@ -200,11 +198,18 @@ async fn global_concurrency_holds_across_instances_and_is_reached() {
         );
     }
     run_all(&db, consumers, &probe, Duration::from_millis(150), 24).await;
-    let p = probe.lock().unwrap();
-    assert_eq!(p.most_in_all, 3, "at most 3 at once across 3 runners of 4, and 3 reached");
-    assert!(p.most_slots_held <= 3, "server-side: {} slots", p.most_slots_held);
-    assert!(p.most_slots_held >= 1);
     assert_eq!(count(&db.pool, SLOTS_HELD).await, 0, "no slot left held");
+    let p = probe.lock().unwrap();
+    assert_eq!(
+        p.most_in_all, 3,
+        "at most 3 at once across 3 runners of 4, and 3 reached"
+    );
+    assert!(
+        p.most_slots_held <= 3,
+        "server-side: {} slots",
+        p.most_slots_held
+    );
+    assert!(p.most_slots_held >= 1);
 }
 
 #[tokio::test]
@@ -228,7 +233,11 @@ async fn per_prefix_concurrency_is_reached_by_each_prefix_at_once() {
     assert_eq!(p.most.get("a"), Some(&2), "prefix a: {:?}", p.most);
     assert_eq!(p.most.get("b"), Some(&2), "prefix b: {:?}", p.most);
     assert_eq!(p.most_in_all, 4, "both prefixes at their limit at once");
-    assert!(p.most_slots_held <= 4, "server-side: {} slots", p.most_slots_held);
+    assert!(
+        p.most_slots_held <= 4,
+        "server-side: {} slots",
+        p.most_slots_held
+    );
 }
 
 #[tokio::test]
@@ -275,12 +284,11 @@ async fn rate_holds_over_every_second_across_instances() {
         );
     }
     run_all(&db, consumers, &probe, Duration::ZERO, N as i64).await;
-    let at: Vec<f64> = sqlx::query_scalar(
-        "SELECT EXTRACT(EPOCH FROM at)::float8 FROM effects ORDER BY at",
-    )
-    .fetch_all(&db.pool)
-    .await
-    .unwrap();
+    let at: Vec<f64> =
+        sqlx::query_scalar("SELECT EXTRACT(EPOCH FROM at)::float8 FROM effects ORDER BY at")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(at.len(), N);
     // Every window [t, t + 1 s) starting at a handled message: at most BURST + RATE − 1
     // tokens can be taken in it, so one message of slack covers the gap between taking a
@@ -296,7 +304,10 @@ async fn rate_holds_over_every_second_across_instances() {
     // The limit is a rate, not a cap on the total: all went, at the rate's pace.
     let span = at[N - 1] - at[0];
     let least = (N as f64 - f64::from(BURST) - 1.0) / RATE - 0.2;
-    assert!(span >= least, "{N} messages in {span:.2} s, under {least:.2} s");
+    assert!(
+        span >= least,
+        "{N} messages in {span:.2} s, under {least:.2} s"
+    );
     // Buckets are rows of the pgbox schema, one for the global limit.
     assert_eq!(
         count(&db.pool, "SELECT count(*) FROM pgbox.rate_limits").await,
@@ -330,7 +341,11 @@ async fn over_the_limit_waits_is_never_dead_lettered_and_keeps_key_order() {
         0
     );
     assert_eq!(stats.iter().map(|s| s.dead_lettered).sum::<u64>(), 0);
-    assert_eq!(stats.iter().map(|s| s.processed).sum::<u64>(), 15, "{stats:?}");
+    assert_eq!(
+        stats.iter().map(|s| s.processed).sum::<u64>(),
+        15,
+        "{stats:?}"
+    );
     assert!(
         stats.iter().map(|s| s.retried).sum::<u64>() > 0,
         "the limit did bind and hand deliveries back: {stats:?}"
@@ -370,8 +385,8 @@ async fn a_slot_comes_back_when_its_holder_connection_is_terminated() {
                 .run(
                     async move |e: &Envelope, conn: &mut HandlerConnection<'_>| {
                         // Waits (bounded) until the test releases it: its slot is held.
-                        let _ = tokio::time::timeout(Duration::from_secs(60), release.notified())
-                            .await;
+                        let _ =
+                            tokio::time::timeout(Duration::from_secs(60), release.notified()).await;
                         sqlx::query("INSERT INTO effects (key, payload) VALUES ('hold', $1)")
                             .bind(payload(e))
                             .execute(&mut *conn)

@@ -286,9 +286,7 @@ impl Limits {
     }
 
     pub(super) fn has_rates(&self) -> bool {
-        self.all
-            .iter()
-            .any(|l| matches!(l.kind, Kind::Rate { .. }))
+        self.all.iter().any(|l| matches!(l.kind, Kind::Rate { .. }))
     }
 
     pub(super) fn has_slots(&self) -> bool {
@@ -343,13 +341,14 @@ impl Limits {
             let mut counted = false;
             let mut pause = Duration::from_millis(1);
             loop {
-                let (took, wait): (bool, Option<f64>) = sqlx::query_as(sqlx::AssertSqlSafe(self.take_sql.as_str()))
-                    .bind(&limit.name)
-                    .bind(&prefixes[i])
-                    .bind(interval)
-                    .bind(span)
-                    .fetch_one(pool)
-                    .await?;
+                let (took, wait): (bool, Option<f64>) =
+                    sqlx::query_as(sqlx::AssertSqlSafe(self.take_sql.as_str()))
+                        .bind(&limit.name)
+                        .bind(&prefixes[i])
+                        .bind(interval)
+                        .bind(span)
+                        .fetch_one(pool)
+                        .await?;
                 if took {
                     break;
                 }
@@ -490,7 +489,10 @@ mod tests {
         assert_eq!(slot_base("a", b"x"), slot_base("a", b"x"));
         assert_ne!(slot_base("a", b"x"), slot_base("a", b"y"));
         assert_ne!(slot_base("ab", b""), slot_base("a", b"b"));
-        assert_eq!(stored_prefix(vec![7; 300]).len(), MAX_STORED_PREFIX_BYTES + 8);
+        assert_eq!(
+            stored_prefix(vec![7; 300]).len(),
+            MAX_STORED_PREFIX_BYTES + 8
+        );
         assert_ne!(stored_prefix(vec![7; 300]), stored_prefix(vec![7; 301]));
         for bad in [
             Limit::concurrency("", 1),
@@ -503,11 +505,18 @@ mod tests {
             Limit::rate("a", -1.0),
             Limit::rate("a", 1.0).burst(0),
         ] {
-            assert!(matches!(bad.validate(), Err(Error::InvalidConfig(_))), "{bad:?}");
+            assert!(
+                matches!(bad.validate(), Err(Error::InvalidConfig(_))),
+                "{bad:?}"
+            );
         }
         assert!(Limits::new(vec![Limit::rate("a", 1.0), Limit::rate("a", 2.0)], "pgbox").is_err());
         assert!(
-            Limits::new(vec![Limit::rate("a", 1.0), Limit::concurrency("a", 2)], "pgbox").is_ok()
+            Limits::new(
+                vec![Limit::rate("a", 1.0), Limit::concurrency("a", 2)],
+                "pgbox"
+            )
+            .is_ok()
         );
     }
 }

@@ -765,10 +765,7 @@ impl<S: Subscriber> Consumer<S> {
             // aborted and is rolled back as the unwind drops it; the message is nacked or
             // dead-lettered, and the runner and the other messages in flight carry on.
             let process = self.process(&key, &prefixes, envelope, handler, metrics);
-            let result = match AssertUnwindSafe(process)
-                .catch_unwind()
-                .await
-            {
+            let result = match AssertUnwindSafe(process).catch_unwind().await {
                 Ok(result) => result,
                 Err(panic) => {
                     let message = panic_message(panic.as_ref());
@@ -1018,11 +1015,7 @@ impl<S: Subscriber> Consumer<S> {
         {
             return Err(Failure::Limited);
         }
-        with_incoming(
-            incoming,
-            self.inbox.process_or_reject_in_own(tx, key, run),
-        )
-        .await
+        with_incoming(incoming, self.inbox.process_or_reject_in_own(tx, key, run)).await
     }
 
     /// Until when a unit may wait for its limits: a third of the visibility timeout, so
