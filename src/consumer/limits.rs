@@ -70,6 +70,10 @@ type PerFn = Arc<dyn Fn(&Envelope) -> String + Send + Sync>;
 /// [`Consumer::run_or_reject`](crate::Consumer::run_or_reject); lease mode refuses them.
 /// Redeliveries answered as duplicates without a transaction take nothing.
 ///
+/// Bucket rows are per (limit, prefix). A bucket that has refilled is the same as no row, so
+/// each runner deletes its limits' full buckets once a minute: prefixes that went quiet leave
+/// no rows behind. Metric labels carry the limit's name only, never a prefix.
+///
 /// ```no_run
 /// use pgbox::transport::PgQueue;
 /// use pgbox::{Consumer, Inbox, Limit};
@@ -356,15 +360,16 @@ impl Limits {
                     waits[i].increment(1);
                     counted = true;
                 }
-                // No row in the snapshot (a concurrent first take or sweep): try again soon.
+                // Sleep until the bucket says, plus a little so that the runners woken
+                // together do not all try at once. No row in the snapshot (a concurrent first
+                // take or sweep): try again soon. A wait past the deadline is not begun.
                 let until = wait
                     .filter(|w| w.is_finite() && *w > 0.0)
-                    .map_or(pause, |w| Duration::from_secs_f64(w.min(60.0)))
-                    .min(MAX_PAUSE);
+                    .map_or(pause, |w| Duration::from_secs_f64(w.min(3600.0)));
                 if Instant::now() + until > deadline {
                     return Ok(false);
                 }
-                tokio::time::sleep(jitter(until)).await;
+                tokio::time::sleep(until + jitter(pause)).await;
                 pause = (pause * 2).min(MAX_PAUSE);
             }
         }
