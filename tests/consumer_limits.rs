@@ -293,10 +293,7 @@ async fn rate_holds_over_every_second_across_instances() {
     // Every window [t, t + 1 s) starting at a handled message: at most BURST + RATE − 1
     // tokens can be taken in it, so one message of slack covers the gap between taking a
     // token and the handler's clock reading.
-    let most = (0..at.len())
-        .map(|i| at[i..].iter().take_while(|t| **t < at[i] + 1.0).count())
-        .max()
-        .unwrap();
+    let most = most_in_a_second(&at);
     assert!(
         most as f64 <= RATE + f64::from(BURST),
         "{most} messages within one second, over {RATE}/s with a burst of {BURST}"
@@ -312,6 +309,58 @@ async fn rate_holds_over_every_second_across_instances() {
     assert_eq!(
         count(&db.pool, "SELECT count(*) FROM pgbox.rate_limits").await,
         1
+    );
+}
+
+/// The most of `at` (sorted seconds) within any window [t, t + 1 s) starting at one of them.
+fn most_in_a_second(at: &[f64]) -> usize {
+    (0..at.len())
+        .map(|i| at[i..].iter().take_while(|t| **t < at[i] + 1.0).count())
+        .max()
+        .unwrap_or(0)
+}
+
+#[tokio::test]
+async fn per_prefix_rate_holds_for_each_prefix() {
+    const RATE: f64 = 8.0;
+    let db = database().await;
+    enqueue(&db.pool, &["p", "q"], 16, false).await;
+    let probe = Shared::default();
+    let mut consumers = Vec::new();
+    for _ in 0..2 {
+        let pool = own_pool(&db).await;
+        consumers.push(
+            builder(&pool, 4)
+                .limit(Limit::rate("tenant-rate", RATE).per_key_prefix(':'))
+                .build()
+                .unwrap(),
+        );
+    }
+    run_all(&db, consumers, &probe, Duration::ZERO, 32).await;
+    for prefix in ["p", "q"] {
+        let at: Vec<f64> = sqlx::query_scalar(
+            "SELECT EXTRACT(EPOCH FROM at)::float8 FROM effects WHERE key = $1 ORDER BY at",
+        )
+        .bind(prefix)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(at.len(), 16);
+        let most = most_in_a_second(&at);
+        assert!(
+            most as f64 <= RATE + 1.0,
+            "prefix {prefix}: {most} in one second"
+        );
+        let span = at[15] - at[0];
+        assert!(
+            span >= 14.0 / RATE - 0.2,
+            "prefix {prefix}: 16 in {span:.2} s"
+        );
+    }
+    assert_eq!(
+        count(&db.pool, "SELECT count(*) FROM pgbox.rate_limits").await,
+        2,
+        "one bucket per prefix"
     );
 }
 
