@@ -59,7 +59,7 @@ use pgbox::transport::nats::Nats;
 use pgbox::transport::rabbitmq::RabbitMq;
 use pgbox::transport::{DiscardPublisher, PgQueue, PublishError, Publisher, Subscriber};
 use pgbox::{
-    CancellationToken, Consumer, Envelope, HandlerConnection, Inbox, Message, Outbox, Relay,
+    CancellationToken, Consumer, Envelope, HandlerConnection, Inbox, Limit, Message, Outbox, Relay,
 };
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, Executor, PgPool};
@@ -98,6 +98,11 @@ struct Args {
     /// (`PgQueue::wait_for_flush(true)`; by default they do not).
     #[arg(long)]
     queue_waits_for_flush: bool,
+    /// E1L: on the built-in queue, E1 again with a consumer limit that never binds (a global
+    /// concurrency limit of `--concurrency` slots; a rate limit of a million a second), beside
+    /// the unlimited E1, interleaved; prints each limited arm's ratio to the unlimited one.
+    #[arg(long)]
+    limits: bool,
     /// Only these transports (comma-separated: noop, postgres, rabbitmq, nats, kafka).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
@@ -298,8 +303,9 @@ fn spawn_consumer<S: Subscriber + 'static>(
     acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>>,
     shutdown: CancellationToken,
     batch: usize,
+    limits: &[Limit],
 ) -> tokio::task::JoinHandle<pgbox::Result<pgbox::ConsumerStats>> {
-    let consumer = Consumer::builder(
+    let mut builder = Consumer::builder(
         env.pool.clone(),
         Acked {
             inner: subscriber,
@@ -310,9 +316,11 @@ fn spawn_consumer<S: Subscriber + 'static>(
     )
     .concurrency(args.concurrency)
     .batch_size(batch)
-    .poll_interval(Duration::from_millis(10))
-    .build()
-    .expect("consumer config");
+    .poll_interval(Duration::from_millis(10));
+    for limit in limits {
+        builder = builder.limit(limit.clone());
+    }
+    let consumer = builder.build().expect("consumer config");
     tokio::spawn(async move {
         consumer
             .run(
@@ -339,17 +347,43 @@ fn consumer_of(
     acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>>,
     shutdown: CancellationToken,
     batch: usize,
+    limits: &[Limit],
 ) -> tokio::task::JoinHandle<pgbox::Result<pgbox::ConsumerStats>> {
     match t {
         Transport::Noop => unreachable!("the no-op publisher has no consumer side"),
-        Transport::Postgres => {
-            spawn_consumer(env, args, env.queue(), topic, acked, shutdown, batch)
+        Transport::Postgres => spawn_consumer(
+            env,
+            args,
+            env.queue(),
+            topic,
+            acked,
+            shutdown,
+            batch,
+            limits,
+        ),
+        Transport::RabbitMq => spawn_consumer(
+            env,
+            args,
+            env.rabbit(),
+            topic,
+            acked,
+            shutdown,
+            batch,
+            limits,
+        ),
+        Transport::Nats => {
+            spawn_consumer(env, args, env.nats(), topic, acked, shutdown, batch, limits)
         }
-        Transport::RabbitMq => {
-            spawn_consumer(env, args, env.rabbit(), topic, acked, shutdown, batch)
-        }
-        Transport::Nats => spawn_consumer(env, args, env.nats(), topic, acked, shutdown, batch),
-        Transport::Kafka => spawn_consumer(env, args, env.kafka(), topic, acked, shutdown, batch),
+        Transport::Kafka => spawn_consumer(
+            env,
+            args,
+            env.kafka(),
+            topic,
+            acked,
+            shutdown,
+            batch,
+            limits,
+        ),
     }
 }
 
@@ -517,7 +551,7 @@ async fn c1(
     let shutdown = CancellationToken::new();
     let cpu = CpuTicks::now(Some(t));
     let started = Instant::now();
-    let task = consumer_of(env, args, t, topic, acked.clone(), shutdown.clone(), 1);
+    let task = consumer_of(env, args, t, topic, acked.clone(), shutdown.clone(), 1, &[]);
     let last = until_acked(&acked, args.backlog, Duration::from_secs(300)).await?;
     let cpu = cpu.per_message(CpuTicks::now(Some(t)), args.backlog);
     stop_consumer(shutdown, task).await?;
@@ -707,13 +741,28 @@ async fn e1(
     t: Transport,
     round: usize,
     batch: usize,
+    limits: &[Limit],
 ) -> anyhow::Result<(f64, CpuPerMessage)> {
-    let topic = format!("e1-{}-{round}-b{batch}-{}", t.short(), env.run);
+    let topic = format!(
+        "e1-{}-{round}-b{batch}-l{}-{}",
+        t.short(),
+        limits.first().map_or("", Limit::name),
+        env.run
+    );
     env.prepare(t, &topic).await?;
     reset(env).await?;
     let acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>> = Arc::default();
     let shutdown = CancellationToken::new();
-    let consumer = consumer_of(env, args, t, &topic, acked.clone(), shutdown.clone(), batch);
+    let consumer = consumer_of(
+        env,
+        args,
+        t,
+        &topic,
+        acked.clone(),
+        shutdown.clone(),
+        batch,
+        limits,
+    );
     let relay = spawn_relay(env, args, t, shutdown.clone())?;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let n = args.backlog;
@@ -813,7 +862,16 @@ async fn e1_latency(
     reset(env).await?;
     let acked: Arc<Mutex<HashMap<uuid::Uuid, Instant>>> = Arc::default();
     let shutdown = CancellationToken::new();
-    let consumer = consumer_of(env, args, t, &topic, acked.clone(), shutdown.clone(), batch);
+    let consumer = consumer_of(
+        env,
+        args,
+        t,
+        &topic,
+        acked.clone(),
+        shutdown.clone(),
+        batch,
+        &[],
+    );
     let relay = spawn_relay(env, args, t, shutdown.clone())?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     let committed = produce_at_rate(env, args, &topic).await?;
@@ -1101,6 +1159,7 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
     let mut eb_lats: HashMap<Transport, Vec<(Duration, Duration)>> = HashMap::new();
     let mut receives: HashMap<Transport, Vec<f64>> = HashMap::new();
     let mut inbox_alone: Vec<f64> = Vec::new();
+    let mut limited: HashMap<&str, Vec<f64>> = HashMap::new();
     let mut bare_commits: Vec<f64> = Vec::new();
     // CPU per message per (stage, transport); I1 under Noop.
     let mut cpu: HashMap<(&str, Transport), Vec<CpuPerMessage>> = HashMap::new();
@@ -1151,7 +1210,7 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
         }
         for t in order(&with_consumer) {
             for batch in batch_arms(args, round) {
-                let (rate, e1_cpu) = e1(env, args, t, round, batch).await?;
+                let (rate, e1_cpu) = e1(env, args, t, round, batch, &[]).await?;
                 eprintln!(
                     "round {round}: E1 {} batch {batch} {rate:.0} msgs/s",
                     t.name()
@@ -1163,6 +1222,27 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
                     batched.entry(t).or_default().push(rate);
                     cpu.entry(("E1b", t)).or_default().push(e1_cpu);
                 }
+            }
+        }
+        if args.limits && with_consumer.contains(&Transport::Postgres) {
+            // E1L: unlimited, a concurrency limit, a rate limit, none of them binding; the
+            // order rotates per round.
+            let mut arms: Vec<(&str, Vec<Limit>)> = vec![
+                ("none", vec![]),
+                (
+                    "concurrency",
+                    vec![Limit::concurrency("bench-slots", args.concurrency as u32)],
+                ),
+                (
+                    "rate",
+                    vec![Limit::rate("bench-rate", 1_000_000.0).burst(1_000_000)],
+                ),
+            ];
+            arms.rotate_left(round % 3);
+            for (arm, limits) in arms {
+                let (rate, _) = e1(env, args, Transport::Postgres, round, 1, &limits).await?;
+                eprintln!("round {round}: E1L built-in queue, limit {arm}: {rate:.0} msgs/s");
+                limited.entry(arm).or_default().push(rate);
             }
         }
         for t in order(&with_consumer) {
@@ -1185,6 +1265,20 @@ async fn bench(env: &Env, args: &Args) -> anyhow::Result<()> {
             let l = o3(env, args, t, round).await?;
             eprintln!("round {round}: O3 {} p50 {:?} p99 {:?}", t.name(), l.0, l.1);
             lats.entry(t).or_default().push(l);
+        }
+    }
+    if let Some(none) = limited.get("none") {
+        let none = median(none.clone());
+        println!();
+        println!(
+            "E1L the built-in queue's E1 with a limit that never binds (median of {} rounds):",
+            args.rounds
+        );
+        println!("| limit | msgs/s | / unlimited |");
+        println!("|---|---|---|");
+        for arm in ["none", "concurrency", "rate"] {
+            let rate = median(limited[arm].clone());
+            println!("| {arm} | {rate:.0} | {:.3} |", rate / none);
         }
     }
     let ms = |d: Duration| d.as_secs_f64() * 1e3;

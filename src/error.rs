@@ -517,6 +517,7 @@ pub(crate) const PGBOX_OBJECTS: &[&str] = &[
     "queue_dead_letters",
     "queue_notify",
     "queue_receive",
+    "rate_limits",
     "sequence_watermarks",
 ];
 

@@ -61,6 +61,8 @@ pub(crate) const TABLES: &[(&str, &[&str], i32)] = &[
         &["SELECT", "INSERT", "UPDATE", "DELETE"],
         18,
     ),
+    // Consumer rate limits: a take inserts or updates its bucket; runners sweep full ones.
+    ("rate_limits", &["SELECT", "INSERT", "UPDATE", "DELETE"], 19),
 ];
 
 /// The migration history: read by the doctor and by `Migrator::applied` (the CLI's check

@@ -58,8 +58,8 @@ pub use crate::archive::{
 pub use crate::cloudevents::{CloudEvents, ContentMode};
 pub use crate::connect::{FIRST_CONNECTION_TIMEOUT, connect};
 pub use crate::consumer::{
-    Consumer, ConsumerBuilder, ConsumerStats, MAX_BATCH_SIZE, MAX_VISIBILITY_TIMEOUT,
-    MIN_VISIBILITY_TIMEOUT,
+    Consumer, ConsumerBuilder, ConsumerStats, Limit, MAX_BATCH_SIZE, MAX_CONCURRENCY_SLOTS,
+    MAX_LIMIT_NAME_BYTES, MAX_RATE_PER_SECOND, MAX_VISIBILITY_TIMEOUT, MIN_VISIBILITY_TIMEOUT,
 };
 pub use crate::error::{DbErrorKind, Error, Result, TlsProblem, WalStreamProblem};
 pub use crate::fanout::{

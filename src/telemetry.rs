@@ -32,6 +32,7 @@
 //! | [`CONSUMER_BATCH_ROLLBACKS`] | counter | `consumer`, `topic` |
 //! | [`CONSUMER_HANDLER_DURATION`] | histogram | `consumer`, `topic` |
 //! | [`CONSUMER_RECEIVE_LAG`] | histogram | `consumer`, `topic` |
+//! | [`CONSUMER_LIMIT_WAITS`] | counter | `consumer`, `topic`, `limit` |
 //! | [`RELAY_PUBLISHED`] | counter | `topic` |
 //! | [`RELAY_RETRIED`] | counter | `topic` |
 //! | [`RELAY_DEAD_LETTERED`] | counter | `topic` |
@@ -122,6 +123,12 @@ pub const CONSUMER_HANDLER_DURATION: &str = "pgbox_consumer_handler_duration_sec
 /// every transport) to the consumer receiving the message, first deliveries only: the
 /// end-to-end lag, which includes [`RELAY_PUBLISH_LAG`]. Labels `consumer`, `topic`.
 pub const CONSUMER_RECEIVE_LAG: &str = "pgbox_consumer_receive_lag_seconds";
+
+/// Counter: transactions (or batch messages) that waited for a consumer limit
+/// ([`Limit`](crate::Limit)): no free concurrency slot, or no token of a rate limit yet.
+/// Counted once per wait, however long. Labels `consumer`, `topic`, `limit` (the limit's
+/// name, never its prefix: the label set stays bounded).
+pub const CONSUMER_LIMIT_WAITS: &str = "pgbox_consumer_limit_waits_total";
 
 // --- relay (label `topic`) --------------------------------------------------------------------
 
@@ -338,6 +345,12 @@ const METRICS: &[(&str, Kind, Unit, &str)] = &[
         Kind::Counter,
         Unit::Count,
         "Consumer batches rolled back, their messages then run one per transaction.",
+    ),
+    (
+        CONSUMER_LIMIT_WAITS,
+        Kind::Counter,
+        Unit::Count,
+        "Consumer transactions that waited for a concurrency or rate limit.",
     ),
     (
         CONSUMER_HANDLER_DURATION,

@@ -224,6 +224,9 @@ async fn run_every_component(owner: &PgPool, app: &PgPool) {
         Inbox::new("orders-consumer").unwrap(),
     )
     .poll_interval(Duration::from_millis(50))
+    // Limits: advisory-lock slots need nothing; the rate buckets are a table of the schema.
+    .limit(pgbox::Limit::concurrency("orders", 2))
+    .limit(pgbox::Limit::rate("orders", 100.0).per_key_prefix('-'))
     .build()
     .unwrap();
     let shutdown = CancellationToken::new();
@@ -263,6 +266,11 @@ async fn run_every_component(owner: &PgPool, app: &PgPool) {
     shutdown.cancel();
     let stats = run.await.unwrap().expect("consumer as the app role");
     assert_eq!(stats.processed, 2, "{stats:?}");
+    let buckets: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.rate_limits")
+        .fetch_one(owner)
+        .await
+        .unwrap();
+    assert!(buckets >= 1, "the app role took its tokens");
 
     // Status and the janitor (gauges included).
     pgbox::status(app, "pgbox").await.expect("status");

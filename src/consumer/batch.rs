@@ -10,7 +10,8 @@ use sqlx::{Postgres, Transaction};
 use tracing::Instrument;
 
 use super::{
-    Consumer, Failure, Handled, RunMetrics, Settled, database_away, handle_span, panic_message,
+    Consumer, Failure, Handled, LIMITED, RunMetrics, Settled, database_away, handle_span, limits,
+    panic_message,
 };
 use crate::error::{Error, Result};
 use crate::inbox::{HandlerConnection, Key, Outcome, Verdict};
@@ -25,6 +26,9 @@ enum Step {
     Done(Settled),
     /// Held by another transaction or a lease: sent back whatever the batch does.
     InProgress,
+    /// Waited its share of the visibility timeout for a limit: sent back, uncounted,
+    /// whatever the batch does.
+    Limited,
 }
 
 /// Why a batch stopped before its commit.
@@ -107,16 +111,27 @@ impl<S: Subscriber> Consumer<S> {
         };
         let mut done: Vec<(S::Delivery, Settled)> = Vec::with_capacity(batch.len());
         let mut in_progress = Vec::new();
+        let mut limited = Vec::new();
         let mut rest = batch.into_iter();
         let mut stopped = None;
+        // The batch's slots: its messages of one prefix share one.
+        let mut held = limits::Held::new();
+        let deadline = self.limit_deadline();
         for delivery in rest.by_ref() {
             let step = self
-                .batch_step(&mut tx, &delivery, handler.clone(), metrics)
+                .batch_step(
+                    &mut tx,
+                    &delivery,
+                    handler.clone(),
+                    metrics,
+                    (&mut held, deadline),
+                )
                 .instrument(span.clone())
                 .await;
             match step {
                 Ok(Step::Done(kind)) => done.push((delivery, kind)),
                 Ok(Step::InProgress) => in_progress.push(delivery),
+                Ok(Step::Limited) => limited.push(delivery),
                 Err(stop) => {
                     stopped = Some((delivery, stop));
                     break;
@@ -127,6 +142,12 @@ impl<S: Subscriber> Consumer<S> {
             metrics.in_progress.increment(1);
             settled.push(
                 self.retry_not_attempted(delivery, "in progress elsewhere", Duration::ZERO)
+                    .await,
+            );
+        }
+        for delivery in &limited {
+            settled.push(
+                self.retry_not_attempted(delivery, LIMITED, Duration::ZERO)
                     .await,
             );
         }
@@ -175,6 +196,7 @@ impl<S: Subscriber> Consumer<S> {
         delivery: &S::Delivery,
         handler: F,
         metrics: &RunMetrics,
+        (held, deadline): (&mut limits::Held, std::time::Instant),
     ) -> std::result::Result<Step, Stop>
     where
         F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<Verdict<()>, E>,
@@ -185,6 +207,32 @@ impl<S: Subscriber> Consumer<S> {
             Ok(key) => key,
             Err(message) => return Err(Stop::Message(format!("key function: {message}"), true)),
         };
+        if !self.limits.is_empty() {
+            let prefixes = self.limits.prefixes(envelope, &key).map_err(|message| {
+                Stop::Message(format!("limit prefix function: {message}"), true)
+            })?;
+            // A token on the pool (the batch's transaction holds no bucket row), then the
+            // slots on the batch's transaction. A failed try-lock leaves it usable.
+            let waits = &metrics.limit_waits;
+            if self.limits.has_rates()
+                && !self
+                    .limits
+                    .take_tokens(&self.pool, &prefixes, deadline, waits)
+                    .await
+                    .map_err(Stop::Database)?
+            {
+                return Ok(Step::Limited);
+            }
+            if self.limits.has_slots()
+                && !self
+                    .limits
+                    .take_slots(tx, &prefixes, held, deadline, waits)
+                    .await
+                    .map_err(Stop::Database)?
+            {
+                return Ok(Step::Limited);
+            }
+        }
         let span = handle_span(envelope, self.source.attempt(delivery), "batch");
         let key = Key::new(key.as_str()).with_message_id(envelope.id.to_string());
         let incoming = envelope.headers.get(TRACEPARENT).cloned();
@@ -207,6 +255,7 @@ impl<S: Subscriber> Consumer<S> {
             Ok(Ok(Outcome::InProgress)) => Ok(Step::InProgress),
             Ok(Err(Failure::Handler(e))) => Err(Stop::Message(e.to_string(), false)),
             Ok(Err(Failure::Database(e))) => Err(Stop::Database(e)),
+            Ok(Err(Failure::Limited)) => Ok(Step::Limited),
             Err(panic) => Err(Stop::Message(panic_message(panic.as_ref()), true)),
         }
     }

@@ -21,6 +21,9 @@ use crate::transport::Subscriber;
 use sqlx::PgPool;
 
 mod batch;
+mod limits;
+
+pub use limits::{Limit, MAX_CONCURRENCY_SLOTS, MAX_LIMIT_NAME_BYTES, MAX_RATE_PER_SECOND};
 
 type KeyFn = Arc<dyn Fn(&Envelope) -> String + Send + Sync>;
 
@@ -45,6 +48,7 @@ pub struct ConsumerBuilder<S> {
     poll_interval: Duration,
     key: Option<KeyFn>,
     batch_size: usize,
+    limits: Vec<Limit>,
 }
 
 /// The most messages a [`Consumer`] processes in one transaction
@@ -134,6 +138,15 @@ impl<S: Subscriber> ConsumerBuilder<S> {
         self
     }
 
+    /// Adds a limit that holds across every runner instance: at most so many transactions
+    /// in flight, or so many messages a second, globally or per prefix (see [`Limit`]). A
+    /// message over a limit waits; it is never failed for it. Limits add up: a message goes
+    /// once it is within all of them.
+    pub fn limit(mut self, limit: Limit) -> Self {
+        self.limits.push(limit);
+        self
+    }
+
     /// Validates the settings.
     pub fn build(self) -> Result<Consumer<S>> {
         if self.concurrency == 0 {
@@ -176,7 +189,9 @@ impl<S: Subscriber> ConsumerBuilder<S> {
                 self.visibility_timeout
             )));
         }
+        let limits = limits::Limits::new(self.limits, self.inbox.schema())?;
         Ok(Consumer {
+            limits,
             pool: self.pool,
             source: self.source,
             topic: self.topic,
@@ -262,6 +277,7 @@ pub struct Consumer<S> {
     poll_interval: Duration,
     key: Option<KeyFn>,
     batch_size: usize,
+    limits: limits::Limits,
     /// Deliveries of each message that found the inbox's database away.
     away: std::sync::Mutex<AwayTally>,
 }
@@ -424,6 +440,7 @@ impl<S: Subscriber> Consumer<S> {
             poll_interval: Duration::from_secs(1),
             key: None,
             batch_size: 1,
+            limits: Vec::new(),
         }
     }
 
@@ -459,7 +476,7 @@ impl<S: Subscriber> Consumer<S> {
         F: AsyncFnOnce(&Envelope, &mut HandlerConnection<'_>) -> Result<Verdict<()>, E> + Clone,
         E: From<Error> + fmt::Display,
     {
-        let metrics = RunMetrics::new(self.inbox.consumer(), &self.topic);
+        let metrics = RunMetrics::new(self.inbox.consumer(), &self.topic, &self.limits);
         self.drive(
             self.batch_size,
             |unit| self.handle_unit(unit, handler.clone(), &metrics),
@@ -491,7 +508,13 @@ impl<S: Subscriber> Consumer<S> {
         E: From<Error> + fmt::Display,
     {
         crate::inbox::lease_ttl_micros(ttl)?;
-        let metrics = RunMetrics::new(self.inbox.consumer(), &self.topic);
+        if !self.limits.is_empty() {
+            return Err(Error::InvalidConfig(
+                "consumer limits apply to run and run_or_reject; lease mode does not take them"
+                    .into(),
+            ));
+        }
+        let metrics = RunMetrics::new(self.inbox.consumer(), &self.topic, &self.limits);
         self.drive(
             1,
             |unit: Vec<S::Delivery>| async {
@@ -715,6 +738,15 @@ impl<S: Subscriber> Consumer<S> {
                 return (settled, None);
             }
         };
+        let prefixes = match self.limits.prefixes(envelope, &key) {
+            Ok(prefixes) => prefixes,
+            Err(message) => {
+                let settled = self
+                    .panicked(&delivery, format!("limit prefix function: {message}"))
+                    .await;
+                return (settled, None);
+            }
+        };
         let span = handle_span(envelope, attempt, "transaction");
         // `Ok`: settled in the inbox, to be acked; `Err`: settled by a nack or a dead letter.
         let settled: std::result::Result<Settled, Settled> = async {
@@ -732,10 +764,8 @@ impl<S: Subscriber> Consumer<S> {
             // A panicking handler is a failed delivery like any other: the transaction was
             // aborted and is rolled back as the unwind drops it; the message is nacked or
             // dead-lettered, and the runner and the other messages in flight carry on.
-            let result = match AssertUnwindSafe(self.process(&key, envelope, handler, metrics))
-                .catch_unwind()
-                .await
-            {
+            let process = self.process(&key, &prefixes, envelope, handler, metrics);
+            let result = match AssertUnwindSafe(process).catch_unwind().await {
                 Ok(result) => result,
                 Err(panic) => {
                     let message = panic_message(panic.as_ref());
@@ -752,6 +782,11 @@ impl<S: Subscriber> Consumer<S> {
                         .retry_not_attempted(&delivery, "in progress elsewhere", Duration::ZERO)
                         .await)
                 }
+                // Waited its share of the visibility timeout for a limit: handed back,
+                // uncounted, before the visibility timeout could hand it to someone else.
+                Err(Failure::Limited) => Err(self
+                    .retry_not_attempted(&delivery, LIMITED, Duration::ZERO)
+                    .await),
                 Err(Failure::Database(e)) if database_away(&e) => {
                     // Not the message's fault: never dead-lettered for it (a failover would
                     // otherwise use up its deliveries while the handler never ran).
@@ -925,6 +960,7 @@ impl<S: Subscriber> Consumer<S> {
     async fn process<F, E>(
         &self,
         key: &str,
+        prefixes: &limits::Prefixes,
         envelope: &Envelope,
         handler: F,
         metrics: &RunMetrics,
@@ -936,20 +972,56 @@ impl<S: Subscriber> Consumer<S> {
         let key = Key::new(key).with_message_id(envelope.id.to_string());
         // Messages the handler enqueues continue this message's trace.
         let incoming = envelope.headers.get(TRACEPARENT).cloned();
-        // `process_and_commit` on a transaction begun by `pooler::begin` (safe to drop mid-`BEGIN`):
-        // sqlx's own transaction, so the handler's nested units are savepoints.
-        with_incoming(
-            incoming,
-            self.inbox.process_or_reject_and_commit_on_pool(
-                &self.pool,
-                key,
-                async |conn: &mut HandlerConnection<'_>| {
-                    let _timer = metrics.time_handler();
-                    handler(envelope, conn).await.map_err(Failure::Handler)
-                },
-            ),
-        )
-        .await
+        let run = async |conn: &mut HandlerConnection<'_>| {
+            let _timer = metrics.time_handler();
+            handler(envelope, conn).await.map_err(Failure::Handler)
+        };
+        if self.limits.is_empty() {
+            // `process_and_commit` on a transaction begun by `pooler::begin` (safe to drop
+            // mid-`BEGIN`): sqlx's own transaction, so the handler's nested units are
+            // savepoints.
+            return with_incoming(
+                incoming,
+                self.inbox
+                    .process_or_reject_and_commit_on_pool(&self.pool, key, run),
+            )
+            .await;
+        }
+        key.validate()?;
+        let deadline = self.limit_deadline();
+        // Tokens before the transaction: no connection is held while a bucket refills.
+        if self.limits.has_rates()
+            && !self
+                .limits
+                .take_tokens(&self.pool, prefixes, deadline, &metrics.limit_waits)
+                .await?
+        {
+            return Err(Failure::Limited);
+        }
+        let mut tx = crate::pooler::begin(&self.pool, None).await?;
+        // Slots on the unit's own transaction: its COMMIT or ROLLBACK (or a lost
+        // connection) frees them.
+        if self.limits.has_slots()
+            && !self
+                .limits
+                .take_slots(
+                    &mut tx,
+                    prefixes,
+                    &mut limits::Held::new(),
+                    deadline,
+                    &metrics.limit_waits,
+                )
+                .await?
+        {
+            return Err(Failure::Limited);
+        }
+        with_incoming(incoming, self.inbox.process_or_reject_in_own(tx, key, run)).await
+    }
+
+    /// Until when a unit may wait for its limits: a third of the visibility timeout, so
+    /// that the handler still has the rest before the message is redelivered.
+    fn limit_deadline(&self) -> Instant {
+        Instant::now() + self.visibility_timeout / 3
     }
 
     /// The inbox's database refused or lost the delivery's transaction (see
@@ -1057,7 +1129,12 @@ impl<S: Subscriber> Consumer<S> {
 enum Failure<E> {
     Database(Error),
     Handler(E),
+    /// The unit waited its share of the visibility timeout for a [`Limit`].
+    Limited,
 }
+
+/// The error a delivery handed back for a [`Limit`] is nacked with.
+const LIMITED: &str = "waited too long for a consumer limit";
 
 impl<E> From<Error> for Failure<E> {
     fn from(e: Error) -> Self {
@@ -1070,6 +1147,7 @@ impl<E: fmt::Display> fmt::Display for Failure<E> {
         match self {
             Failure::Database(e) => e.fmt(f),
             Failure::Handler(e) => e.fmt(f),
+            Failure::Limited => f.write_str(LIMITED),
         }
     }
 }
@@ -1146,12 +1224,14 @@ struct RunMetrics {
     handler_errors: Counter,
     panics: Counter,
     batch_rollbacks: Counter,
+    /// Per limit, in the consumer's order.
+    limit_waits: Vec<Counter>,
     handler_duration: Histogram,
     receive_lag: Histogram,
 }
 
 impl RunMetrics {
-    fn new(consumer: &str, topic: &str) -> Self {
+    fn new(consumer: &str, topic: &str, limits: &limits::Limits) -> Self {
         let labels = [
             ("consumer", consumer.to_owned()),
             ("topic", topic.to_owned()),
@@ -1166,6 +1246,17 @@ impl RunMetrics {
             handler_errors: metrics::counter!(telemetry::CONSUMER_HANDLER_ERRORS, &labels),
             panics: metrics::counter!(telemetry::CONSUMER_HANDLER_PANICS, &labels),
             batch_rollbacks: metrics::counter!(telemetry::CONSUMER_BATCH_ROLLBACKS, &labels),
+            limit_waits: limits
+                .names()
+                .map(|name| {
+                    let labels = [
+                        ("consumer", consumer.to_owned()),
+                        ("topic", topic.to_owned()),
+                        ("limit", name.to_owned()),
+                    ];
+                    metrics::counter!(telemetry::CONSUMER_LIMIT_WAITS, &labels)
+                })
+                .collect(),
             handler_duration: metrics::histogram!(telemetry::CONSUMER_HANDLER_DURATION, &labels),
             receive_lag: metrics::histogram!(telemetry::CONSUMER_RECEIVE_LAG, &labels),
         }

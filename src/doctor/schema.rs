@@ -537,6 +537,9 @@ pub(super) const INDEXES: &[ExpectedIndex] = &[
         "the router's per-batch look-up of held keys and the drain's head check"),
     index("outbox_fanout_deliveries", "outbox_fanout_deliveries_claim_idx", 18, Plain,
         "(destination, id)", "the router's drain, in id order per destination"),
+    // V19
+    index("rate_limits", "rate_limits_pkey", 19, PrimaryKey, "(name, prefix)",
+        "consumer rate limits: one bucket per limit and prefix"),
 ];
 
 #[cfg(test)]

@@ -154,7 +154,7 @@ impl Inbox {
     }
 
     /// The rest of the `*_and_commit` methods, once their transaction has begun.
-    async fn process_or_reject_in_own<T, E, F>(
+    pub(crate) async fn process_or_reject_in_own<T, E, F>(
         &self,
         mut tx: Transaction<'_, Postgres>,
         key: Key<'_>,

@@ -1,0 +1,527 @@
+//! Limits on a consumer runner that hold across every instance of it (several processes on
+//! several machines), with the database as the only coordinator: concurrency slots and rate
+//! buckets, globally or per prefix of the message (a tenant, a key prefix).
+
+use std::collections::HashSet;
+use std::fmt;
+use std::panic::AssertUnwindSafe;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use metrics::Counter;
+use sqlx::{PgConnection, PgPool};
+
+use crate::error::{Error, Result};
+use crate::ident::Identifier;
+use crate::outbox::Envelope;
+
+/// The longest name a [`Limit`] may have, in bytes.
+pub const MAX_LIMIT_NAME_BYTES: usize = 64;
+
+/// The most concurrency slots a [`Limit::concurrency`] may have.
+pub const MAX_CONCURRENCY_SLOTS: u32 = 1024;
+
+/// The highest rate a [`Limit::rate`] accepts, per second (and the largest burst).
+pub const MAX_RATE_PER_SECOND: f64 = 1_000_000.0;
+
+/// Advisory-lock class of concurrency slots: `pg_try_advisory_xact_lock(class, key)`, apart
+/// from pgbox's other classes ("pboa", "pboj", "pbok", "pbow", "pbox", "pboy", "pboz").
+pub(crate) const SLOT_LOCK_CLASS: i32 = 0x7062_6f6c; // "pbol"
+
+/// Prefixes longer than this are stored as their first bytes and a hash (a bucket row's
+/// primary key stays small; two long prefixes that collide share a bucket: stricter only).
+const MAX_STORED_PREFIX_BYTES: usize = 256;
+
+/// The longest pause between two tries for a slot or a token.
+const MAX_PAUSE: Duration = Duration::from_millis(200);
+
+/// How often a runner deletes its rate limits' full buckets.
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
+
+type PerFn = Arc<dyn Fn(&Envelope) -> String + Send + Sync>;
+
+/// A limit on a [`Consumer`](crate::Consumer) that holds across every runner instance
+/// sharing the inbox's database ([`ConsumerBuilder::limit`](crate::ConsumerBuilder::limit)).
+///
+/// - [`Limit::concurrency`]: at most `n` transactions of the limit in flight at once, across
+///   all instances. Each transaction holds one of `n` advisory-lock slots
+///   (`pg_try_advisory_xact_lock`), released by its COMMIT or ROLLBACK, or by the server when
+///   the runner's connection dies: no table, nothing to leak after a crash.
+/// - [`Limit::rate`]: at most `per_second` messages a second, and [`burst`](Limit::burst) at
+///   once, across all instances. One row per limit (and prefix) in the inbox schema's
+///   `rate_limits` table holds the bucket (a generic cell rate algorithm); a message takes
+///   its token with one short statement before its transaction begins, so the row is never
+///   locked for longer than that statement.
+/// - [`per`](Limit::per) / [`per_key_prefix`](Limit::per_key_prefix): the limit holds per
+///   prefix (each tenant gets its own `n` slots or its own rate) instead of globally.
+///
+/// A message over a limit **waits**, inside the runner, holding its runner slot (for a
+/// concurrency limit, also its connection and its open transaction). It is never failed,
+/// never counted as a delivery toward `max_deliveries`, never dead-lettered, and its key's
+/// order is kept. If it waits for a third of the visibility timeout, it is handed back to
+/// the transport without being counted, and comes back after the backoff: it never overruns
+/// the visibility timeout.
+///
+/// In a batch ([`ConsumerBuilder::batch_size`](crate::ConsumerBuilder::batch_size)) every
+/// message takes its own rate token; a concurrency limit counts the batch's transaction once
+/// per prefix it carries (its messages of one prefix share one slot).
+///
+/// Limits apply to [`Consumer::run`](crate::Consumer::run) and
+/// [`Consumer::run_or_reject`](crate::Consumer::run_or_reject); lease mode refuses them.
+/// Redeliveries answered as duplicates without a transaction take nothing.
+///
+/// Bucket rows are per (limit, prefix). A bucket that has refilled is the same as no row, so
+/// each runner deletes its limits' full buckets once a minute: prefixes that went quiet leave
+/// no rows behind. Metric labels carry the limit's name only, never a prefix.
+///
+/// ```no_run
+/// use pgbox::transport::PgQueue;
+/// use pgbox::{Consumer, Inbox, Limit};
+/// # fn f(pool: sqlx::PgPool) -> pgbox::Result<()> {
+/// let consumer = Consumer::builder(pool.clone(), PgQueue::new(pool.clone()), "payments", Inbox::new("psp")?)
+///     .concurrency(16)
+///     // The payment provider takes 4 calls at once, from all our machines together...
+///     .limit(Limit::concurrency("psp", 4))
+///     // ...and 50 a second per merchant, the merchant id being the key up to ':'.
+///     .limit(Limit::rate("psp-merchant", 50.0).burst(10).per_key_prefix(':'))
+///     .key(|m| format!("{}:{}", m.headers.get("merchant").map_or("", String::as_str), m.id))
+///     .build()?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+#[must_use]
+pub struct Limit {
+    name: String,
+    kind: Kind,
+    per: Per,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Kind {
+    Concurrency(u32),
+    Rate { per_second: f64, burst: u32 },
+}
+
+#[derive(Clone)]
+enum Per {
+    All,
+    KeyPrefix(char),
+    Envelope(PerFn),
+}
+
+impl fmt::Debug for Limit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let per = match &self.per {
+            Per::All => "all".to_owned(),
+            Per::KeyPrefix(c) => format!("key prefix up to {c:?}"),
+            Per::Envelope(_) => "function".to_owned(),
+        };
+        f.debug_struct("Limit")
+            .field("name", &self.name)
+            .field("kind", &self.kind)
+            .field("per", &per)
+            .finish()
+    }
+}
+
+impl Limit {
+    /// At most `n` transactions of limit `name` in flight at once across all instances.
+    pub fn concurrency(name: impl Into<String>, n: u32) -> Self {
+        Limit {
+            name: name.into(),
+            kind: Kind::Concurrency(n),
+            per: Per::All,
+        }
+    }
+
+    /// At most `per_second` messages a second of limit `name` across all instances, with a
+    /// burst of 1 unless [`burst`](Self::burst) says more.
+    pub fn rate(name: impl Into<String>, per_second: f64) -> Self {
+        Limit {
+            name: name.into(),
+            kind: Kind::Rate {
+                per_second,
+                burst: 1,
+            },
+            per: Per::All,
+        }
+    }
+
+    /// A rate limit's burst: how many messages may go at once after a quiet spell (default
+    /// 1). Over any span of `t` seconds at most `burst + per_second × t` messages go. No
+    /// effect on a concurrency limit.
+    pub fn burst(mut self, burst: u32) -> Self {
+        if let Kind::Rate { burst: b, .. } = &mut self.kind {
+            *b = burst;
+        }
+        self
+    }
+
+    /// The limit holds per prefix returned by `prefix` (a tenant header, a customer id)
+    /// instead of globally. A panicking function fails the delivery like a panicking handler.
+    pub fn per(mut self, prefix: impl Fn(&Envelope) -> String + Send + Sync + 'static) -> Self {
+        self.per = Per::Envelope(Arc::new(prefix));
+        self
+    }
+
+    /// The limit holds per prefix of the message's inbox key (see
+    /// [`ConsumerBuilder::key`](crate::ConsumerBuilder::key)): the key up to the first
+    /// `separator`, or the whole key when it has none.
+    pub fn per_key_prefix(mut self, separator: char) -> Self {
+        self.per = Per::KeyPrefix(separator);
+        self
+    }
+
+    /// The limit's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn validate(&self) -> Result<()> {
+        let invalid = |why: String| Err(Error::InvalidConfig(why));
+        if self.name.is_empty()
+            || self.name.len() > MAX_LIMIT_NAME_BYTES
+            || self.name.contains('\0')
+        {
+            return invalid(format!(
+                "consumer limit name {:?} must be 1..={MAX_LIMIT_NAME_BYTES} bytes without NUL",
+                self.name
+            ));
+        }
+        match self.kind {
+            Kind::Concurrency(n) if n == 0 || n > MAX_CONCURRENCY_SLOTS => invalid(format!(
+                "consumer limit {:?}: concurrency must be between 1 and {MAX_CONCURRENCY_SLOTS}, got {n}",
+                self.name
+            )),
+            Kind::Rate { per_second, .. }
+                if !per_second.is_finite()
+                    || per_second <= 0.0
+                    || per_second > MAX_RATE_PER_SECOND =>
+            {
+                invalid(format!(
+                    "consumer limit {:?}: rate must be above 0 and at most {MAX_RATE_PER_SECOND} a second, got {per_second}",
+                    self.name
+                ))
+            }
+            Kind::Rate { burst, .. } if burst == 0 || f64::from(burst) > MAX_RATE_PER_SECOND => {
+                invalid(format!(
+                    "consumer limit {:?}: burst must be between 1 and {MAX_RATE_PER_SECOND}, got {burst}",
+                    self.name
+                ))
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A consumer's limits, checked and ready to run.
+pub(super) struct Limits {
+    all: Vec<Limit>,
+    take_sql: String,
+    sweep_sql: String,
+    /// Per limit, when this runner last swept its full buckets.
+    last_sweep: Vec<Mutex<Option<Instant>>>,
+}
+
+impl fmt::Debug for Limits {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(&self.all).finish()
+    }
+}
+
+/// The prefixes of one message, one per limit (empty for a global limit).
+pub(super) type Prefixes = Vec<Vec<u8>>;
+
+/// What one unit (a transaction) holds: the slots it took, by limit and prefix.
+pub(super) type Held = HashSet<(usize, Vec<u8>)>;
+
+impl Limits {
+    /// Checks `limits` (names, numbers, no name twice for one kind).
+    pub(super) fn new(all: Vec<Limit>, schema: &str) -> Result<Self> {
+        let mut seen = HashSet::new();
+        for limit in &all {
+            limit.validate()?;
+            let kind = matches!(limit.kind, Kind::Rate { .. });
+            if !seen.insert((kind, limit.name.clone())) {
+                return Err(Error::InvalidConfig(format!(
+                    "consumer limit {:?} is configured twice",
+                    limit.name
+                )));
+            }
+        }
+        let s = Identifier::new("schema", schema)?;
+        // A take is allowed when the bucket's theoretical arrival time, advanced by one
+        // interval ($3 µs), stays within the burst ($4 µs) of now. Denied, the row is left
+        // as it was and the SELECT (on the statement's snapshot, before the update) says
+        // when it would be allowed. A stale `statement_timestamp()` (the statement waited
+        // for the row) only makes the check stricter.
+        let take_sql = format!(
+            "WITH took AS (\
+               INSERT INTO {s}.rate_limits AS r (name, prefix, tat) \
+               VALUES ($1, $2, statement_timestamp() + $3::int8 * interval '1 microsecond') \
+               ON CONFLICT (name, prefix) DO UPDATE \
+               SET tat = GREATEST(r.tat, statement_timestamp()) + $3::int8 * interval '1 microsecond' \
+               WHERE GREATEST(r.tat, statement_timestamp()) + $3::int8 * interval '1 microsecond' \
+                     <= statement_timestamp() + $4::int8 * interval '1 microsecond' \
+               RETURNING 1) \
+             SELECT EXISTS (SELECT 1 FROM took), \
+                    (SELECT EXTRACT(EPOCH FROM (b.tat - statement_timestamp()))::float8 \
+                            + ($3::int8 - $4::int8)::float8 / 1e6 \
+                       FROM {s}.rate_limits b WHERE b.name = $1 AND b.prefix = $2)"
+        );
+        // A bucket whose arrival time has passed is full: the same as no row. The re-check
+        // under the row's lock (a take that just moved it on) keeps it.
+        let sweep_sql = format!(
+            "DELETE FROM {s}.rate_limits WHERE ctid = ANY(ARRAY(\
+               SELECT ctid FROM {s}.rate_limits \
+                WHERE name = $1 AND tat < statement_timestamp() LIMIT 1000)) \
+               AND tat < statement_timestamp()"
+        );
+        Ok(Limits {
+            take_sql,
+            sweep_sql,
+            last_sweep: (0..all.len()).map(|_| Mutex::new(None)).collect(),
+            all,
+        })
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.all.is_empty()
+    }
+
+    pub(super) fn has_rates(&self) -> bool {
+        self.all.iter().any(|l| matches!(l.kind, Kind::Rate { .. }))
+    }
+
+    pub(super) fn has_slots(&self) -> bool {
+        self.all
+            .iter()
+            .any(|l| matches!(l.kind, Kind::Concurrency(_)))
+    }
+
+    /// The limits' names, in order (the metric handles follow it).
+    pub(super) fn names(&self) -> impl Iterator<Item = &str> {
+        self.all.iter().map(|l| l.name.as_str())
+    }
+
+    /// The prefix of each limit for a message whose inbox key is `key`. Err: a prefix
+    /// function panicked (its message).
+    pub(super) fn prefixes(
+        &self,
+        envelope: &Envelope,
+        key: &str,
+    ) -> std::result::Result<Prefixes, String> {
+        self.all
+            .iter()
+            .map(|limit| {
+                let prefix = match &limit.per {
+                    Per::All => return Ok(Vec::new()),
+                    Per::KeyPrefix(sep) => key.split(*sep).next().unwrap_or("").to_owned(),
+                    Per::Envelope(f) => std::panic::catch_unwind(AssertUnwindSafe(|| f(envelope)))
+                        .map_err(|panic| super::panic_message(panic.as_ref()))?,
+                };
+                Ok(stored_prefix(prefix.into_bytes()))
+            })
+            .collect()
+    }
+
+    /// Takes a token of every rate limit for one message, waiting while a bucket is empty.
+    /// `Ok(false)`: `deadline` came first (the tokens already taken are spent).
+    pub(super) async fn take_tokens(
+        &self,
+        pool: &PgPool,
+        prefixes: &Prefixes,
+        deadline: Instant,
+        waits: &[Counter],
+    ) -> Result<bool> {
+        for (i, limit) in self.all.iter().enumerate() {
+            let Kind::Rate { per_second, burst } = limit.kind else {
+                continue;
+            };
+            self.sweep(pool, i).await;
+            // Rounded up to the microsecond: never faster than asked.
+            let interval = (1e6 / per_second).ceil() as i64;
+            let span = interval.saturating_mul(i64::from(burst));
+            let mut counted = false;
+            let mut pause = Duration::from_millis(1);
+            loop {
+                let (took, wait): (bool, Option<f64>) =
+                    sqlx::query_as(sqlx::AssertSqlSafe(self.take_sql.as_str()))
+                        .bind(&limit.name)
+                        .bind(&prefixes[i])
+                        .bind(interval)
+                        .bind(span)
+                        .fetch_one(pool)
+                        .await?;
+                if took {
+                    break;
+                }
+                if !counted {
+                    waits[i].increment(1);
+                    counted = true;
+                }
+                // Sleep until the bucket says, plus a little so that the runners woken
+                // together do not all try at once. No row in the snapshot (a concurrent first
+                // take or sweep): try again soon. A wait past the deadline is not begun.
+                let until = wait
+                    .filter(|w| w.is_finite() && *w > 0.0)
+                    .map_or(pause, |w| Duration::from_secs_f64(w.min(3600.0)));
+                if Instant::now() + until > deadline {
+                    return Ok(false);
+                }
+                tokio::time::sleep(until + jitter(pause)).await;
+                pause = (pause * 2).min(MAX_PAUSE);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Takes a slot of every concurrency limit on the unit's transaction `conn`, waiting
+    /// while none is free; a slot `held` already by the unit is not taken twice. `Ok(false)`:
+    /// `deadline` came first (the slots taken are released with the transaction).
+    pub(super) async fn take_slots(
+        &self,
+        conn: &mut PgConnection,
+        prefixes: &Prefixes,
+        held: &mut Held,
+        deadline: Instant,
+        waits: &[Counter],
+    ) -> Result<bool> {
+        for (i, limit) in self.all.iter().enumerate() {
+            let Kind::Concurrency(n) = limit.kind else {
+                continue;
+            };
+            if held.contains(&(i, prefixes[i].clone())) {
+                continue;
+            }
+            // Slot keys are consecutive from a hash of (limit, prefix): distinct within the
+            // limit; another limit's range that overlaps only makes both stricter. Tried from
+            // a random slot, so that runners do not all queue on the first.
+            let base = slot_base(&limit.name, &prefixes[i]);
+            let start = fastrand::u32(0..n);
+            let keys: Vec<i32> = (0..n)
+                .map(|j| base.wrapping_add(((start + j) % n) as i32))
+                .collect();
+            let mut counted = false;
+            let mut pause = Duration::from_millis(2);
+            loop {
+                // The executor stops at the first row the filter lets through: one lock.
+                let got: Option<i32> = sqlx::query_scalar(
+                    "SELECT k FROM unnest($2::int4[]) AS k \
+                     WHERE pg_catalog.pg_try_advisory_xact_lock($1, k) LIMIT 1",
+                )
+                .bind(SLOT_LOCK_CLASS)
+                .bind(&keys)
+                .fetch_optional(&mut *conn)
+                .await?;
+                if got.is_some() {
+                    held.insert((i, prefixes[i].clone()));
+                    break;
+                }
+                if !counted {
+                    waits[i].increment(1);
+                    counted = true;
+                }
+                if Instant::now() + pause > deadline {
+                    return Ok(false);
+                }
+                tokio::time::sleep(jitter(pause)).await;
+                pause = (pause * 2).min(MAX_PAUSE);
+            }
+        }
+        Ok(true)
+    }
+
+    /// Deletes `limit`'s full buckets, at most once a minute per runner: prefixes that went
+    /// quiet leave no rows. A failure is only logged (the next sweep tries again).
+    async fn sweep(&self, pool: &PgPool, i: usize) {
+        let limit = &self.all[i];
+        {
+            let mut last = self.last_sweep[i].lock().expect("sweep time");
+            if last.is_some_and(|at| at.elapsed() < SWEEP_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        if let Err(e) = sqlx::query(sqlx::AssertSqlSafe(self.sweep_sql.as_str()))
+            .bind(&limit.name)
+            .execute(pool)
+            .await
+        {
+            tracing::debug!(error = %e, limit = %limit.name, "pgbox rate limit sweep failed");
+        }
+    }
+}
+
+/// A prefix as stored: long ones cut, with a hash of the whole appended.
+fn stored_prefix(mut prefix: Vec<u8>) -> Vec<u8> {
+    if prefix.len() > MAX_STORED_PREFIX_BYTES {
+        let hash = fnv1a(&prefix);
+        prefix.truncate(MAX_STORED_PREFIX_BYTES);
+        prefix.extend_from_slice(&hash.to_be_bytes());
+    }
+    prefix
+}
+
+/// The first slot key of (limit, prefix): the same in every instance (and release).
+fn slot_base(name: &str, prefix: &[u8]) -> i32 {
+    let mut bytes = Vec::with_capacity(name.len() + 1 + prefix.len());
+    bytes.extend_from_slice(name.as_bytes());
+    bytes.push(0);
+    bytes.extend_from_slice(prefix);
+    let h = fnv1a(&bytes);
+    (h ^ (h >> 32)) as u32 as i32
+}
+
+/// FNV-1a, 64 bits: stable across builds and platforms (the std hasher is not).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Half to all of `pause`, at random: runners waiting together do not retry in step.
+fn jitter(pause: Duration) -> Duration {
+    pause.mul_f64(0.5 + fastrand::f64() / 2.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slot_keys_are_stable_and_names_checked() {
+        assert_eq!(slot_base("a", b"x"), slot_base("a", b"x"));
+        assert_ne!(slot_base("a", b"x"), slot_base("a", b"y"));
+        assert_ne!(slot_base("ab", b""), slot_base("a", b"b"));
+        assert_eq!(
+            stored_prefix(vec![7; 300]).len(),
+            MAX_STORED_PREFIX_BYTES + 8
+        );
+        assert_ne!(stored_prefix(vec![7; 300]), stored_prefix(vec![7; 301]));
+        for bad in [
+            Limit::concurrency("", 1),
+            Limit::concurrency("a\0b", 1),
+            Limit::concurrency("x".repeat(65), 1),
+            Limit::concurrency("a", 0),
+            Limit::concurrency("a", MAX_CONCURRENCY_SLOTS + 1),
+            Limit::rate("a", 0.0),
+            Limit::rate("a", f64::NAN),
+            Limit::rate("a", -1.0),
+            Limit::rate("a", 1.0).burst(0),
+        ] {
+            assert!(
+                matches!(bad.validate(), Err(Error::InvalidConfig(_))),
+                "{bad:?}"
+            );
+        }
+        assert!(Limits::new(vec![Limit::rate("a", 1.0), Limit::rate("a", 2.0)], "pgbox").is_err());
+        assert!(
+            Limits::new(
+                vec![Limit::rate("a", 1.0), Limit::concurrency("a", 2)],
+                "pgbox"
+            )
+            .is_ok()
+        );
+    }
+}
