@@ -35,6 +35,7 @@ mod retry;
 mod secret;
 mod state;
 mod status;
+mod tenants;
 pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -84,6 +85,9 @@ pub use crate::outbox::{
     ScheduleConflict, TRACEPARENT,
 };
 pub use crate::pooler::Pooler;
+pub use crate::tenants::{
+    TENANT_HEADER, TenantDrainReport, TenantHealth, TenantRelay, TenantRelayBuilder, TenantStatus,
+};
 pub use crate::relay::{
     DeadLetter, DeadLetters, DrainReport, Relay, RelayBuilder, RoundReport, WakeUp, WalReader,
     WalRelay, WalRelayBuilder, WalRoundReport, WalSlot, WalSlotInvalidation, WalSlotStatus,
