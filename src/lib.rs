@@ -35,8 +35,8 @@ mod retry;
 mod secret;
 mod state;
 mod status;
-mod tenants;
 pub mod telemetry;
+mod tenants;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod tls;
@@ -85,9 +85,6 @@ pub use crate::outbox::{
     ScheduleConflict, TRACEPARENT,
 };
 pub use crate::pooler::Pooler;
-pub use crate::tenants::{
-    TENANT_HEADER, TenantDrainReport, TenantHealth, TenantRelay, TenantRelayBuilder, TenantStatus,
-};
 pub use crate::relay::{
     DeadLetter, DeadLetters, DrainReport, Relay, RelayBuilder, RoundReport, WakeUp, WalReader,
     WalRelay, WalRelayBuilder, WalRoundReport, WalSlot, WalSlotInvalidation, WalSlotStatus,
@@ -98,5 +95,8 @@ pub use crate::state::{StateMachine, StateTable, Transition};
 pub use crate::status::{
     ConsumerInbox, DEAD_LETTER_COUNT_CAP, INBOX_COUNT_CAP, LEASE_COUNT_CAP, Status, TopicStatus,
     inbox_status, status,
+};
+pub use crate::tenants::{
+    TENANT_HEADER, TenantDrainReport, TenantHealth, TenantRelay, TenantRelayBuilder, TenantStatus,
 };
 pub use crate::version::{VersionedTable, VersionedUpdate};

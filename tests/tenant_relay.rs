@@ -96,7 +96,10 @@ fn check_once_in_order(seen: &[Envelope], expected: &HashMap<String, usize>) {
     for e in seen {
         let tenant = e.headers.get(TENANT_HEADER).expect("tenant header").clone();
         *per_tenant.entry(tenant.clone()).or_default() += 1;
-        let n: i64 = String::from_utf8(e.payload.clone()).unwrap().parse().unwrap();
+        let n: i64 = String::from_utf8(e.payload.clone())
+            .unwrap()
+            .parse()
+            .unwrap();
         let key = (tenant, e.ordering_key.clone().unwrap());
         if let Some(before) = last.insert(key.clone(), n) {
             assert!(before < n, "{key:?}: {n} published after {before}");
@@ -182,7 +185,10 @@ async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
 }
 
 fn unique(prefix: &str) -> String {
-    format!("{prefix}_{}", &uuid::Uuid::now_v7().simple().to_string()[20..])
+    format!(
+        "{prefix}_{}",
+        &uuid::Uuid::now_v7().simple().to_string()[20..]
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -229,7 +235,10 @@ async fn fifty_schemas_in_three_discovered_databases_publish_every_message_once_
     let status = relay.status();
     assert_eq!(status.len(), 50);
     assert!(status.iter().all(|s| s.health == TenantHealth::Healthy));
-    assert_eq!(status.iter().map(|s| s.published).sum::<u64>(), total as u64);
+    assert_eq!(
+        status.iter().map(|s| s.published).sum::<u64>(),
+        total as u64
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -319,9 +328,10 @@ async fn a_broken_tenant_is_reported_and_the_others_flow() {
         async move { relay.run(shutdown).await }
     });
     let broken = || {
-        relay.status().into_iter().any(|s| {
-            s.schema == "tenant_bad" && matches!(s.health, TenantHealth::Broken { .. })
-        })
+        relay
+            .status()
+            .into_iter()
+            .any(|s| s.schema == "tenant_bad" && matches!(s.health, TenantHealth::Broken { .. }))
     };
     wait_until("the broken tenant reported", broken).await;
     let ok = format!("{}/tenant_ok", db.name);
@@ -451,13 +461,12 @@ async fn two_hundred_idle_tenants_hold_a_constant_number_of_connections() {
     })
     .await;
     for _ in 0..3 {
-        let connections: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1",
-        )
-        .bind(&app)
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+        let connections: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+                .bind(&app)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
         assert!(
             connections <= 4 + 1,
             "{connections} connections for 200 idle tenants (pool 4 + 1 listener)"
@@ -523,7 +532,10 @@ async fn a_relay_dropped_mid_round_loses_and_doubles_nothing_in_the_queue() {
     task.abort();
     let _ = task.await;
     let moved = queued().await;
-    assert!(moved > 0 && moved < total, "dropped after {moved} of {total}");
+    assert!(
+        moved > 0 && moved < total,
+        "dropped after {moved} of {total}"
+    );
 
     let report = build().drain().await.unwrap();
     assert_eq!(report.tenants, 3);
@@ -563,7 +575,9 @@ async fn a_relay_dropped_mid_round_loses_and_doubles_nothing_in_the_queue() {
 #[tokio::test]
 async fn bad_settings_are_refused() {
     let db = TestDb::empty().await;
-    let e = TenantRelay::builder(Recorder::default()).build().unwrap_err();
+    let e = TenantRelay::builder(Recorder::default())
+        .build()
+        .unwrap_err();
     assert!(matches!(e, pgbox::Error::InvalidConfig(_)), "{e:?}");
     let e = TenantRelay::builder(Recorder::default())
         .database(db.pool.clone())

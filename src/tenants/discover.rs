@@ -87,11 +87,10 @@ pub(super) async fn discover(
         .map(|(i, p)| (Some(i), p.clone(), false))
         .collect();
     for (server, pattern) in &sources.servers {
-        let listed: std::result::Result<Vec<String>, sqlx::Error> =
-            sqlx::query_scalar(DATABASES)
-                .bind(pattern)
-                .fetch_all(server)
-                .await;
+        let listed: std::result::Result<Vec<String>, sqlx::Error> = sqlx::query_scalar(DATABASES)
+            .bind(pattern)
+            .fetch_all(server)
+            .await;
         match listed {
             Ok(names) => {
                 found.server_errors.push(None);
@@ -117,12 +116,11 @@ pub(super) async fn discover(
     }
     let mut seen = std::collections::HashSet::new();
     for (given, pool, owned) in pools {
-        let read: std::result::Result<(String, Vec<String>), sqlx::Error> =
-            sqlx::query_as(SCHEMAS)
-                .bind(selector.pattern.as_deref())
-                .bind(&selector.names)
-                .fetch_one(&pool)
-                .await;
+        let read: std::result::Result<(String, Vec<String>), sqlx::Error> = sqlx::query_as(SCHEMAS)
+            .bind(selector.pattern.as_deref())
+            .bind(&selector.names)
+            .fetch_one(&pool)
+            .await;
         let (name, schemas) = match read {
             Ok((name, schemas)) => (name, Ok(schemas)),
             Err(e) => match (given, pool.connect_options().get_database()) {

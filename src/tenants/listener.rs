@@ -148,7 +148,10 @@ pub(super) async fn run(
 
 /// A listener on its own connection (not one of the rounds' pool), LISTENing on every
 /// channel in `channels`.
-async fn connect(options: &PgConnectOptions, channels: &HashSet<String>) -> crate::Result<PgListener> {
+async fn connect(
+    options: &PgConnectOptions,
+    channels: &HashSet<String>,
+) -> crate::Result<PgListener> {
     let dedicated = PgPoolOptions::new()
         .max_connections(1)
         .min_connections(0)

@@ -112,7 +112,7 @@ impl<P: Publisher + 'static> TenantRelayBuilder<P> {
     /// How often sleeping tenants are checked for due work that sent no notification (a
     /// retry whose backoff expired, a scheduled message falling due, a producer that saw
     /// the tenant awake) (default 1 s). One statement per database per
-    /// [`PROBE_CHUNK`](discover::PROBE_CHUNK) (200) tenants.
+    /// 200 tenants.
     pub fn idle_poll_interval(mut self, interval: Duration) -> Self {
         self.idle_poll_interval = interval;
         self
@@ -181,8 +181,7 @@ impl<P: Publisher + 'static> TenantRelayBuilder<P> {
         if self.database_pool_size == 0 {
             return invalid("database_pool_size must be at least 1");
         }
-        if !self.servers.is_empty() && self.rounds_in_flight > self.database_pool_size as usize
-        {
+        if !self.servers.is_empty() && self.rounds_in_flight > self.database_pool_size as usize {
             return invalid("rounds_in_flight is above database_pool_size");
         }
         if self
@@ -704,7 +703,13 @@ impl<P: Publisher + 'static> TenantRelay<P> {
 
     /// A notification for a tenant: it wakes (its lock released, so that its producers stop
     /// notifying while it works) and joins the queue.
-    fn wake(&self, key: &Key, t: &mut Tenant<P>, dbs: &HashMap<String, Db>, ready: &mut VecDeque<Key>) {
+    fn wake(
+        &self,
+        key: &Key,
+        t: &mut Tenant<P>,
+        dbs: &HashMap<String, Db>,
+        ready: &mut VecDeque<Key>,
+    ) {
         if t.removed {
             return;
         }
@@ -754,6 +759,15 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                 t.failures = 0;
                 let more = report.published > 0 || report.claimed >= self.batch_size || t.again;
                 if more {
+                    if t.asleep && report.published > 0 {
+                        // Woken by a poll with work to do: its producers stop notifying
+                        // while it works, as when a notification wakes it.
+                        t.asleep = false;
+                        self.set_asleep(&key, false);
+                        if let Some(listener) = listener {
+                            let _ = listener.send(Command::Wake(key.1.clone()));
+                        }
+                    }
                     t.phase = Phase::Queued;
                     ready.push_back(key);
                 } else if !t.asleep
@@ -805,7 +819,12 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                 }
                 s.published += *published as u64;
                 if let TenantHealth::Broken { reason } = &s.health {
-                    tracing::info!(database = key.0, schema = key.1, was = reason, "pgbox tenant relay: the tenant works again");
+                    tracing::info!(
+                        database = key.0,
+                        schema = key.1,
+                        was = reason,
+                        "pgbox tenant relay: the tenant works again"
+                    );
                     s.health = TenantHealth::Healthy;
                 }
             }
@@ -892,7 +911,11 @@ impl<P: Publisher + 'static> TenantRelay<P> {
             let _ = db.listener.send(Command::Forget(key.1.clone()));
         }
         self.status.lock().expect("tenant status").remove(key);
-        tracing::info!(database = key.0, schema = key.1, "pgbox tenant relay lets a tenant go");
+        tracing::info!(
+            database = key.0,
+            schema = key.1,
+            "pgbox tenant relay lets a tenant go"
+        );
         self.count_tenants();
     }
 
@@ -908,10 +931,16 @@ impl<P: Publisher + 'static> TenantRelay<P> {
         listeners: &CancellationToken,
     ) {
         for (i, now) in found.server_errors.into_iter().enumerate() {
-            let Some(before) = server_errors.get_mut(i) else { continue };
+            let Some(before) = server_errors.get_mut(i) else {
+                continue;
+            };
             match (&before, &now) {
-                (None, Some(e)) => tracing::warn!(error = %e, "pgbox tenant relay cannot list the server's databases; keeping those it knows"),
-                (Some(_), None) => tracing::info!("pgbox tenant relay lists the server's databases again"),
+                (None, Some(e)) => {
+                    tracing::warn!(error = %e, "pgbox tenant relay cannot list the server's databases; keeping those it knows")
+                }
+                (Some(_), None) => {
+                    tracing::info!("pgbox tenant relay lists the server's databases again")
+                }
                 _ => {}
             }
             *before = now;
@@ -921,7 +950,11 @@ impl<P: Publisher + 'static> TenantRelay<P> {
         }
         let listed: HashSet<String> = found.databases.iter().map(|d| d.name.clone()).collect();
         // Databases gone: their tenants let go, their listener stopped, their pool closed.
-        let gone: Vec<String> = dbs.keys().filter(|n| !listed.contains(*n)).cloned().collect();
+        let gone: Vec<String> = dbs
+            .keys()
+            .filter(|n| !listed.contains(*n))
+            .cloned()
+            .collect();
         for name in gone {
             let keys: Vec<Key> = tenants.keys().filter(|k| k.0 == name).cloned().collect();
             for key in keys {
@@ -959,7 +992,11 @@ impl<P: Publisher + 'static> TenantRelay<P> {
             let schemas = match found_db.schemas {
                 Ok(s) => {
                     if let Some(e) = db.away.take() {
-                        tracing::info!(database = name, was = e, "pgbox tenant relay reads the database's schemas again");
+                        tracing::info!(
+                            database = name,
+                            was = e,
+                            "pgbox tenant relay reads the database's schemas again"
+                        );
                     }
                     s
                 }
@@ -995,7 +1032,11 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                 };
                 let _ = db.listener.send(Command::Listen(key.1.clone()));
                 self.touch(&key);
-                tracing::info!(database = name, schema = key.1, "pgbox tenant relay serves a tenant");
+                tracing::info!(
+                    database = name,
+                    schema = key.1,
+                    "pgbox tenant relay serves a tenant"
+                );
                 tenants.insert(
                     key.clone(),
                     Tenant {
