@@ -40,6 +40,10 @@ pub const TENANT_HEADER: &str = "pgbox-tenant";
 /// The `tenant` label of tenants past the [label cap](TenantRelayBuilder::tenant_label_cap).
 const OTHER_LABEL: &str = "other";
 
+/// How soon an awake tenant whose producers were in flight gets its next round (doubling
+/// while they stay in flight, up to the idle poll interval).
+const AWAKE_POLL: Duration = Duration::from_millis(10);
+
 /// The longest a broken tenant waits before its next try.
 const MAX_BROKEN_BACKOFF: Duration = Duration::from_secs(60);
 
@@ -318,7 +322,8 @@ pub struct TenantDrainReport {
 ///
 /// A tenant with nothing to do sleeps: it holds its asleep lock (see [`Relay`]) on the
 /// listener connection, taken with `pg_try_advisory_lock` (never a wait: a tenant whose
-/// producers are in flight stays awake and is polled). So an idle tenant costs
+/// producers are in flight stays awake and gets another round 10 ms later, then 20, 40, ...
+/// up to the idle poll interval, while they stay in flight). So an idle tenant costs
 /// - **one advisory lock** held by the listener's session. PostgreSQL's shared lock table
 ///   holds `max_locks_per_transaction × (max_connections + max_prepared_transactions)`
 ///   locks (64 × 100 by default, about 6,400): a thousand sleeping tenants on one server
@@ -392,6 +397,8 @@ struct Tenant<P> {
     again: bool,
     /// No longer listed: let go once its round ends.
     removed: bool,
+    /// Attempts to fall asleep in a row that found producers in flight.
+    awake_polls: u32,
     /// Failed rounds in a row, and when to try again.
     failures: u32,
     retry_at: Instant,
@@ -411,6 +418,8 @@ enum Done {
     Round(Key, Result<RoundReport>),
     Discovered(Found),
     Probed(String, Result<Vec<String>>, Vec<String>),
+    /// An awake tenant whose producers were in flight: time for another round.
+    Poll(Key),
 }
 
 impl<P: Publisher + 'static> TenantRelay<P> {
@@ -611,6 +620,7 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                             t.sleep_pending = false;
                             if asleep {
                                 t.asleep = true;
+                                t.awake_polls = 0;
                                 self.set_asleep(&key, true);
                                 // The final look, under the lock: producers that committed
                                 // before it did not notify.
@@ -618,6 +628,18 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                                     t.phase = Phase::Queued;
                                     ready.push_back(key);
                                 }
+                            } else if !t.removed {
+                                // A producer is in flight (it holds the lock shared until it
+                                // commits, and will not notify): look again soon, then less
+                                // and less often, up to the idle poll interval.
+                                let wait = AWAKE_POLL
+                                    .saturating_mul(1 << t.awake_polls.min(10))
+                                    .min(self.idle_poll_interval);
+                                t.awake_polls = t.awake_polls.saturating_add(1);
+                                work.spawn(async move {
+                                    tokio::time::sleep(wait).await;
+                                    Done::Poll(key)
+                                });
                             }
                         }
                     }
@@ -670,6 +692,18 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                                 &events_tx,
                                 &listeners,
                             );
+                        }
+                        Done::Poll(key) => {
+                            if let Some(t) = tenants.get_mut(&key)
+                                && t.phase == Phase::Idle
+                                && !t.asleep
+                                && !t.sleep_pending
+                                && !t.removed
+                                && t.failures == 0
+                            {
+                                t.phase = Phase::Queued;
+                                ready.push_back(key);
+                            }
                         }
                         Done::Probed(name, result, asked) => {
                             if let Some(db) = dbs.get_mut(&name) {
@@ -1048,6 +1082,7 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                         asleep: false,
                         sleep_pending: false,
                         again: false,
+                        awake_polls: 0,
                         removed: false,
                         failures: 0,
                         retry_at: Instant::now(),
