@@ -549,7 +549,17 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                 _ = shutdown.cancelled(), if running > 0 => {
                     // Finish the rounds in flight, start no other.
                     while let Some(done) = work.join_next().await {
-                        if let Ok(Done::Round(..)) = done {
+                        let key = match done {
+                            Ok(Done::Round(key, result)) => {
+                                // Counted in the status and metrics as any round.
+                                self.after_round(key.clone(), result, &mut tenants, &dbs, &mut ready);
+                                Some(key)
+                            }
+                            Err(e) => round_tasks.get(&e.id()).cloned(),
+                            Ok(_) => None,
+                        };
+                        if let Some(key) = key {
+                            round_tasks.retain(|_, k| *k != key);
                             running -= 1;
                             if running == 0 { break; }
                         }
