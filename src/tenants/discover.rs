@@ -210,7 +210,9 @@ pub(super) async fn due(pool: &PgPool, schemas: &[Identifier]) -> Result<Vec<Str
             })
             .collect::<Vec<_>>()
             .join(" UNION ALL ");
-        let mut query = sqlx::query_scalar::<_, String>(AssertSqlSafe(sql)).persistent(false);
+        // Prepared (the default): while the set of sleeping tenants stays the same, the
+        // statement is planned once per connection, not every poll.
+        let mut query = sqlx::query_scalar::<_, String>(AssertSqlSafe(sql));
         for s in chunk {
             query = query.bind(s.as_str());
         }

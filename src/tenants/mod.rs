@@ -337,6 +337,14 @@ pub struct TenantDrainReport {
 ///
 /// A producer committing while its tenant sleeps notifies; the tenant joins the queue.
 ///
+/// # Letting tenants go
+///
+/// A schema dropped (or no longer matching) is let go at the next discovery: its round in
+/// flight, if any, ends first, then its asleep lock is released and its channel unlistened.
+/// A database is let go when its server no longer lists it; while the relay serves it, it
+/// holds connections to it, so `DROP DATABASE` needs `WITH (FORCE)` (or the relay stopped,
+/// or the database renamed out of the pattern first and a discovery interval waited).
+///
 /// # Example
 ///
 /// ```no_run
@@ -584,7 +592,16 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                     let now = Instant::now();
                     let mut probes: HashMap<String, Vec<Identifier>> = HashMap::new();
                     for (key, t) in tenants.iter_mut() {
-                        if t.phase != Phase::Idle || t.removed || t.sleep_pending {
+                        if t.removed {
+                            continue;
+                        }
+                        // Every healthy tenant is probed (the result only matters for the
+                        // idle ones): the statement's text changes only when tenants come or
+                        // go, so it stays prepared.
+                        if t.failures == 0 {
+                            probes.entry(key.0.clone()).or_default().push(t.schema.clone());
+                        }
+                        if t.phase != Phase::Idle || t.sleep_pending {
                             continue;
                         }
                         if t.failures > 0 {
@@ -596,11 +613,10 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                             // Awake with nothing found: its producers may not notify.
                             t.phase = Phase::Queued;
                             ready.push_back(key.clone());
-                        } else {
-                            probes.entry(key.0.clone()).or_default().push(t.schema.clone());
                         }
                     }
-                    for (name, schemas) in probes {
+                    for (name, mut schemas) in probes {
+                        schemas.sort_by(|a, b| a.as_str().cmp(b.as_str()));
                         let Some(db) = dbs.get_mut(&name) else { continue };
                         if db.probing {
                             continue;
