@@ -190,32 +190,32 @@ fn like(pattern: &str, name: &str) -> bool {
 
 /// The schemas among `schemas` that have due work: a pending message due now (or never
 /// tried), or a scheduled message due. One statement (`UNION ALL` of `EXISTS` probes, each
-/// an index probe) for up to [`PROBE_CHUNK`] schemas; the names are bound, the identifiers
-/// validated and quoted.
+/// an index probe) for up to [`PROBE_CHUNK`] schemas, prepared (planned once per connection
+/// while the tenants stay the same).
 pub(super) async fn due(pool: &PgPool, schemas: &[Identifier]) -> Result<Vec<String>> {
     let mut due = Vec::new();
     for chunk in schemas.chunks(PROBE_CHUNK) {
         let sql = chunk
             .iter()
-            .enumerate()
-            .map(|(i, s)| {
+            .map(|s| {
+                // The name as a literal, not a parameter: a statement without parameters
+                // gets its generic plan at once (with 200 parameters PostgreSQL would plan
+                // the first five executions anew, ~25 ms each per 100 tenants). Safe: an
+                // Identifier holds only lowercase ASCII letters, digits and '_'.
                 format!(
-                    "SELECT ${n}::text WHERE EXISTS (SELECT 1 FROM {s}.outbox AS o \
+                    "SELECT '{name}'::text WHERE EXISTS (SELECT 1 FROM {s}.outbox AS o \
                        WHERE o.published_at IS NULL \
                          AND (o.attempts = 0 OR o.available_at <= pg_catalog.now())) \
                      OR EXISTS (SELECT 1 FROM {s}.outbox_scheduled AS c \
                        WHERE c.due_at <= pg_catalog.now())",
-                    n = i + 1
+                    name = s.as_str()
                 )
             })
             .collect::<Vec<_>>()
             .join(" UNION ALL ");
         // Prepared (the default): while the set of sleeping tenants stays the same, the
         // statement is planned once per connection, not every poll.
-        let mut query = sqlx::query_scalar::<_, String>(AssertSqlSafe(sql));
-        for s in chunk {
-            query = query.bind(s.as_str());
-        }
+        let query = sqlx::query_scalar::<_, String>(AssertSqlSafe(sql));
         due.extend(query.fetch_all(pool).await?);
     }
     Ok(due)
