@@ -36,6 +36,7 @@ mod secret;
 mod state;
 mod status;
 pub mod telemetry;
+mod tenants;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod tls;
@@ -95,5 +96,8 @@ pub use crate::state::{StateMachine, StateTable, Transition};
 pub use crate::status::{
     ConsumerInbox, DEAD_LETTER_COUNT_CAP, INBOX_COUNT_CAP, LEASE_COUNT_CAP, Status, TopicStatus,
     inbox_status, status,
+};
+pub use crate::tenants::{
+    TENANT_HEADER, TenantDrainReport, TenantHealth, TenantRelay, TenantRelayBuilder, TenantStatus,
 };
 pub use crate::version::{VersionedTable, VersionedUpdate};

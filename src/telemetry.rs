@@ -11,7 +11,9 @@
 //!   registers its counters when it starts and keeps the handles (an atomic add per message,
 //!   no lookup); a run started before the recorder was installed records nothing.
 //! - **Labels are bounded**: `consumer` (the inbox's name), `topic`, `schema` (pgbox's schema),
-//!   `state` (two values). All are names the application chose, never a key or a message id.
+//!   `state` (two values), `tenant` (`<database>/<schema>` for the first
+//!   [`tenant_label_cap`](crate::TenantRelayBuilder::tenant_label_cap) tenants a
+//!   [`TenantRelay`](crate::TenantRelay) serves, `other` past it). All are names the application chose, never a key or a message id.
 //! - **Gauges cost queries, so they are not updated on the hot path**: call
 //!   [`refresh_gauges`] periodically (every 10–60 s), per pgbox schema, from one instance (the
 //!   janitor does). It reads index lookups only, never `count(*)` over the outbox or the queue.
@@ -41,6 +43,10 @@
 //! | [`RELAY_ROUND_ERRORS`] | counter | |
 //! | [`RELAY_ROUND_DURATION`] | histogram | |
 //! | [`RELAY_PUBLISH_LAG`] | histogram | `topic` |
+//! | [`TENANT_RELAY_PUBLISHED`] | counter | `tenant` |
+//! | [`TENANT_RELAY_ROUNDS`] | counter | `tenant` |
+//! | [`TENANT_RELAY_ROUND_ERRORS`] | counter | `tenant` |
+//! | [`TENANT_RELAY_TENANTS`] | gauge | `state` |
 //! | [`WAL_RELAY_PUBLISHED`] | counter | `slot`, `topic` |
 //! | [`WAL_RELAY_PUBLISH_LAG`] | histogram | `slot`, `topic` |
 //! | [`WAL_RELAY_RETRIED`] | counter | `slot` |
@@ -159,6 +165,26 @@ pub const RELAY_ROUND_ERRORS: &str = "pgbox_relay_round_errors_total";
 /// Histogram, seconds: one relay round (claim, publish, settle, commit), for rounds that
 /// claimed at least one message and committed. No labels.
 pub const RELAY_ROUND_DURATION: &str = "pgbox_relay_round_duration_seconds";
+
+// --- tenant relay (label `tenant`, capped) ----------------------------------------------------
+
+/// Counter: messages a [`TenantRelay`](crate::TenantRelay) published (or moved into the
+/// built-in queue) for a tenant, by committed rounds. Label `tenant`: `<database>/<schema>`
+/// for the first [`tenant_label_cap`](crate::TenantRelayBuilder::tenant_label_cap) tenants,
+/// `other` for the rest. Counted per round, whatever the tenant's backlog.
+pub const TENANT_RELAY_PUBLISHED: &str = "pgbox_tenant_relay_messages_published_total";
+
+/// Counter: rounds a [`TenantRelay`](crate::TenantRelay) ran for a tenant. Label `tenant`
+/// (capped, as [`TENANT_RELAY_PUBLISHED`]).
+pub const TENANT_RELAY_ROUNDS: &str = "pgbox_tenant_relay_rounds_total";
+
+/// Counter: rounds of a [`TenantRelay`](crate::TenantRelay) that failed for a tenant (a
+/// broken schema, a database away). Label `tenant` (capped, as [`TENANT_RELAY_PUBLISHED`]).
+pub const TENANT_RELAY_ROUND_ERRORS: &str = "pgbox_tenant_relay_round_errors_total";
+
+/// Gauge: tenants a [`TenantRelay`](crate::TenantRelay) serves, by `state` (`healthy`,
+/// `broken`).
+pub const TENANT_RELAY_TENANTS: &str = "pgbox_tenant_relay_tenants";
 
 /// Counter: WAL outbox messages published and passed by the slot. Labels `slot`, `topic`.
 pub const WAL_RELAY_PUBLISHED: &str = "pgbox_wal_relay_messages_published_total";
@@ -393,6 +419,30 @@ const METRICS: &[(&str, Kind, Unit, &str)] = &[
         Kind::Gauge,
         Unit::Count,
         "1 while the relay backs off a topic whose transport is unavailable.",
+    ),
+    (
+        TENANT_RELAY_PUBLISHED,
+        Kind::Counter,
+        Unit::Count,
+        "Messages a tenant relay published for a tenant (label tenant, capped; other past the cap).",
+    ),
+    (
+        TENANT_RELAY_ROUNDS,
+        Kind::Counter,
+        Unit::Count,
+        "Rounds a tenant relay ran for a tenant (label tenant, capped).",
+    ),
+    (
+        TENANT_RELAY_ROUND_ERRORS,
+        Kind::Counter,
+        Unit::Count,
+        "Rounds a tenant relay ran for a tenant that failed (label tenant, capped).",
+    ),
+    (
+        TENANT_RELAY_TENANTS,
+        Kind::Gauge,
+        Unit::Count,
+        "Tenants a tenant relay serves, by state (healthy, broken).",
     ),
     (
         RELAY_ROUND_ERRORS,

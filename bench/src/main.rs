@@ -9,6 +9,7 @@
 //! cargo run --release -p pgbox-bench -- --only F1    # fan-out: per-destination drain, O1 with the header
 //! cargo run --release -p pgbox-bench --features job-queues -- --only J   # the Rust job queues as peers of the built-in queue
 //! cargo run --release -p pgbox-bench -- --only CE1   # CloudEvents' encode cost (no database)
+//! cargo run --release -p pgbox-bench -- --only T     # the tenant relay (T1-T3)
 //! cargo run --release -p pgbox-bench -- --soak       # 30-minute soak on a private cluster
 //! ```
 
@@ -21,6 +22,7 @@ mod jobqueues;
 mod local_pg;
 mod scheduled;
 mod soak;
+mod tenants;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -853,6 +855,11 @@ async fn main() -> anyhow::Result<()> {
     // S1: scheduled messages (bench/src/scheduled.rs); only when asked for (`--only S1`).
     if bench.args.only.iter().any(|p| p.starts_with('S')) {
         scheduled::run(&bench.options, bench.args.quick).await?;
+    }
+
+    // T1-T3: the tenant relay (bench/src/tenants.rs); only when asked for (`--only T`).
+    if bench.args.only.iter().any(|p| p.starts_with('T')) {
+        tenants::run(&server, bench.args.quick).await?;
     }
 
     // F1: fan-out (bench/src/fanout.rs); only when asked for (`--only F1`).

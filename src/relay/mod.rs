@@ -60,7 +60,7 @@ pub enum WakeUp {
 #[derive(Debug)]
 pub struct RelayBuilder<P> {
     pool: PgPool,
-    publisher: P,
+    publisher: Arc<P>,
     schema: String,
     batch_size: usize,
     max_attempts: i32,
@@ -72,6 +72,9 @@ pub struct RelayBuilder<P> {
     session_pool: Option<PgPool>,
     publish_timeout: Duration,
     archive: Option<crate::archive::ArchiveRetention>,
+    /// The `pgbox-tenant` header's value, when the relay serves one tenant of a
+    /// [`TenantRelay`](crate::TenantRelay).
+    tenant: Option<String>,
 }
 
 /// How long one call of [`Publisher::publish`] may take before the relay gives up on it, by
@@ -174,6 +177,13 @@ impl<P: Publisher> RelayBuilder<P> {
         self
     }
 
+    /// Marks every message this relay publishes (or moves into the built-in queue) with the
+    /// [`TENANT_HEADER`](crate::TENANT_HEADER) `value`.
+    pub(crate) fn tenant(mut self, value: String) -> Self {
+        self.tenant = Some(value);
+        self
+    }
+
     /// Validates the settings.
     pub fn build(self) -> Result<Relay<P>> {
         let schema = Identifier::pgbox_schema(&self.schema)?;
@@ -197,7 +207,7 @@ impl<P: Publisher> RelayBuilder<P> {
                 "relay publish timeout must be positive".into(),
             ));
         }
-        crate::transport::check_call_timeout(&self.publisher, self.publish_timeout)?;
+        crate::transport::check_call_timeout(&*self.publisher, self.publish_timeout)?;
         if let Some(archive) = &self.archive {
             archive.validate()?;
             if self.keep_published {
@@ -219,7 +229,7 @@ impl<P: Publisher> RelayBuilder<P> {
                 keyed_lock: keyed_lock_into_queue_sql(&sql.keyed_lock),
                 move_batch: match self.archive {
                     Some(_) => crate::archive::settle_sql(&schema, Some(queue_schema)),
-                    None => move_sql(&sql.done, queue_schema),
+                    None => move_sql(&sql.done, queue_schema, self.tenant.is_some()),
                 },
             }
         });
@@ -245,7 +255,8 @@ impl<P: Publisher> RelayBuilder<P> {
             persistent: self.pooler.persistent(),
             pooler: self.pooler,
             pool: self.pool,
-            publisher: Arc::new(self.publisher),
+            publisher: self.publisher,
+            tenant: self.tenant,
             schema,
             batch_size: self.batch_size,
             max_attempts: self.max_attempts,
@@ -426,12 +437,22 @@ fn keyed_lock_into_queue_sql(keyed_lock: &str) -> String {
 /// `queue_schema`: the round's own settling statement (`done`: the DELETE, or in audit mode
 /// the `published_at` UPDATE, of `seq = ANY($1)`) feeds the queue's INSERT, in seq order so
 /// that the queue keeps each key's order.
-fn move_sql(done: &str, queue_schema: &Identifier) -> String {
+///
+/// With `tenant`, the `pgbox-tenant` header is merged into each row's headers from `$2`.
+fn move_sql(done: &str, queue_schema: &Identifier, tenant: bool) -> String {
+    let headers = if tenant {
+        format!(
+            "headers || pg_catalog.jsonb_build_object('{}', $2::text)",
+            crate::TENANT_HEADER
+        )
+    } else {
+        "headers".to_owned()
+    };
     format!(
         "WITH moved AS ({done} \
            RETURNING seq, message_id, topic, ordering_key, payload, content_type, headers, created_at) \
          INSERT INTO {queue_schema}.queue (message_id, topic, ordering_key, payload, content_type, headers, created_at) \
-         SELECT message_id, topic, ordering_key, payload, content_type, headers, created_at \
+         SELECT message_id, topic, ordering_key, payload, content_type, {headers}, created_at \
          FROM moved ORDER BY seq"
     )
 }
@@ -525,6 +546,9 @@ pub struct Relay<P> {
     archive: Option<crate::archive::ArchiveRetention>,
     /// The archive's settings were recorded and its partitions created ahead.
     archive_ready: std::sync::atomic::AtomicBool,
+    /// The `pgbox-tenant` header's value, when serving one tenant of a
+    /// [`TenantRelay`](crate::TenantRelay).
+    tenant: Option<String>,
 }
 
 #[derive(Debug)]
@@ -537,9 +561,16 @@ struct IntoQueue {
 impl<P: Publisher> Relay<P> {
     /// A relay over `pool` publishing through `publisher`, with defaults.
     pub fn builder(pool: PgPool, publisher: P) -> RelayBuilder<P> {
+        Self::shared(pool, Arc::new(publisher))
+    }
+
+    /// [`builder`](Self::builder) with a publisher shared with other relays (the
+    /// [`TenantRelay`](crate::TenantRelay)'s tenants).
+    pub(crate) fn shared(pool: PgPool, publisher: Arc<P>) -> RelayBuilder<P> {
         RelayBuilder {
             pool,
             publisher,
+            tenant: None,
             schema: DEFAULT_SCHEMA.into(),
             batch_size: 500,
             max_attempts: 10,
@@ -669,7 +700,7 @@ impl<P: Publisher> Relay<P> {
     }
 
     /// Looks for due scheduled messages at the next round.
-    fn promote_soon(&self) {
+    pub(crate) fn promote_soon(&self) {
         *self.next_promotion.lock().expect("next promotion") = Instant::now();
     }
 
@@ -894,7 +925,14 @@ impl<P: Publisher> Relay<P> {
             if rows.is_empty() {
                 return Ok(report);
             }
-            let batch = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
+            let mut batch = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
+            if let Some(tenant) = &self.tenant {
+                for message in &mut batch {
+                    message
+                        .headers
+                        .insert(crate::TENANT_HEADER.to_owned(), tenant.clone());
+                }
+            }
             tracing::debug!(messages = batch.len(), "pgbox relay claimed");
             #[cfg(feature = "opentelemetry")]
             crate::otel::link_producer_traces(
@@ -967,11 +1005,16 @@ impl<P: Publisher> Relay<P> {
                         .await?;
                 }
                 let settle = local.unwrap_or(&self.sql.done);
-                let settled = sqlx::query(AssertSqlSafe(settle.to_owned()))
+                let mut settle = sqlx::query(AssertSqlSafe(settle.to_owned()))
                     .persistent(self.persistent)
-                    .bind(&done)
-                    .execute(&mut *tx)
-                    .await?;
+                    .bind(&done);
+                if local.is_some()
+                    && self.archive.is_none()
+                    && let Some(tenant) = &self.tenant
+                {
+                    settle = settle.bind(tenant);
+                }
+                let settled = settle.execute(&mut *tx).await?;
                 // The round holds every claimed row locked: all of them move, or the round
                 // rolls back rather than commit a partial move.
                 if local.is_some() && settled.rows_affected() != done.len() as u64 {
