@@ -36,6 +36,7 @@ chapters! {
     Archive => "archive.md",
     Fanout => "fanout.md",
     Consumer => "consumer.md",
+    Tenants => "tenants.md",
     Transports => "transports.md",
     #[cfg(feature = "rabbitmq")]
     RabbitMq => "rabbitmq.md",
