@@ -449,3 +449,104 @@ async fn holds_application_advisory_locks_beside_slots() {
     assert_eq!(stats.processed, 6);
     app.execute("ROLLBACK").await.unwrap();
 }
+
+/// Finding 4. Behind PgBouncer in transaction mode, with every component told so
+/// (`Pooler::Transaction` on the queue and the inbox), a consumer with limits: the crate
+/// sends only unnamed statements there, each inside a transaction — but the limits' take
+/// statements are named prepared statements (sqlx's cache), and the rate take runs as an
+/// autocommit statement on the pool. Every message must still take effect once, with no
+/// delivery failed for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "finding 4: the limits' statements are named and cached behind a transaction pooler"]
+async fn finding_limits_behind_a_transaction_pooler() {
+    behind_a_transaction_pooler(true).await;
+}
+
+/// The control for finding 4: the same consumer without limits, through the same pooler.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn holds_the_same_consumer_without_limits_behind_a_transaction_pooler() {
+    behind_a_transaction_pooler(false).await;
+}
+
+async fn behind_a_transaction_pooler(limited: bool) {
+    use pgbox::Pooler;
+    use support::cluster::Cluster;
+    use support::pooler::PgBouncer;
+
+    const N: i64 = 60;
+    support::init_tracing();
+    let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
+    let bouncer = PgBouncer::start(&cluster, 3);
+    let direct = PgPoolOptions::new()
+        .max_connections(3)
+        .connect(&cluster.url("postgres"))
+        .await
+        .unwrap();
+    pgbox::migrate(&direct).await.unwrap();
+    direct
+        .execute("CREATE TABLE effects (payload text PRIMARY KEY)")
+        .await
+        .unwrap();
+    let payloads: Vec<String> = (0..N).map(|i| format!("pooled{i}")).collect();
+    support::enqueue_and_relay(&direct, TOPIC, &payloads).await;
+    let log_before = cluster.log().len();
+
+    let pooled = PgPoolOptions::new()
+        .max_connections(12)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(&bouncer.url("postgres"))
+        .await
+        .unwrap();
+    let consumer = Consumer::builder(
+        pooled.clone(),
+        PgQueue::new(pooled.clone()).pooler(Pooler::Transaction),
+        TOPIC,
+        Inbox::builder("limited")
+            .pooler(Pooler::Transaction)
+            .build()
+            .unwrap(),
+    )
+    .concurrency(6)
+    .max_deliveries(3)
+    .poll_interval(Duration::from_millis(20))
+    .backoff(pgbox::RetryPolicy::new().base_delay(Duration::from_millis(10)))
+    .key(payload);
+    let consumer = if limited {
+        consumer
+            .limit(Limit::concurrency("pooled-slots", 3))
+            .limit(Limit::rate("pooled-rate", 1000.0).burst(20))
+    } else {
+        consumer
+    }
+    .build()
+    .unwrap();
+    let stop = CancellationToken::new();
+    let run = spawn(consumer, stop.clone());
+    let started = Instant::now();
+    while count(&direct, "SELECT count(*) FROM effects").await
+        + count(&direct, "SELECT count(*) FROM pgbox.queue_dead_letters").await
+        < N
+        && started.elapsed() < Duration::from_secs(60)
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let stats = support::stop_runner(stop, run, Duration::from_secs(30)).await;
+    let effects = count(&direct, "SELECT count(*) FROM effects").await;
+    let dead = count(&direct, "SELECT count(*) FROM pgbox.queue_dead_letters").await;
+    let why: Vec<String> = sqlx::query_scalar(
+        "SELECT DISTINCT last_error FROM pgbox.queue_dead_letters WHERE last_error IS NOT NULL",
+    )
+    .fetch_all(&direct)
+    .await
+    .unwrap();
+    let log = cluster.log();
+    let errors: Vec<&str> = log[log_before..]
+        .lines()
+        .filter(|l| l.contains("ERROR:"))
+        .take(5)
+        .collect();
+    assert!(
+        effects == N && dead == 0 && stats.retried == 0 && errors.is_empty(),
+        "{effects} of {N} took effect, {dead} dead letters ({why:?}), {stats:?}; server errors: {errors:#?}"
+    );
+}
