@@ -627,3 +627,80 @@ async fn finding_a_throttled_backlog_starves_other_prefixes() {
          were taken ({stats:?})"
     );
 }
+
+/// A server crash (every backend killed, WAL replayed) in the middle of a run with a
+/// concurrency and a rate limit: the slots come back (advisory locks die with the server),
+/// the buckets are not stuck, every message takes effect once, none is dead-lettered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn holds_a_server_crash_mid_run() {
+    use support::cluster::Cluster;
+
+    const N: i64 = 30;
+    support::init_tracing();
+    let cluster = Arc::new(tokio::task::spawn_blocking(Cluster::start).await.unwrap());
+    let pool = PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(&cluster.url("postgres"))
+        .await
+        .unwrap();
+    pgbox::migrate(&pool).await.unwrap();
+    pool.execute("CREATE TABLE effects (payload text PRIMARY KEY)")
+        .await
+        .unwrap();
+    let payloads: Vec<String> = (0..N).map(|i| format!("c{}:{i}", i % 3)).collect();
+    support::enqueue_and_relay(&pool, TOPIC, &payloads).await;
+    let consumer = builder(&pool, 4)
+        .max_deliveries(2)
+        .limit(Limit::concurrency("crash-slots", 2))
+        .limit(Limit::rate("crash-rate", 50.0).burst(2).per_key_prefix(':'))
+        .build()
+        .unwrap();
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let stop = stop.clone();
+        async move {
+            consumer
+                .run(
+                    async move |e: &Envelope, conn: &mut HandlerConnection<'_>| {
+                        tokio::time::sleep(Duration::from_millis(30)).await;
+                        record(conn, &payload(e)).await
+                    },
+                    stop,
+                )
+                .await
+        }
+    });
+    let effects = async |pool: &PgPool| {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM effects")
+            .fetch_one(pool)
+            .await
+            .unwrap_or(-1)
+    };
+    let started = Instant::now();
+    while effects(&pool).await < N / 3 {
+        assert!(started.elapsed() < Duration::from_secs(60), "no progress");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let c = cluster.clone();
+    tokio::task::spawn_blocking(move || c.crash_restart())
+        .await
+        .unwrap();
+    // The pool's connections died with the server: wait until a statement gets through
+    // (`settled` below panics on an error).
+    let started = Instant::now();
+    while effects(&pool).await < 0 {
+        assert!(started.elapsed() < Duration::from_secs(60), "no server");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    while !support::settled(&pool, N, Duration::from_millis(200)).await {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "{} of {N} took effect after the crash",
+            effects(&pool).await
+        );
+    }
+    let stats = support::stop_runner(stop, run, Duration::from_secs(30)).await;
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    assert_eq!(count(&pool, SLOTS_HELD).await, 0);
+}
