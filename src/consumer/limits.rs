@@ -14,6 +14,7 @@ use sqlx::{PgConnection, PgPool};
 use crate::error::{Error, Result};
 use crate::ident::Identifier;
 use crate::outbox::Envelope;
+use crate::pooler::Pooler;
 
 /// The longest name a [`Limit`] may have, in bytes.
 pub const MAX_LIMIT_NAME_BYTES: usize = 64;
@@ -59,8 +60,10 @@ type PerFn = Arc<dyn Fn(&Envelope) -> String + Send + Sync>;
 ///   once, across all instances. One row per limit (and prefix) in the inbox schema's
 ///   `rate_limits` table holds the bucket (a generic cell rate algorithm); a message takes
 ///   its token with one short statement before its transaction begins, so the row is never
-///   locked for longer than that statement. With a [`burst`](Limit::burst) above 1, a runner
-///   takes several tokens per statement and hands them to its next messages (see there).
+///   locked for longer than that statement, whose commit does not wait for the disk. With a
+///   [`burst`](Limit::burst) above 1, a runner takes several tokens per statement and hands
+///   them to its next messages. [`burst`](Limit::burst) says what this allows, and what a
+///   crash of the database server may forget.
 /// - [`per`](Limit::per) / [`per_key_prefix`](Limit::per_key_prefix): the limit holds per
 ///   prefix (each tenant gets its own `n` slots or its own rate) instead of globally.
 ///
@@ -170,8 +173,8 @@ impl Limit {
     /// would drop are not taken from other instances.
     ///
     /// Tokens are taken without waiting for the server to flush the take to disk
-    /// (`synchronous_commit = off` for that statement alone, so it is safe behind a pooler in
-    /// transaction mode). After a crash of the database server (or a failover), takes of the
+    /// (`synchronous_commit = off` for the take's own transaction alone, so it is safe behind a
+    /// pooler in transaction mode). After a crash of the database server (or a failover), takes of the
     /// last fraction of a second before it (up to three times `wal_writer_delay`, 600 ms by
     /// default) may be forgotten, and the bucket may let through up to that many more. A
     /// message whose transaction committed had its token's take written before it, so only
@@ -245,6 +248,9 @@ pub(super) struct Limits {
     all: Vec<Limit>,
     take_sql: String,
     sweep_sql: String,
+    /// The inbox's: behind a pooler in transaction mode, statements are unnamed and run in
+    /// transactions of their own.
+    pooler: Pooler,
     /// Per limit, when this runner last swept its full buckets.
     last_sweep: Vec<Mutex<Option<Instant>>>,
     /// Per limit, the tokens this runner took ahead, by prefix.
@@ -306,7 +312,7 @@ pub(super) type Held = HashSet<(usize, Vec<u8>)>;
 
 impl Limits {
     /// Checks `limits` (names, numbers, no name twice for one kind).
-    pub(super) fn new(all: Vec<Limit>, schema: &str) -> Result<Self> {
+    pub(super) fn new(all: Vec<Limit>, schema: &str, pooler: Pooler) -> Result<Self> {
         let mut seen = HashSet::new();
         for limit in &all {
             limit.validate()?;
@@ -328,10 +334,10 @@ impl Limits {
         // `$5` tokens are taken at once (all or none): the arrival time advances by `$5`
         // intervals. The wait returned is for one token.
         //
-        // `set_config(.., true)` holds for the statement's own (implicit) transaction, whose
-        // commit then does not wait for the WAL flush: one round trip, nothing left on the
-        // connection for the next client of a pooler. Its WAL still comes before the unit's
-        // commit, which does wait.
+        // `set_config(.., true)` holds for the statement's transaction (its own implicit one,
+        // or behind a transaction pooler the short one it runs in), whose commit then does
+        // not wait for the WAL flush; nothing is left on the connection for its next client.
+        // Its WAL still comes before the unit's commit, which does wait.
         let take_sql = format!(
             "WITH took AS (\
                INSERT INTO {s}.rate_limits AS r (name, prefix, tat) \
@@ -361,6 +367,7 @@ impl Limits {
         Ok(Limits {
             take_sql,
             sweep_sql,
+            pooler,
             last_sweep: (0..all.len()).map(|_| Mutex::new(None)).collect(),
             ahead: (0..all.len()).map(|_| Mutex::default()).collect(),
             all,
@@ -506,6 +513,8 @@ impl Limits {
         (interval, span): (i64, i64),
         n: u32,
     ) -> Result<Take> {
+        // Behind a transaction pooler, a transaction of its own (its setting ends with it).
+        let mut unit = self.pooler.unit(pool).await?;
         let (took, wait, _): (bool, Option<f64>, Option<String>) =
             sqlx::query_as(sqlx::AssertSqlSafe(self.take_sql.as_str()))
                 .bind(&self.all[i].name)
@@ -513,8 +522,10 @@ impl Limits {
                 .bind(interval)
                 .bind(span)
                 .bind(i64::from(n))
-                .fetch_one(pool)
+                .persistent(self.pooler.persistent())
+                .fetch_one(&mut *unit)
                 .await?;
+        unit.finish().await?;
         Ok(if took {
             Take::Granted
         } else {
@@ -577,6 +588,7 @@ impl Limits {
                 )
                 .bind(SLOT_LOCK_CLASS)
                 .bind(&keys)
+                .persistent(self.pooler.persistent())
                 .fetch_optional(&mut *conn)
                 .await?;
                 if got.is_some() {
@@ -608,11 +620,16 @@ impl Limits {
             }
             *last = Some(Instant::now());
         }
-        if let Err(e) = sqlx::query(sqlx::AssertSqlSafe(self.sweep_sql.as_str()))
-            .bind(&limit.name)
-            .execute(pool)
-            .await
-        {
+        let swept = async {
+            let mut unit = self.pooler.unit(pool).await?;
+            sqlx::query(sqlx::AssertSqlSafe(self.sweep_sql.as_str()))
+                .bind(&limit.name)
+                .persistent(self.pooler.persistent())
+                .execute(&mut *unit)
+                .await?;
+            unit.finish().await
+        };
+        if let Err(e) = swept.await {
             tracing::debug!(error = %e, limit = %limit.name, "pgbox rate limit sweep failed");
         }
     }
@@ -714,11 +731,19 @@ mod tests {
                 "{bad:?}"
             );
         }
-        assert!(Limits::new(vec![Limit::rate("a", 1.0), Limit::rate("a", 2.0)], "pgbox").is_err());
+        assert!(
+            Limits::new(
+                vec![Limit::rate("a", 1.0), Limit::rate("a", 2.0)],
+                "pgbox",
+                Pooler::None
+            )
+            .is_err()
+        );
         assert!(
             Limits::new(
                 vec![Limit::rate("a", 1.0), Limit::concurrency("a", 2)],
-                "pgbox"
+                "pgbox",
+                Pooler::None
             )
             .is_ok()
         );
