@@ -173,12 +173,13 @@ impl Limit {
     /// would drop are not taken from other instances.
     ///
     /// Tokens are taken without waiting for the server to flush the take to disk
-    /// (`synchronous_commit = off` for the take's own transaction alone, so it is safe behind a
-    /// pooler in transaction mode). After a crash of the database server (or a failover), takes of the
-    /// last fraction of a second before it (up to three times `wal_writer_delay`, 600 ms by
-    /// default) may be forgotten, and the bucket may let through up to that many more. A
-    /// message whose transaction committed had its token's take written before it, so only
-    /// the takes of messages that were in flight can be lost.
+    /// (`synchronous_commit = off` for the take's own transaction alone, so it is safe behind
+    /// a pooler in transaction mode). After a crash of the database server (or a failover),
+    /// takes of the last fraction of a second before it (up to three times
+    /// `wal_writer_delay`, 600 ms by default) may be forgotten, and the bucket may let
+    /// through up to that many more. A message whose transaction committed had its token's
+    /// take written before it, so only the takes of messages that were in flight (and of
+    /// tokens taken ahead) can be lost.
     pub fn burst(mut self, burst: u32) -> Self {
         if let Kind::Rate { burst: b, .. } = &mut self.kind {
             *b = burst;
@@ -254,8 +255,11 @@ pub(super) struct Limits {
     /// Per limit, when this runner last swept its full buckets.
     last_sweep: Vec<Mutex<Option<Instant>>>,
     /// Per limit, the tokens this runner took ahead, by prefix.
-    ahead: Vec<Mutex<HashMap<Vec<u8>, Arc<tokio::sync::Mutex<Ahead>>>>>,
+    ahead: Vec<Mutex<HashMap<Vec<u8>, AheadCell>>>,
 }
+
+/// One (limit, prefix)'s tokens taken ahead, shared by the runner's tasks.
+type AheadCell = Arc<tokio::sync::Mutex<Ahead>>;
 
 /// Tokens of one (rate limit, prefix) that a runner took ahead: handed to its next messages
 /// until `until`, then dropped. Only one task of the runner takes more at a time (the others
@@ -534,7 +538,7 @@ impl Limits {
     }
 
     /// The tokens this runner took ahead for rate limit `i` and `prefix`.
-    fn ahead_of(&self, i: usize, prefix: &[u8]) -> Arc<tokio::sync::Mutex<Ahead>> {
+    fn ahead_of(&self, i: usize, prefix: &[u8]) -> AheadCell {
         let mut all = self.ahead[i].lock().expect("tokens taken ahead");
         if let Some(ahead) = all.get(prefix) {
             return ahead.clone();
@@ -544,9 +548,10 @@ impl Limits {
             let now = Instant::now();
             all.retain(|_, ahead| {
                 Arc::strong_count(ahead) > 1
-                    || ahead
-                        .try_lock()
-                        .map_or(true, |a| a.until.is_some_and(|until| until > now))
+                    || match ahead.try_lock() {
+                        Ok(a) => a.until.is_some_and(|until| until > now),
+                        Err(_) => true,
+                    }
             });
         }
         all.entry(prefix.to_vec()).or_default().clone()
