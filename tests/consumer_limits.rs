@@ -364,6 +364,125 @@ async fn per_prefix_rate_holds_for_each_prefix() {
     );
 }
 
+/// Records every take of a rate limit in table `takes`: when, and how many tokens it got
+/// (how far it moved the bucket's arrival time, in intervals of `interval_micros`).
+async fn record_takes(db: &TestDb, interval_micros: i64) {
+    let sql = format!(
+        "CREATE TABLE takes (at timestamptz NOT NULL DEFAULT clock_timestamp(), got int8 NOT NULL);
+         CREATE FUNCTION record_take() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+           INSERT INTO takes (got) VALUES (
+             (EXTRACT(EPOCH FROM NEW.tat - GREATEST(
+                 CASE WHEN TG_OP = 'UPDATE' THEN OLD.tat END, statement_timestamp()))
+              * 1e6 / {interval_micros})::int8);
+           RETURN NULL;
+         END $$;
+         CREATE TRIGGER record_take AFTER INSERT OR UPDATE ON pgbox.rate_limits
+           FOR EACH ROW EXECUTE FUNCTION record_take();"
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+}
+
+/// Runs two instances of `limit` (a rate of `rate` with `burst`, taking up to `k` ahead) on
+/// `n` messages, handlers holding `hold`; checks the bound on every window and returns the
+/// takes (tokens each got).
+async fn two_instances_within_the_bound(
+    (rate, burst, k): (f64, u32, usize),
+    n: usize,
+    concurrency: usize,
+    hold: Duration,
+) -> Vec<i64> {
+    let db = database().await;
+    let interval = (1e6 / rate).ceil() as i64;
+    record_takes(&db, interval).await;
+    enqueue(&db.pool, &["a", "b", "c", "d"], n / 4, false).await;
+    let probe = Shared::default();
+    let mut consumers = Vec::new();
+    for _ in 0..2 {
+        let pool = own_pool(&db).await;
+        consumers.push(
+            builder(&pool, concurrency)
+                .limit(Limit::rate("ahead", rate).burst(burst))
+                .build()
+                .unwrap(),
+        );
+    }
+    run_all(&db, consumers, &probe, hold, n as i64).await;
+    let at: Vec<f64> =
+        sqlx::query_scalar("SELECT EXTRACT(EPOCH FROM at)::float8 FROM effects ORDER BY at")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(at.len(), n);
+    // Effects are written at the end of each handler: one message of slack for the gap
+    // between a token and the effect's clock reading (as above). Over shorter windows that
+    // gap (a busy machine) would be more than a message.
+    let most = most_in_a_second(&at);
+    let bound = f64::from(burst) + rate + k as f64;
+    assert!(
+        most as f64 <= bound + 1.0,
+        "{most} messages within 1 s, over {burst} + {rate} × 1 + {k}"
+    );
+    let spread = at[n - 1] - at[0];
+    let least = (n as f64 - f64::from(burst) - k as f64 - 1.0) / rate - 0.2;
+    assert!(
+        spread >= least,
+        "{n} messages in {spread:.2} s, under {least:.2} s"
+    );
+    sqlx::query_scalar("SELECT got FROM takes ORDER BY at")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_rate_with_a_burst_takes_ahead_and_holds_across_instances() {
+    // 200/s: one token per 5 ms; up to 10 (50 ms) taken at once, burst 20.
+    const N: usize = 240;
+    let takes = two_instances_within_the_bound((200.0, 20, 10), N, 8, Duration::ZERO).await;
+    let tokens: i64 = takes.iter().sum();
+    assert!(
+        tokens >= N as i64,
+        "{tokens} tokens counted for {N} messages"
+    );
+    assert!(
+        takes.iter().all(|got| (1..=10).contains(got)),
+        "a take over k: {takes:?}"
+    );
+    // How many a take gets follows the runners' demand (a busy machine asks for fewer),
+    // but some take got more than one.
+    assert!(
+        takes.len() < N && takes.iter().any(|got| *got > 1),
+        "{} takes for {N} messages: tokens were not taken ahead",
+        takes.len()
+    );
+}
+
+#[tokio::test]
+async fn tokens_dropped_after_their_window_are_not_spent() {
+    // Handlers hold 70 ms, longer than the 50 ms a token taken ahead lasts: tokens left
+    // when the handlers are busy lapse, stay counted, and let nothing more through.
+    const N: usize = 120;
+    let takes =
+        two_instances_within_the_bound((200.0, 20, 10), N, 4, Duration::from_millis(70)).await;
+    let tokens: i64 = takes.iter().sum();
+    assert!(
+        tokens > N as i64,
+        "{tokens} tokens counted for {N} messages: none dropped, the test proves nothing"
+    );
+}
+
+/// With the default burst of 1 (and a low rate), every message takes one token of its own.
+#[tokio::test]
+async fn burst_one_takes_one_token_per_message() {
+    const N: usize = 12;
+    let takes = two_instances_within_the_bound((40.0, 1, 1), N, 4, Duration::ZERO).await;
+    assert_eq!(takes, vec![1; N], "one token per take");
+}
+
 #[tokio::test]
 async fn over_the_limit_waits_is_never_dead_lettered_and_keeps_key_order() {
     let db = database().await;

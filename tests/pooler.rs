@@ -678,3 +678,106 @@ async fn router_through_the_pooler() {
         .unwrap();
     assert_eq!(left, 0);
 }
+
+/// A rate limit behind the pooler: its takes (several tokens at once, each without waiting
+/// for the WAL flush) run as unnamed statements, and `synchronous_commit = off` stays within
+/// the take's own statement: with one server connection for every client, each unit's
+/// transaction still sees `on`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn rate_limit_through_the_pooler() {
+    use pgbox::transport::PgQueue;
+    use pgbox::{Consumer, Envelope, HandlerConnection, Inbox, Limit, Message, Outbox, Pooler};
+    use tokio_util::sync::CancellationToken;
+
+    const N: i64 = 60;
+    support::init_tracing();
+    let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
+    let bouncer = PgBouncer::start(&cluster, 1);
+    let direct = pooled(&cluster.url("postgres"), 3).await;
+    pgbox::migrate(&direct).await.unwrap();
+    sqlx::raw_sql("CREATE TABLE effects (id text PRIMARY KEY, sync text NOT NULL)")
+        .execute(&direct)
+        .await
+        .unwrap();
+    let mut tx = direct.begin().await.unwrap();
+    for n in 0..N {
+        Outbox::new()
+            .enqueue(&mut tx, Message::bytes("rated", format!("m{n}").as_bytes()))
+            .await
+            .unwrap();
+    }
+    tx.commit().await.unwrap();
+    let relay = pgbox::Relay::builder(direct.clone(), PgQueue::new(direct.clone()))
+        .build()
+        .unwrap();
+    let mut relayed = 0;
+    for _ in 0..100 {
+        if relayed == N as usize {
+            break;
+        }
+        relayed += relay.relay_once().await.unwrap().published;
+    }
+    assert_eq!(relayed, N as usize);
+
+    let pool = pooled(&bouncer.url("postgres"), 8).await;
+    let consumer = Consumer::builder(
+        pool.clone(),
+        PgQueue::new(pool.clone()).pooler(Pooler::Transaction),
+        "rated",
+        Inbox::builder("rated")
+            .pooler(Pooler::Transaction)
+            .build()
+            .unwrap(),
+    )
+    .concurrency(4)
+    .poll_interval(Duration::from_millis(20))
+    .backoff(pgbox::RetryPolicy::new().base_delay(Duration::from_millis(10)))
+    // 1000/s with a burst of 100: up to 50 tokens per take.
+    .limit(Limit::rate("pooled-rate", 1000.0).burst(100))
+    .build()
+    .unwrap();
+    let shutdown = CancellationToken::new();
+    let run = tokio::spawn({
+        let s = shutdown.clone();
+        async move {
+            consumer
+                .run(
+                    async |e: &Envelope, conn: &mut HandlerConnection<'_>| {
+                        sqlx::query(
+                            "INSERT INTO effects VALUES ($1, current_setting('synchronous_commit'))",
+                        )
+                        .bind(String::from_utf8_lossy(&e.payload).into_owned())
+                        .persistent(false)
+                        .execute(&mut *conn)
+                        .await?;
+                        Ok::<_, pgbox::Error>(())
+                    },
+                    s,
+                )
+                .await
+        }
+    });
+    assert!(
+        support::settled(&direct, N, Duration::from_secs(120)).await,
+        "all {N} handled"
+    );
+    let stats = support::stop_runner(shutdown, run, Duration::from_secs(30)).await;
+    assert_eq!(stats.processed, N as u64, "{stats:?}");
+    assert_eq!(stats.retried, 0, "no take failed: {stats:?}");
+    let off: i64 = sqlx::query_scalar("SELECT count(*) FROM effects WHERE sync <> 'on'")
+        .fetch_one(&direct)
+        .await
+        .unwrap();
+    assert_eq!(off, 0, "a unit's transaction saw the take's setting");
+    let after: String = sqlx::query_scalar("SELECT current_setting('synchronous_commit')")
+        .persistent(false)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(after, "on");
+    let buckets: i64 = sqlx::query_scalar("SELECT count(*) FROM pgbox.rate_limits")
+        .fetch_one(&direct)
+        .await
+        .unwrap();
+    assert_eq!(buckets, 1, "the takes went through the pooler");
+}

@@ -2,7 +2,7 @@
 //! several machines), with the database as the only coordinator: concurrency slots and rate
 //! buckets, globally or per prefix of the message (a tenant, a key prefix).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
@@ -14,6 +14,7 @@ use sqlx::{PgConnection, PgPool};
 use crate::error::{Error, Result};
 use crate::ident::Identifier;
 use crate::outbox::Envelope;
+use crate::pooler::Pooler;
 
 /// The longest name a [`Limit`] may have, in bytes.
 pub const MAX_LIMIT_NAME_BYTES: usize = 64;
@@ -38,6 +39,14 @@ const MAX_PAUSE: Duration = Duration::from_millis(200);
 /// How often a runner deletes its rate limits' full buckets.
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
+/// The most a runner takes ahead of a rate limit, in time: at most this many microseconds'
+/// worth of the rate per take (see [`Limit::burst`]).
+const TAKE_AHEAD_MICROS: i64 = 50_000;
+
+/// Past this many (limit, prefix) entries of tokens taken ahead, a runner forgets the
+/// entries whose tokens have lapsed (prefixes that went quiet keep no memory behind).
+const MAX_AHEAD_ENTRIES: usize = 4096;
+
 type PerFn = Arc<dyn Fn(&Envelope) -> String + Send + Sync>;
 
 /// A limit on a [`Consumer`](crate::Consumer) that holds across every runner instance
@@ -51,7 +60,10 @@ type PerFn = Arc<dyn Fn(&Envelope) -> String + Send + Sync>;
 ///   once, across all instances. One row per limit (and prefix) in the inbox schema's
 ///   `rate_limits` table holds the bucket (a generic cell rate algorithm); a message takes
 ///   its token with one short statement before its transaction begins, so the row is never
-///   locked for longer than that statement.
+///   locked for longer than that statement, whose commit does not wait for the disk. With a
+///   [`burst`](Limit::burst) above 1, a runner takes several tokens per statement and hands
+///   them to its next messages. [`burst`](Limit::burst) says what this allows, and what a
+///   crash of the database server may forget.
 /// - [`per`](Limit::per) / [`per_key_prefix`](Limit::per_key_prefix): the limit holds per
 ///   prefix (each tenant gets its own `n` slots or its own rate) instead of globally.
 ///
@@ -148,8 +160,26 @@ impl Limit {
     }
 
     /// A rate limit's burst: how many messages may go at once after a quiet spell (default
-    /// 1). Over any span of `t` seconds at most `burst + per_second × t` messages go. No
-    /// effect on a concurrency limit.
+    /// 1). No effect on a concurrency limit.
+    ///
+    /// The database counts a token when it is taken. With a burst of 1, or a rate under 40
+    /// a second, each message takes its own token, and over any span of `t` seconds at most
+    /// `burst + per_second × t` messages go. Otherwise a runner takes up to
+    /// `k = min(floor(per_second × 0.05 s), burst)` tokens with one statement and hands them
+    /// to its next messages of that limit (and prefix) for `k` emission intervals (at most
+    /// 50 ms), dropping the ones not handed out by then (they stay counted): over any span of
+    /// `t` seconds at most `burst + per_second × t + k` messages go, across all instances. A
+    /// runner asks for fewer than `k` while its messages do not need them, so that tokens it
+    /// would drop are not taken from other instances.
+    ///
+    /// Tokens are taken without waiting for the server to flush the take to disk
+    /// (`synchronous_commit = off` for the take's own transaction alone, so it is safe behind
+    /// a pooler in transaction mode). After a crash of the database server (or a failover),
+    /// takes of the last fraction of a second before it (up to three times
+    /// `wal_writer_delay`, 600 ms by default) may be forgotten, and the bucket may let
+    /// through up to that many more. A message whose transaction committed had its token's
+    /// take written before it, so only the takes of messages that were in flight (and of
+    /// tokens taken ahead) can be lost.
     pub fn burst(mut self, burst: u32) -> Self {
         if let Kind::Rate { burst: b, .. } = &mut self.kind {
             *b = burst;
@@ -219,8 +249,57 @@ pub(super) struct Limits {
     all: Vec<Limit>,
     take_sql: String,
     sweep_sql: String,
+    /// The inbox's: behind a pooler in transaction mode, statements are unnamed and run in
+    /// transactions of their own.
+    pooler: Pooler,
     /// Per limit, when this runner last swept its full buckets.
     last_sweep: Vec<Mutex<Option<Instant>>>,
+    /// Per limit, the tokens this runner took ahead, by prefix.
+    ahead: Vec<Mutex<HashMap<Vec<u8>, AheadCell>>>,
+}
+
+/// One (limit, prefix)'s tokens taken ahead, shared by the runner's tasks.
+type AheadCell = Arc<tokio::sync::Mutex<Ahead>>;
+
+/// Tokens of one (rate limit, prefix) that a runner took ahead: handed to its next messages
+/// until `until`, then dropped. Only one task of the runner takes more at a time (the others
+/// wait on its lock), so that they share the tokens instead of each taking its own.
+#[derive(Debug, Default)]
+struct Ahead {
+    /// The last take: how many tokens it got, and how many are left.
+    got: u32,
+    left: u32,
+    until: Option<Instant>,
+}
+
+impl Ahead {
+    /// Hands out a token if one is left and has not lapsed.
+    fn spend(&mut self, now: Instant) -> bool {
+        if self.left > 0 && self.until.is_some_and(|until| now < until) {
+            self.left -= 1;
+            return true;
+        }
+        false
+    }
+
+    /// How many tokens to ask for (at most `k`): twice the last take when it ran out before
+    /// it lapsed, as many as were handed out when it lapsed, one at first.
+    fn ask(&self, now: Instant, k: u32) -> u32 {
+        match self.until {
+            None => 1,
+            Some(until) if now < until => self.got.saturating_mul(2),
+            Some(_) => self.got - self.left,
+        }
+        .clamp(1, k)
+    }
+}
+
+/// What the database said to a take of `n` tokens.
+enum Take {
+    Granted,
+    /// Not granted: (the wait in seconds until one token is there, on the statement's
+    /// snapshot, if it saw the row).
+    Denied(Option<f64>),
 }
 
 impl fmt::Debug for Limits {
@@ -237,7 +316,7 @@ pub(super) type Held = HashSet<(usize, Vec<u8>)>;
 
 impl Limits {
     /// Checks `limits` (names, numbers, no name twice for one kind).
-    pub(super) fn new(all: Vec<Limit>, schema: &str) -> Result<Self> {
+    pub(super) fn new(all: Vec<Limit>, schema: &str, pooler: Pooler) -> Result<Self> {
         let mut seen = HashSet::new();
         for limit in &all {
             limit.validate()?;
@@ -255,19 +334,31 @@ impl Limits {
         // as it was and the SELECT (on the statement's snapshot, before the update) says
         // when it would be allowed. A stale `statement_timestamp()` (the statement waited
         // for the row) only makes the check stricter.
+        //
+        // `$5` tokens are taken at once (all or none): the arrival time advances by `$5`
+        // intervals. The wait returned is for one token.
+        //
+        // `set_config(.., true)` holds for the statement's transaction (its own implicit one,
+        // or behind a transaction pooler the short one it runs in), whose commit then does
+        // not wait for the WAL flush; nothing is left on the connection for its next client.
+        // Its WAL still comes before the unit's commit, which does wait.
         let take_sql = format!(
             "WITH took AS (\
                INSERT INTO {s}.rate_limits AS r (name, prefix, tat) \
-               VALUES ($1, $2, statement_timestamp() + $3::int8 * interval '1 microsecond') \
+               VALUES ($1, $2, statement_timestamp() \
+                               + $3::int8 * $5::int8 * interval '1 microsecond') \
                ON CONFLICT (name, prefix) DO UPDATE \
-               SET tat = GREATEST(r.tat, statement_timestamp()) + $3::int8 * interval '1 microsecond' \
-               WHERE GREATEST(r.tat, statement_timestamp()) + $3::int8 * interval '1 microsecond' \
+               SET tat = GREATEST(r.tat, statement_timestamp()) \
+                         + $3::int8 * $5::int8 * interval '1 microsecond' \
+               WHERE GREATEST(r.tat, statement_timestamp()) \
+                     + $3::int8 * $5::int8 * interval '1 microsecond' \
                      <= statement_timestamp() + $4::int8 * interval '1 microsecond' \
                RETURNING 1) \
              SELECT EXISTS (SELECT 1 FROM took), \
                     (SELECT EXTRACT(EPOCH FROM (b.tat - statement_timestamp()))::float8 \
                             + ($3::int8 - $4::int8)::float8 / 1e6 \
-                       FROM {s}.rate_limits b WHERE b.name = $1 AND b.prefix = $2)"
+                       FROM {s}.rate_limits b WHERE b.name = $1 AND b.prefix = $2), \
+                    pg_catalog.set_config('synchronous_commit', 'off', true)"
         );
         // A bucket whose arrival time has passed is full: the same as no row. The re-check
         // under the row's lock (a take that just moved it on) keeps it.
@@ -280,7 +371,9 @@ impl Limits {
         Ok(Limits {
             take_sql,
             sweep_sql,
+            pooler,
             last_sweep: (0..all.len()).map(|_| Mutex::new(None)).collect(),
+            ahead: (0..all.len()).map(|_| Mutex::default()).collect(),
             all,
         })
     }
@@ -342,20 +435,56 @@ impl Limits {
             // Rounded up to the microsecond: never faster than asked.
             let interval = (1e6 / per_second).ceil() as i64;
             let span = interval.saturating_mul(i64::from(burst));
+            let k = take_ahead(interval, burst);
+            // Tokens taken ahead lapse `k` intervals after their take was sent (so before `k`
+            // intervals of the database's clock after it counted them).
+            let lapse = Duration::from_micros((interval * i64::from(k)) as u64);
+            let ahead = (k > 1).then(|| self.ahead_of(i, &prefixes[i]));
+            let take = |n: u32| self.take(pool, i, &prefixes[i], (interval, span), n);
             let mut counted = false;
             let mut pause = Duration::from_millis(1);
             loop {
-                let (took, wait): (bool, Option<f64>) =
-                    sqlx::query_as(sqlx::AssertSqlSafe(self.take_sql.as_str()))
-                        .bind(&limit.name)
-                        .bind(&prefixes[i])
-                        .bind(interval)
-                        .bind(span)
-                        .fetch_one(pool)
-                        .await?;
-                if took {
-                    break;
-                }
+                // (until one token is there, until the tokens asked for are there)
+                let (wait, wait_all) = match &ahead {
+                    None => match take(1).await? {
+                        Take::Granted => break,
+                        Take::Denied(wait) => (wait, wait),
+                    },
+                    Some(ahead) => {
+                        let Ok(mut ahead) =
+                            tokio::time::timeout_at(deadline.into(), ahead.lock()).await
+                        else {
+                            return Ok(false);
+                        };
+                        let sent = Instant::now();
+                        if ahead.spend(sent) {
+                            break;
+                        }
+                        let n = ahead.ask(sent, k);
+                        let wait = match take(n).await? {
+                            Take::Granted => {
+                                // The first token is this message's.
+                                *ahead = Ahead {
+                                    got: n,
+                                    left: n - 1,
+                                    until: Some(sent + lapse),
+                                };
+                                None
+                            }
+                            Take::Denied(wait) => Some(wait),
+                        };
+                        match wait {
+                            None => break,
+                            // Waits until the `n` asked for are there (at most `k` intervals
+                            // more, the burst holds them): one take for the runner's waiting
+                            // messages, not one each.
+                            Some(wait) => (
+                                wait,
+                                wait.map(|w| w + f64::from(n - 1) * interval as f64 / 1e6),
+                            ),
+                        }
+                    }
+                };
                 if !counted {
                     waits[i].increment(1);
                     counted = true;
@@ -363,17 +492,69 @@ impl Limits {
                 // Sleep until the bucket says, plus a little so that the runners woken
                 // together do not all try at once. No row in the snapshot (a concurrent first
                 // take or sweep): try again soon. A wait past the deadline is not begun.
-                let until = wait
-                    .filter(|w| w.is_finite() && *w > 0.0)
-                    .map_or(pause, |w| Duration::from_secs_f64(w.min(3600.0)));
-                if Instant::now() + until > deadline {
+                let secs = |w: Option<f64>| {
+                    w.filter(|w| w.is_finite() && *w > 0.0)
+                        .map_or(pause, |w| Duration::from_secs_f64(w.min(3600.0)))
+                };
+                let now = Instant::now();
+                if now + secs(wait) > deadline {
                     return Ok(false);
                 }
+                let until = secs(wait_all).min(deadline.saturating_duration_since(now));
                 tokio::time::sleep(until + jitter(pause)).await;
                 pause = (pause * 2).min(MAX_PAUSE);
             }
         }
         Ok(true)
+    }
+
+    /// One take of `n` tokens of rate limit `i` for `prefix`, all or none.
+    async fn take(
+        &self,
+        pool: &PgPool,
+        i: usize,
+        prefix: &[u8],
+        (interval, span): (i64, i64),
+        n: u32,
+    ) -> Result<Take> {
+        // Behind a transaction pooler, a transaction of its own (its setting ends with it).
+        let mut unit = self.pooler.unit(pool).await?;
+        let (took, wait, _): (bool, Option<f64>, Option<String>) =
+            sqlx::query_as(sqlx::AssertSqlSafe(self.take_sql.as_str()))
+                .bind(&self.all[i].name)
+                .bind(prefix)
+                .bind(interval)
+                .bind(span)
+                .bind(i64::from(n))
+                .persistent(self.pooler.persistent())
+                .fetch_one(&mut *unit)
+                .await?;
+        unit.finish().await?;
+        Ok(if took {
+            Take::Granted
+        } else {
+            Take::Denied(wait)
+        })
+    }
+
+    /// The tokens this runner took ahead for rate limit `i` and `prefix`.
+    fn ahead_of(&self, i: usize, prefix: &[u8]) -> AheadCell {
+        let mut all = self.ahead[i].lock().expect("tokens taken ahead");
+        if let Some(ahead) = all.get(prefix) {
+            return ahead.clone();
+        }
+        if all.len() >= MAX_AHEAD_ENTRIES {
+            // Kept: entries in use, or with tokens that have not lapsed.
+            let now = Instant::now();
+            all.retain(|_, ahead| {
+                Arc::strong_count(ahead) > 1
+                    || match ahead.try_lock() {
+                        Ok(a) => a.until.is_some_and(|until| until > now),
+                        Err(_) => true,
+                    }
+            });
+        }
+        all.entry(prefix.to_vec()).or_default().clone()
     }
 
     /// Takes a slot of every concurrency limit on the unit's transaction `conn`, waiting
@@ -412,6 +593,7 @@ impl Limits {
                 )
                 .bind(SLOT_LOCK_CLASS)
                 .bind(&keys)
+                .persistent(self.pooler.persistent())
                 .fetch_optional(&mut *conn)
                 .await?;
                 if got.is_some() {
@@ -443,14 +625,26 @@ impl Limits {
             }
             *last = Some(Instant::now());
         }
-        if let Err(e) = sqlx::query(sqlx::AssertSqlSafe(self.sweep_sql.as_str()))
-            .bind(&limit.name)
-            .execute(pool)
-            .await
-        {
+        let swept = async {
+            let mut unit = self.pooler.unit(pool).await?;
+            sqlx::query(sqlx::AssertSqlSafe(self.sweep_sql.as_str()))
+                .bind(&limit.name)
+                .persistent(self.pooler.persistent())
+                .execute(&mut *unit)
+                .await?;
+            unit.finish().await
+        };
+        if let Err(e) = swept.await {
             tracing::debug!(error = %e, limit = %limit.name, "pgbox rate limit sweep failed");
         }
     }
+}
+
+/// How many tokens a runner takes ahead at most (`k`), for a rate limit of one token per
+/// `interval` µs: `TAKE_AHEAD_MICROS` worth of the rate, at least 1, at most the burst.
+fn take_ahead(interval: i64, burst: u32) -> u32 {
+    let k = (TAKE_AHEAD_MICROS / interval.max(1)).clamp(1, i64::from(burst));
+    u32::try_from(k).unwrap_or(1)
 }
 
 /// A prefix as stored: long ones cut, with a hash of the whole appended.
@@ -490,6 +684,33 @@ mod tests {
     use super::*;
 
     #[test]
+    fn tokens_taken_ahead_are_bounded_and_follow_demand() {
+        // 50 ms of the rate, within 1..=burst.
+        assert_eq!(take_ahead(1, 1_000_000), 50_000);
+        assert_eq!(take_ahead(10_000, 20), 5);
+        assert_eq!(take_ahead(10_000, 2), 2);
+        assert_eq!(take_ahead(100_000, 10), 1);
+        assert_eq!(take_ahead(1, 1), 1);
+        let now = Instant::now();
+        let mut ahead = Ahead::default();
+        assert!(!ahead.spend(now));
+        assert_eq!(ahead.ask(now, 8), 1);
+        ahead = Ahead {
+            got: 4,
+            left: 1,
+            until: Some(now + Duration::from_millis(50)),
+        };
+        assert!(ahead.spend(now));
+        assert!(!ahead.spend(now), "ran out");
+        assert_eq!(ahead.ask(now, 8), 8, "ran out early: twice as many");
+        assert_eq!(ahead.ask(now, 6), 6, "never over k");
+        ahead.left = 3;
+        let later = now + Duration::from_millis(50);
+        assert!(!ahead.spend(later), "lapsed tokens are dropped");
+        assert_eq!(ahead.ask(later, 8), 1, "as many as were handed out");
+    }
+
+    #[test]
     fn slot_keys_are_stable_and_names_checked() {
         assert_eq!(slot_base("a", b"x"), slot_base("a", b"x"));
         assert_ne!(slot_base("a", b"x"), slot_base("a", b"y"));
@@ -515,11 +736,19 @@ mod tests {
                 "{bad:?}"
             );
         }
-        assert!(Limits::new(vec![Limit::rate("a", 1.0), Limit::rate("a", 2.0)], "pgbox").is_err());
+        assert!(
+            Limits::new(
+                vec![Limit::rate("a", 1.0), Limit::rate("a", 2.0)],
+                "pgbox",
+                Pooler::None
+            )
+            .is_err()
+        );
         assert!(
             Limits::new(
                 vec![Limit::rate("a", 1.0), Limit::concurrency("a", 2)],
-                "pgbox"
+                "pgbox",
+                Pooler::None
             )
             .is_ok()
         );

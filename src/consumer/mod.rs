@@ -189,7 +189,7 @@ impl<S: Subscriber> ConsumerBuilder<S> {
                 self.visibility_timeout
             )));
         }
-        let limits = limits::Limits::new(self.limits, self.inbox.schema())?;
+        let limits = limits::Limits::new(self.limits, self.inbox.schema(), self.inbox.pooler())?;
         Ok(Consumer {
             limits,
             pool: self.pool,
