@@ -1,0 +1,272 @@
+//! Attacks on the tenant relay (`TenantRelay`): database outages while others flow, tenants
+//! dropped and re-made mid-round, several relays on the same tenants, the wake-up path with
+//! the idle poll pushed out of reach, the tenant header, hostile database names.
+//!
+//! The promise (rustdoc of `TenantRelay` and its builder), written down before the attack:
+//! - tenants are the pgbox schemas matching a list/pattern in given or discovered databases,
+//!   listed again every `discover_interval`: new ones served, dropped ones let go;
+//! - rounds are exactly a `Relay`'s: per-key order, retries, dead letters; several tenant
+//!   relays (or plain relays) may serve the same tenants at once;
+//! - fair: at most `rounds_in_flight` rounds, one per tenant, round-robin;
+//! - a broken tenant (database away, tables dropped) is reported, retried with a backoff,
+//!   the others flow;
+//! - every message carries `pgbox-tenant: <database>/<schema>`, replacing the producer's;
+//! - a producer committing while its tenant sleeps notifies: no committed message waits for
+//!   the idle poll.
+
+mod support;
+
+use std::collections::{HashMap, HashSet};
+use std::str::FromStr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pgbox::transport::{PublishError, Publisher};
+use pgbox::{
+    CancellationToken, Envelope, Message, Migrator, Outbox, Relay, TENANT_HEADER, TenantHealth,
+    TenantRelay,
+};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{AssertSqlSafe, Connection, Executor, PgConnection, PgPool};
+
+/// Records every envelope it is given (duplicates included).
+#[derive(Debug, Clone, Default)]
+struct Recorder {
+    seen: Arc<Mutex<Vec<Envelope>>>,
+    delay: Duration,
+}
+
+impl Recorder {
+    fn seen(&self) -> Vec<Envelope> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    fn distinct(&self) -> usize {
+        self.seen
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|e| e.id)
+            .collect::<HashSet<_>>()
+            .len()
+    }
+}
+
+impl Publisher for Recorder {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        if !self.delay.is_zero() {
+            tokio::time::sleep(self.delay).await;
+        }
+        self.seen.lock().unwrap().extend(batch.iter().cloned());
+        vec![Ok(()); batch.len()]
+    }
+}
+
+async fn migrate_schema(pool: &PgPool, schema: &str) {
+    let sql = Migrator::new().schema(schema).unwrap().to_sql();
+    sqlx::raw_sql(AssertSqlSafe(sql))
+        .execute(pool)
+        .await
+        .expect("migrate schema");
+}
+
+/// Enqueues messages `from..from + n` into `schema`, one transaction, payload
+/// `<schema>:<i>`, keyed over `keys` keys.
+async fn enqueue(pool: &PgPool, schema: &str, from: usize, n: usize, keys: usize) {
+    let outbox = Outbox::with_schema(schema).unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    for i in from..from + n {
+        let message = Message::bytes("events", format!("{schema}:{i}").into_bytes())
+            .ordering_key(format!("key-{}", i % keys));
+        outbox.enqueue(&mut tx, message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
+/// (schema, index) from a payload `<schema>:<i>`.
+fn parse(e: &Envelope) -> (String, usize) {
+    let text = String::from_utf8(e.payload.clone()).unwrap();
+    let (schema, i) = text.rsplit_once(':').unwrap();
+    (schema.to_owned(), i.parse().unwrap())
+}
+
+/// Checks: every expected (schema, i) published at least once; the first publications of
+/// each (schema, key) in enqueue order; returns the number of doubles.
+fn check(seen: &[Envelope], expected: &HashMap<String, usize>) -> usize {
+    let mut first: HashSet<uuid::Uuid> = HashSet::new();
+    let mut doubles = 0;
+    let mut last: HashMap<(String, String), usize> = HashMap::new();
+    let mut got: HashMap<String, HashSet<usize>> = HashMap::new();
+    for e in seen {
+        if !first.insert(e.id) {
+            doubles += 1;
+            continue;
+        }
+        let (schema, i) = parse(e);
+        got.entry(schema.clone()).or_default().insert(i);
+        let key = (schema, e.ordering_key.clone().unwrap_or_default());
+        if let Some(before) = last.insert(key.clone(), i) {
+            assert!(before < i, "{key:?}: {i} first published after {before}");
+        }
+    }
+    for (schema, n) in expected {
+        let got = got.get(schema).map(HashSet::len).unwrap_or(0);
+        assert_eq!(got, *n, "{schema}: {got} of {n} published");
+    }
+    doubles
+}
+
+/// Databases created by this test, dropped (WITH FORCE) at the end.
+struct OwnDatabases {
+    server: String,
+    names: Vec<String>,
+    pools: Vec<PgPool>,
+}
+
+impl OwnDatabases {
+    async fn create(names: &[String]) -> Self {
+        let server = support::server_url().await;
+        let mut admin = PgConnection::connect(&server).await.unwrap();
+        let mut pools = Vec::new();
+        for name in names {
+            let quoted = name.replace('"', "\"\"");
+            admin
+                .execute(AssertSqlSafe(format!(
+                    "CREATE DATABASE \"{quoted}\" TEMPLATE template0"
+                )))
+                .await
+                .unwrap();
+            let options = PgConnectOptions::from_str(&server).unwrap().database(name);
+            pools.push(
+                PgPoolOptions::new()
+                    .max_connections(8)
+                    .connect_with(options)
+                    .await
+                    .unwrap(),
+            );
+        }
+        admin.close().await.ok();
+        OwnDatabases {
+            server,
+            names: names.to_vec(),
+            pools,
+        }
+    }
+}
+
+impl Drop for OwnDatabases {
+    fn drop(&mut self) {
+        let server = self.server.clone();
+        let names = self.names.clone();
+        let _ = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async {
+                if let Ok(mut admin) = PgConnection::connect(&server).await {
+                    for name in names {
+                        let quoted = name.replace('"', "\"\"");
+                        let _ = admin
+                            .execute(AssertSqlSafe(format!(
+                                "DROP DATABASE IF EXISTS \"{quoted}\" WITH (FORCE)"
+                            )))
+                            .await;
+                    }
+                }
+            });
+        })
+        .join();
+    }
+}
+
+async fn wait_until(what: &str, secs: u64, mut done: impl FnMut() -> bool) {
+    for _ in 0..secs * 20 {
+        if done() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("waited {secs} s for {what}");
+}
+
+fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}_{}",
+        &uuid::Uuid::now_v7().simple().to_string()[20..]
+    )
+}
+
+/// Terminates every other backend of database `name`.
+async fn terminate(admin: &PgPool, name: &str) -> i64 {
+    sqlx::query_scalar(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = $1 AND pid <> pg_backend_pid()",
+    )
+    .bind(name)
+    .fetch_one(admin)
+    .await
+    .unwrap_or(0)
+}
+
+/// A tenant database's connections are terminated again and again while its keyed backlog
+/// drains and another database's tenants take new messages: nothing lost, first
+/// publications in key order, the other database flows meanwhile, and once the terminations
+/// stop the hit database drains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_a_database_away_again_and_again_loses_nothing_and_keeps_key_order() {
+    support::init_tracing();
+    let prefix = unique("pgbox_atk_out");
+    let names = vec![format!("{prefix}_hit"), format!("{prefix}_calm")];
+    let dbs = OwnDatabases::create(&names).await;
+    let mut expected = HashMap::new();
+    for (d, pool) in dbs.pools.iter().enumerate() {
+        for s in 0..3 {
+            let schema = format!("t{d}_{s}");
+            migrate_schema(pool, &schema).await;
+            enqueue(pool, &schema, 0, 400, 7).await;
+            expected.insert(schema, 400);
+        }
+    }
+    let server = PgPool::connect(&support::server_url().await).await.unwrap();
+    let recorder = Recorder {
+        delay: Duration::from_millis(3),
+        ..Recorder::default()
+    };
+    let relay = Arc::new(
+        TenantRelay::builder(recorder.clone())
+            .discover_databases(server.clone(), format!("{prefix}_%"))
+            .discover_interval(Duration::from_millis(200))
+            .idle_poll_interval(Duration::from_millis(200))
+            .batch_size(20)
+            .rounds_in_flight(2)
+            .build()
+            .unwrap(),
+    );
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let relay = relay.clone();
+        let stop = stop.clone();
+        async move { relay.run(stop).await }
+    });
+    // The hit database away, again and again, for ~4 s; the calm one takes new messages.
+    let mut killed = 0;
+    for round in 0..20 {
+        killed += terminate(&server, &names[0]).await;
+        enqueue(&dbs.pools[1], "t1_0", 400 + round * 10, 10, 7).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    *expected.get_mut("t1_0").unwrap() += 200;
+    let calm_during: usize = recorder
+        .seen()
+        .iter()
+        .filter(|e| parse(e).0.starts_with("t1_"))
+        .count();
+    assert!(calm_during >= 1400, "the calm database stalled: {calm_during} of 1400");
+    let total: usize = expected.values().sum();
+    wait_until("every message published", 50, || recorder.distinct() >= total).await;
+    stop.cancel();
+    run.await.unwrap().unwrap();
+    let doubles = check(&recorder.seen(), &expected);
+    eprintln!("terminated {killed} backends; {doubles} doubles (rounds that did not commit)");
+}
