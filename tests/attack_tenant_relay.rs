@@ -270,3 +270,144 @@ async fn holds_a_database_away_again_and_again_loses_nothing_and_keeps_key_order
     let doubles = check(&recorder.seen(), &expected);
     eprintln!("terminated {killed} backends; {doubles} doubles (rounds that did not commit)");
 }
+
+/// Two tenant relays and a plain relay serve the same tenants at once, while producers keep
+/// enqueueing: every message published, no double (every round commits), first
+/// publications in key order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_two_tenant_relays_and_a_plain_relay_on_the_same_tenants() {
+    support::init_tracing();
+    let prefix = unique("pgbox_atk_two");
+    let names = vec![format!("{prefix}_0")];
+    let dbs = OwnDatabases::create(&names).await;
+    let pool = dbs.pools[0].clone();
+    let mut expected = HashMap::new();
+    for s in 0..4 {
+        let schema = format!("t_{s}");
+        migrate_schema(&pool, &schema).await;
+        enqueue(&pool, &schema, 0, 300, 5).await;
+        expected.insert(schema, 300);
+    }
+    let recorder = Recorder::default();
+    let stop = CancellationToken::new();
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let relay = TenantRelay::builder(recorder.clone())
+            .database(pool.clone())
+            .schema_pattern("t\\_%")
+            .discover_interval(Duration::from_millis(300))
+            .idle_poll_interval(Duration::from_millis(300))
+            .batch_size(25)
+            .rounds_in_flight(2)
+            .build()
+            .unwrap();
+        let stop = stop.clone();
+        runs.push(tokio::spawn(async move { relay.run(stop).await }));
+    }
+    let plain = Relay::builder(pool.clone(), recorder.clone())
+        .schema("t_0")
+        .batch_size(25)
+        .build()
+        .unwrap();
+    let plain_run = tokio::spawn({
+        let stop = stop.clone();
+        async move { plain.run(stop).await }
+    });
+    for round in 0..20 {
+        for s in 0..4 {
+            enqueue(&pool, &format!("t_{s}"), 300 + round * 5, 5, 5).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for n in expected.values_mut() {
+        *n += 100;
+    }
+    let total: usize = expected.values().sum();
+    wait_until("every message published", 40, || recorder.distinct() >= total).await;
+    stop.cancel();
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    plain_run.await.unwrap().unwrap();
+    let doubles = check(&recorder.seen(), &expected);
+    assert_eq!(doubles, 0, "published twice although every round committed");
+}
+
+/// With the idle poll out of reach (10 min), producers commit while their tenants fall
+/// asleep and wake: every message must still be published, by a notification or the final
+/// look under the lock, never by the idle poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_no_wake_up_lost_while_tenants_fall_asleep() {
+    support::init_tracing();
+    let prefix = unique("pgbox_atk_wake");
+    let names = vec![format!("{prefix}_0")];
+    let dbs = OwnDatabases::create(&names).await;
+    let pool = dbs.pools[0].clone();
+    for s in 0..4 {
+        migrate_schema(&pool, &format!("w_{s}")).await;
+    }
+    let recorder = Recorder::default();
+    let relay = Arc::new(
+        TenantRelay::builder(recorder.clone())
+            .database(pool.clone())
+            .discover_interval(Duration::from_millis(500))
+            .idle_poll_interval(Duration::from_secs(600))
+            .rounds_in_flight(2)
+            .build()
+            .unwrap(),
+    );
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let relay = relay.clone();
+        let stop = stop.clone();
+        async move { relay.run(stop).await }
+    });
+    wait_until("tenants served and asleep", 20, || {
+        let s = relay.status();
+        s.len() == 4 && s.iter().all(|t| t.asleep)
+    })
+    .await;
+    // Producers at staggered, varied gaps: some commit while the tenant sleeps, some while
+    // its round runs, some while it is falling asleep again.
+    let mut producers = Vec::new();
+    for p in 0..8usize {
+        let pool = pool.clone();
+        producers.push(tokio::spawn(async move {
+            let schema = format!("w_{}", p % 4);
+            for i in 0..15usize {
+                enqueue(&pool, &schema, (p / 4) * 1000 + i, 1, 1000).await;
+                let gap = ((p * 7 + i * 13) % 40) as u64;
+                tokio::time::sleep(Duration::from_millis(gap)).await;
+            }
+        }));
+    }
+    for p in producers {
+        p.await.unwrap();
+    }
+    let total = 120;
+    let mut waited = 0;
+    while recorder.distinct() < total && waited < 600 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        waited += 1;
+    }
+    stop.cancel();
+    run.await.unwrap().unwrap();
+    let seen = recorder.seen();
+    let got: HashSet<(String, usize)> = seen.iter().map(parse).collect();
+    let mut missing = Vec::new();
+    for p in 0..8usize {
+        for i in 0..15usize {
+            let id = (format!("w_{}", p % 4), (p / 4) * 1000 + i);
+            if !got.contains(&id) {
+                missing.push(id);
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "30 s after the producers, {} messages still wait for the idle poll: {missing:?}",
+        missing.len()
+    );
+    let ids: HashSet<uuid::Uuid> = seen.iter().map(|e| e.id).collect();
+    assert_eq!(ids.len(), seen.len(), "published twice although every round committed");
+}
