@@ -411,3 +411,184 @@ async fn holds_no_wake_up_lost_while_tenants_fall_asleep() {
     let ids: HashSet<uuid::Uuid> = seen.iter().map(|e| e.id).collect();
     assert_eq!(ids.len(), seen.len(), "published twice although every round committed");
 }
+
+/// A tenant's schema dropped (CASCADE) while its backlog drains, then made again at once
+/// under the same name with new messages: the new messages are all published, once, and
+/// the tenant is healthy again; the other tenant is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_a_schema_dropped_mid_round_and_made_again_under_the_same_name() {
+    support::init_tracing();
+    let prefix = unique("pgbox_atk_drop");
+    let names = vec![format!("{prefix}_0")];
+    let dbs = OwnDatabases::create(&names).await;
+    let pool = dbs.pools[0].clone();
+    migrate_schema(&pool, "gone").await;
+    migrate_schema(&pool, "stays").await;
+    enqueue(&pool, "gone", 0, 2000, 3).await;
+    enqueue(&pool, "stays", 0, 200, 3).await;
+    let recorder = Recorder {
+        delay: Duration::from_millis(20),
+        ..Recorder::default()
+    };
+    let relay = Arc::new(
+        TenantRelay::builder(recorder.clone())
+            .database(pool.clone())
+            .discover_interval(Duration::from_millis(300))
+            .idle_poll_interval(Duration::from_millis(300))
+            .batch_size(20)
+            .rounds_in_flight(2)
+            .build()
+            .unwrap(),
+    );
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let relay = relay.clone();
+        let stop = stop.clone();
+        async move { relay.run(stop).await }
+    });
+    wait_until("a part of the backlog", 20, || {
+        recorder.seen().iter().filter(|e| parse(e).0 == "gone").count() >= 100
+    })
+    .await;
+    pool.execute("DROP SCHEMA gone CASCADE").await.unwrap();
+    migrate_schema(&pool, "gone").await;
+    enqueue(&pool, "gone", 10_000, 50, 3).await;
+    wait_until("the re-made schema's messages", 40, || {
+        let got: HashSet<usize> = recorder
+            .seen()
+            .iter()
+            .map(parse)
+            .filter(|(s, i)| s == "gone" && *i >= 10_000)
+            .map(|(_, i)| i)
+            .collect();
+        got.len() == 50
+    })
+    .await;
+    wait_until("the tenant healthy", 20, || {
+        relay
+            .status()
+            .iter()
+            .any(|t| t.schema == "gone" && t.health == TenantHealth::Healthy)
+    })
+    .await;
+    stop.cancel();
+    run.await.unwrap().unwrap();
+    let seen = recorder.seen();
+    let new: Vec<uuid::Uuid> = seen
+        .iter()
+        .filter(|e| {
+            let (s, i) = parse(e);
+            s == "gone" && i >= 10_000
+        })
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(new.len(), 50, "the re-made schema's messages published twice");
+    let stays: HashSet<usize> = seen
+        .iter()
+        .map(parse)
+        .filter(|(s, _)| s == "stays")
+        .map(|(_, i)| i)
+        .collect();
+    assert_eq!(stays.len(), 200);
+}
+
+/// A producer's own tenant header, in any case, does not reach the consumer beside the
+/// relay's: a consumer matching header names without case (HTTP, CloudEvents bindings)
+/// would read the forged one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_a_producers_tenant_header_in_another_case_survives() {
+    support::init_tracing();
+    let prefix = unique("pgbox_atk_hdr");
+    let names = vec![format!("{prefix}_0")];
+    let dbs = OwnDatabases::create(&names).await;
+    let pool = dbs.pools[0].clone();
+    migrate_schema(&pool, "acme").await;
+    let outbox = Outbox::with_schema("acme").unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    for forged in ["pgbox-tenant", "Pgbox-Tenant", "PGBOX-TENANT"] {
+        let message = Message::bytes("events", b"acme:0".to_vec()).header(forged, "other_db/victim");
+        outbox.enqueue(&mut tx, message).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    let recorder = Recorder::default();
+    let relay = TenantRelay::builder(recorder.clone())
+        .database(pool.clone())
+        .build()
+        .unwrap();
+    let report = relay.drain().await.unwrap();
+    assert_eq!(report.published, 3);
+    let real = format!("{}/acme", names[0]);
+    for e in recorder.seen() {
+        let tenant: Vec<(&String, &String)> = e
+            .headers
+            .iter()
+            .filter(|(k, _)| k.eq_ignore_ascii_case(TENANT_HEADER))
+            .collect();
+        assert_eq!(
+            tenant,
+            vec![(&TENANT_HEADER.to_owned(), &real)],
+            "a forged tenant header reaches the consumer"
+        );
+    }
+}
+
+/// Databases with hostile names (uppercase, quotes, spaces, 63 bytes) matching the pattern
+/// are served: their tenants' messages published with the right header.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_hostile_database_names() {
+    support::init_tracing();
+    let prefix = unique("pgbox_atk_nm");
+    let mut long = format!("{prefix}_L");
+    while long.len() < 63 {
+        long.push('x');
+    }
+    let names = vec![
+        format!("{prefix}_Upper \"Quo'te\""),
+        long,
+        format!("{prefix}_%_lit\\"),
+    ];
+    let dbs = OwnDatabases::create(&names).await;
+    for pool in &dbs.pools {
+        migrate_schema(pool, "acme").await;
+        enqueue(pool, "acme", 0, 10, 2).await;
+    }
+    let server = PgPool::connect(&support::server_url().await).await.unwrap();
+    let recorder = Recorder::default();
+    let relay = Arc::new(
+        TenantRelay::builder(recorder.clone())
+            .discover_databases(server, format!("{prefix}\\_%"))
+            .discover_interval(Duration::from_millis(300))
+            .idle_poll_interval(Duration::from_millis(300))
+            .rounds_in_flight(2)
+            .build()
+            .unwrap(),
+    );
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let relay = relay.clone();
+        let stop = stop.clone();
+        async move { relay.run(stop).await }
+    });
+    wait_until("every database's messages", 30, || recorder.distinct() >= 30).await;
+    // Asleep: the listener of each database works.
+    wait_until("every tenant asleep", 20, || {
+        let s = relay.status();
+        s.len() == 3 && s.iter().all(|t| t.asleep)
+    })
+    .await;
+    for pool in &dbs.pools {
+        enqueue(pool, "acme", 100, 1, 1).await;
+    }
+    wait_until("woken by notifications", 20, || recorder.distinct() >= 33).await;
+    stop.cancel();
+    run.await.unwrap().unwrap();
+    for name in &names {
+        let header = format!("{name}/acme");
+        let n = recorder
+            .seen()
+            .iter()
+            .filter(|e| e.headers.get(TENANT_HEADER) == Some(&header))
+            .count();
+        assert_eq!(n, 11, "{name}");
+    }
+}
