@@ -496,7 +496,7 @@ async fn holds_a_schema_dropped_mid_round_and_made_again_under_the_same_name() {
 /// relay's: a consumer matching header names without case (HTTP, CloudEvents bindings)
 /// would read the forged one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn finding_a_producers_tenant_header_in_another_case_survives() {
+async fn finding_1_a_producers_tenant_header_in_another_case_survives() {
     support::init_tracing();
     let prefix = unique("pgbox_atk_hdr");
     let names = vec![format!("{prefix}_0")];

@@ -34,7 +34,7 @@ use crate::transport::Publisher;
 /// so every transport carries it as it carries the other headers (RabbitMQ and NATS
 /// headers, Kafka record headers, the built-in queue's `headers` column, also when a round
 /// moves its batch into the queue in the same database). It replaces a header of the same
-/// name set by the producer.
+/// name set by the producer, in any case of its letters.
 pub const TENANT_HEADER: &str = "pgbox-tenant";
 
 /// The `tenant` label of tenants past the [label cap](TenantRelayBuilder::tenant_label_cap).
