@@ -592,3 +592,139 @@ async fn holds_hostile_database_names() {
         assert_eq!(n, 11, "{name}");
     }
 }
+
+const CHILD_ENV: &str = "PGBOX_ATK_TENANT_CHILD";
+
+/// The relay process of `holds_sigkill_of_a_tenant_relay_process`: serves every tenant of
+/// the databases `<prefix>_%` into the queue of the hub database, for at most 60 s. A no-op
+/// in a normal run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_tenant_relay() {
+    let Ok(args) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let mut args = args.split(' ');
+    let (server, hub, prefix) = (
+        args.next().unwrap().to_owned(),
+        args.next().unwrap().to_owned(),
+        args.next().unwrap().to_owned(),
+    );
+    let server = PgPool::connect(&server).await.unwrap();
+    let hub = PgPool::connect(&hub).await.unwrap();
+    let relay = TenantRelay::builder(pgbox::transport::PgQueue::new(hub))
+        .discover_databases(server, format!("{prefix}\\_%"))
+        .discover_interval(Duration::from_millis(200))
+        .idle_poll_interval(Duration::from_millis(200))
+        .batch_size(30)
+        .rounds_in_flight(3)
+        .build()
+        .unwrap();
+    let stop = CancellationToken::new();
+    let _ = tokio::time::timeout(Duration::from_secs(60), relay.run(stop)).await;
+}
+
+/// A process running a tenant relay over six tenants in two databases (keyed backlogs),
+/// publishing into the queue of another database, is SIGKILLed twice mid-flow, then a new
+/// relay drains: every message in the queue, the first copies in key order per tenant, and
+/// doubles only from rounds cut before their commit (an inbox absorbs them by message id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_sigkill_of_a_tenant_relay_process() {
+    support::init_tracing();
+    let hub = support::TestDb::migrated().await;
+    let prefix = unique("pgbox_atk_kill");
+    let names = vec![format!("{prefix}_0"), format!("{prefix}_1")];
+    let dbs = OwnDatabases::create(&names).await;
+    let mut expected: HashMap<String, usize> = HashMap::new();
+    for (d, pool) in dbs.pools.iter().enumerate() {
+        for s in 0..3 {
+            let schema = format!("k{d}_{s}");
+            migrate_schema(pool, &schema).await;
+            for part in 0..3 {
+                enqueue(pool, &schema, part * 300, 300, 6).await;
+            }
+            expected.insert(format!("{}/{schema}", names[d]), 900);
+        }
+    }
+    let total: i64 = expected.values().sum::<usize>() as i64;
+    let server_url = support::server_url().await;
+    let queued = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM pgbox.queue")
+            .fetch_one(&hub.pool)
+            .await
+            .unwrap()
+    };
+    let mut kills = Vec::new();
+    for k in 0..2 {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "child_tenant_relay", "--nocapture", "--test-threads", "1"])
+            .env(CHILD_ENV, format!("{server_url} {} {prefix}", hub.url()))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let before = queued().await;
+        let target = before + total / 5;
+        for _ in 0..600 {
+            if queued().await >= target {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        kills.push(queued().await);
+        assert!(kills[k] < total, "killed only after everything moved");
+    }
+    // Sessions of the killed process may linger a moment: the drain waits for their locks.
+    let relay = TenantRelay::builder(pgbox::transport::PgQueue::new(hub.pool.clone()))
+        .discover_databases(
+            PgPool::connect(&server_url).await.unwrap(),
+            format!("{prefix}\\_%"),
+        )
+        .batch_size(50)
+        .rounds_in_flight(2)
+        .build()
+        .unwrap();
+    let report = relay.drain().await.unwrap();
+    assert_eq!(report.tenants, 6);
+    assert_eq!(report.broken, 0);
+    let rows: Vec<(uuid::Uuid, String, String, Option<String>)> = sqlx::query_as(
+        "SELECT message_id, ordering_key, convert_from(payload, 'UTF8'), headers->>'pgbox-tenant' \
+         FROM pgbox.queue ORDER BY seq",
+    )
+    .fetch_all(&hub.pool)
+    .await
+    .unwrap();
+    let mut ids = HashSet::new();
+    let mut doubles = 0;
+    let mut last: HashMap<(String, String), usize> = HashMap::new();
+    let mut per_tenant: HashMap<String, usize> = HashMap::new();
+    for (id, key, payload, tenant) in &rows {
+        if !ids.insert(*id) {
+            doubles += 1;
+            continue;
+        }
+        let tenant = tenant.clone().expect("tenant header");
+        let n: usize = payload.rsplit_once(':').unwrap().1.parse().unwrap();
+        *per_tenant.entry(tenant.clone()).or_default() += 1;
+        if let Some(before) = last.insert((tenant.clone(), key.clone()), n) {
+            assert!(before < n, "{tenant} {key}: {n} first queued after {before}");
+        }
+    }
+    assert_eq!(per_tenant, expected);
+    let mut left = 0i64;
+    for (d, pool) in dbs.pools.iter().enumerate() {
+        for s in 0..3 {
+            {
+                let sql =
+                    format!("SELECT count(*) FROM k{d}_{s}.outbox WHERE published_at IS NULL");
+                left += sqlx::query_scalar::<_, i64>(AssertSqlSafe(sql))
+                    .fetch_one(pool)
+                    .await
+                    .unwrap();
+            }
+        }
+    }
+    assert_eq!(left, 0, "messages left unpublished");
+    eprintln!("killed at {kills:?} of {total} queued; {doubles} doubles");
+}
