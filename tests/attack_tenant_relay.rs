@@ -728,3 +728,189 @@ async fn holds_sigkill_of_a_tenant_relay_process() {
     assert_eq!(left, 0, "messages left unpublished");
     eprintln!("killed at {kills:?} of {total} queued; {doubles} doubles");
 }
+
+/// Fails every publish of topic `fail`, hangs on topic `hang`, publishes the rest.
+#[derive(Debug, Clone, Default)]
+struct Picky {
+    ok: Recorder,
+}
+
+impl Publisher for Picky {
+    async fn publish(&self, batch: &[Envelope]) -> Vec<Result<(), PublishError>> {
+        if batch.iter().any(|e| e.topic == "hang") {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        let mut out = Vec::new();
+        for e in batch {
+            if e.topic == "fail" {
+                out.push(Err(PublishError::refused("topic refuses everything")));
+            } else {
+                self.ok.seen.lock().unwrap().push(e.clone());
+                out.push(Ok(()));
+            }
+        }
+        out
+    }
+}
+
+/// One tenant's topic fails every publish, another's hangs: with two rounds in flight the
+/// other tenants' messages all flow, the failing tenant's are dead-lettered after their
+/// attempts, the hanging tenant's stay in its outbox (never dead-lettered by timeouts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_a_publisher_failing_or_hanging_for_one_tenants_topic() {
+    support::init_tracing();
+    let prefix = unique("pgbox_atk_pub");
+    let names = vec![format!("{prefix}_0")];
+    let dbs = OwnDatabases::create(&names).await;
+    let pool = dbs.pools[0].clone();
+    let outbox_of = |s: &str| Outbox::with_schema(s).unwrap();
+    for (schema, topic) in [("fails", "fail"), ("hangs", "hang")] {
+        migrate_schema(&pool, schema).await;
+        let mut tx = pool.begin().await.unwrap();
+        for i in 0..20 {
+            let m = Message::bytes(topic, format!("{schema}:{i}").into_bytes());
+            outbox_of(schema).enqueue(&mut tx, m).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+    }
+    let mut expected = HashMap::new();
+    for s in 0..4 {
+        let schema = format!("fine_{s}");
+        migrate_schema(&pool, &schema).await;
+        enqueue(&pool, &schema, 0, 100, 3).await;
+        expected.insert(schema, 100);
+    }
+    let picky = Picky::default();
+    let relay = Arc::new(
+        TenantRelay::builder(picky.clone())
+            .database(pool.clone())
+            .discover_interval(Duration::from_millis(300))
+            .idle_poll_interval(Duration::from_millis(300))
+            .batch_size(10)
+            .rounds_in_flight(2)
+            .max_attempts(2)
+            .backoff(
+                pgbox::RetryPolicy::new()
+                    .base_delay(Duration::from_millis(10))
+                    .max_delay(Duration::from_millis(20)),
+            )
+            .publish_timeout(Duration::from_millis(500))
+            .build()
+            .unwrap(),
+    );
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let relay = relay.clone();
+        let stop = stop.clone();
+        async move { relay.run(stop).await }
+    });
+    wait_until("the fine tenants' messages", 40, || picky.ok.distinct() >= 400).await;
+    let dead = || async {
+        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM fails.outbox_dead_letters")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    for _ in 0..400 {
+        if dead().await == 20 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(10), run).await;
+    assert_eq!(check(&picky.ok.seen(), &expected), 0);
+    assert_eq!(dead().await, 20, "the failing topic's messages dead-lettered");
+    let hang_dead: i64 = sqlx::query_scalar("SELECT count(*) FROM hangs.outbox_dead_letters")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let hang_left: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM hangs.outbox WHERE published_at IS NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    eprintln!("hanging topic: {hang_dead} dead-lettered, {hang_left} left in the outbox");
+}
+
+const GAUGE_CHILD_ENV: &str = "PGBOX_ATK_TENANT_GAUGE_CHILD";
+
+/// The process of `finding_2_two_relays_in_a_process_overwrite_the_tenants_gauge`: its own
+/// metrics recorder, two tenant relays (three tenants and one), both drained; the
+/// `pgbox_tenant_relay_tenants{state="healthy"}` gauge must show the four tenants served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn child_two_relays_gauge() {
+    let Ok(url) = std::env::var(GAUGE_CHILD_ENV) else {
+        return;
+    };
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    recorder.install().unwrap();
+    let pool = PgPool::connect(&url).await.unwrap();
+    let a = TenantRelay::builder(Recorder::default())
+        .database(pool.clone())
+        .schemas(["g_0", "g_1", "g_2"])
+        .build()
+        .unwrap();
+    let b = TenantRelay::builder(Recorder::default())
+        .database(pool.clone())
+        .schemas(["g_3"])
+        .build()
+        .unwrap();
+    assert_eq!(a.drain().await.unwrap().tenants, 3);
+    assert_eq!(b.drain().await.unwrap().tenants, 1);
+    let healthy = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .find_map(|(key, _, _, value)| {
+            let key = key.key();
+            let healthy = key.name() == pgbox::telemetry::TENANT_RELAY_TENANTS
+                && key.labels().any(|l| l.value() == "healthy");
+            match (healthy, value) {
+                (true, metrics_util::debugging::DebugValue::Gauge(g)) => Some(g.into_inner()),
+                _ => None,
+            }
+        })
+        .expect("the tenants gauge");
+    assert_eq!(healthy, 4.0, "healthy tenants served in this process");
+}
+
+/// Two tenant relays in one process (say one per region): each sets the process-wide
+/// `pgbox_tenant_relay_tenants` gauge to its own count, so the last one to finish a round
+/// wins and the gauge shows 1 of the 4 tenants served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finding_2_two_relays_in_a_process_overwrite_the_tenants_gauge() {
+    support::init_tracing();
+    let prefix = unique("pgbox_atk_gauge");
+    let names = vec![format!("{prefix}_0")];
+    let dbs = OwnDatabases::create(&names).await;
+    for s in 0..4 {
+        migrate_schema(&dbs.pools[0], &format!("g_{s}")).await;
+    }
+    let server = support::server_url().await;
+    let url = PgConnectOptions::from_str(&server)
+        .unwrap()
+        .database(&names[0]);
+    let url = format!(
+        "postgres://{}@{}:{}/{}",
+        url.get_username(),
+        url.get_host(),
+        url.get_port(),
+        names[0]
+    );
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child_two_relays_gauge", "--nocapture", "--test-threads", "1"])
+        .env(GAUGE_CHILD_ENV, url)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && text.contains("1 passed"),
+        "the child failed:\n{}",
+        text.lines()
+            .filter(|l| l.contains("assert") || l.contains("left") || l.contains("right"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
