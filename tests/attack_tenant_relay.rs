@@ -262,9 +262,15 @@ async fn holds_a_database_away_again_and_again_loses_nothing_and_keeps_key_order
         .iter()
         .filter(|e| parse(e).0.starts_with("t1_"))
         .count();
-    assert!(calm_during >= 1400, "the calm database stalled: {calm_during} of 1400");
+    assert!(
+        calm_during >= 1400,
+        "the calm database stalled: {calm_during} of 1400"
+    );
     let total: usize = expected.values().sum();
-    wait_until("every message published", 50, || recorder.distinct() >= total).await;
+    wait_until("every message published", 50, || {
+        recorder.distinct() >= total
+    })
+    .await;
     stop.cancel();
     run.await.unwrap().unwrap();
     let doubles = check(&recorder.seen(), &expected);
@@ -323,7 +329,10 @@ async fn holds_two_tenant_relays_and_a_plain_relay_on_the_same_tenants() {
         *n += 100;
     }
     let total: usize = expected.values().sum();
-    wait_until("every message published", 40, || recorder.distinct() >= total).await;
+    wait_until("every message published", 40, || {
+        recorder.distinct() >= total
+    })
+    .await;
     stop.cancel();
     for run in runs {
         run.await.unwrap().unwrap();
@@ -409,7 +418,11 @@ async fn holds_no_wake_up_lost_while_tenants_fall_asleep() {
         missing.len()
     );
     let ids: HashSet<uuid::Uuid> = seen.iter().map(|e| e.id).collect();
-    assert_eq!(ids.len(), seen.len(), "published twice although every round committed");
+    assert_eq!(
+        ids.len(),
+        seen.len(),
+        "published twice although every round committed"
+    );
 }
 
 /// A tenant's schema dropped (CASCADE) while its backlog drains, then made again at once
@@ -447,7 +460,12 @@ async fn holds_a_schema_dropped_mid_round_and_made_again_under_the_same_name() {
         async move { relay.run(stop).await }
     });
     wait_until("a part of the backlog", 20, || {
-        recorder.seen().iter().filter(|e| parse(e).0 == "gone").count() >= 100
+        recorder
+            .seen()
+            .iter()
+            .filter(|e| parse(e).0 == "gone")
+            .count()
+            >= 100
     })
     .await;
     pool.execute("DROP SCHEMA gone CASCADE").await.unwrap();
@@ -482,7 +500,11 @@ async fn holds_a_schema_dropped_mid_round_and_made_again_under_the_same_name() {
         })
         .map(|e| e.id)
         .collect();
-    assert_eq!(new.len(), 50, "the re-made schema's messages published twice");
+    assert_eq!(
+        new.len(),
+        50,
+        "the re-made schema's messages published twice"
+    );
     let stays: HashSet<usize> = seen
         .iter()
         .map(parse)
@@ -506,7 +528,8 @@ async fn finding_1_a_producers_tenant_header_in_another_case_survives() {
     let outbox = Outbox::with_schema("acme").unwrap();
     let mut tx = pool.begin().await.unwrap();
     for forged in ["pgbox-tenant", "Pgbox-Tenant", "PGBOX-TENANT"] {
-        let message = Message::bytes("events", b"acme:0".to_vec()).header(forged, "other_db/victim");
+        let message =
+            Message::bytes("events", b"acme:0".to_vec()).header(forged, "other_db/victim");
         outbox.enqueue(&mut tx, message).await.unwrap();
     }
     tx.commit().await.unwrap();
@@ -569,7 +592,10 @@ async fn holds_hostile_database_names() {
         let stop = stop.clone();
         async move { relay.run(stop).await }
     });
-    wait_until("every database's messages", 30, || recorder.distinct() >= 30).await;
+    wait_until("every database's messages", 30, || {
+        recorder.distinct() >= 30
+    })
+    .await;
     // Asleep: the listener of each database works.
     wait_until("every tenant asleep", 20, || {
         let s = relay.status();
@@ -656,7 +682,13 @@ async fn holds_sigkill_of_a_tenant_relay_process() {
     let mut kills = Vec::new();
     for k in 0..2 {
         let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "child_tenant_relay", "--nocapture", "--test-threads", "1"])
+            .args([
+                "--exact",
+                "child_tenant_relay",
+                "--nocapture",
+                "--test-threads",
+                "1",
+            ])
             .env(CHILD_ENV, format!("{server_url} {} {prefix}", hub.url()))
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -708,7 +740,10 @@ async fn holds_sigkill_of_a_tenant_relay_process() {
         let n: usize = payload.rsplit_once(':').unwrap().1.parse().unwrap();
         *per_tenant.entry(tenant.clone()).or_default() += 1;
         if let Some(before) = last.insert((tenant.clone(), key.clone()), n) {
-            assert!(before < n, "{tenant} {key}: {n} first queued after {before}");
+            assert!(
+                before < n,
+                "{tenant} {key}: {n} first queued after {before}"
+            );
         }
     }
     assert_eq!(per_tenant, expected);
@@ -804,7 +839,10 @@ async fn holds_a_publisher_failing_or_hanging_for_one_tenants_topic() {
         let stop = stop.clone();
         async move { relay.run(stop).await }
     });
-    wait_until("the fine tenants' messages", 40, || picky.ok.distinct() >= 400).await;
+    wait_until("the fine tenants' messages", 40, || {
+        picky.ok.distinct() >= 400
+    })
+    .await;
     let dead = || async {
         sqlx::query_scalar::<_, i64>("SELECT count(*) FROM fails.outbox_dead_letters")
             .fetch_one(&pool)
@@ -820,7 +858,11 @@ async fn holds_a_publisher_failing_or_hanging_for_one_tenants_topic() {
     stop.cancel();
     let _ = tokio::time::timeout(Duration::from_secs(10), run).await;
     assert_eq!(check(&picky.ok.seen(), &expected), 0);
-    assert_eq!(dead().await, 20, "the failing topic's messages dead-lettered");
+    assert_eq!(
+        dead().await,
+        20,
+        "the failing topic's messages dead-lettered"
+    );
     let hang_dead: i64 = sqlx::query_scalar("SELECT count(*) FROM hangs.outbox_dead_letters")
         .fetch_one(&pool)
         .await
@@ -900,11 +942,18 @@ async fn finding_2_two_relays_in_a_process_overwrite_the_tenants_gauge() {
         names[0]
     );
     let out = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_two_relays_gauge", "--nocapture", "--test-threads", "1"])
+        .args([
+            "--exact",
+            "child_two_relays_gauge",
+            "--nocapture",
+            "--test-threads",
+            "1",
+        ])
         .env(GAUGE_CHILD_ENV, url)
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    let text =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
     assert!(
         out.status.success() && text.contains("1 passed"),
         "the child failed:\n{}",
