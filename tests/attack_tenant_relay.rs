@@ -963,3 +963,97 @@ async fn finding_2_two_relays_in_a_process_overwrite_the_tenants_gauge() {
             .join("\n")
     );
 }
+
+/// A served database dropped WITH (FORCE) while its backlog drains: its tenants are let go,
+/// the other database flows on, and a database made again under the same name is served
+/// from scratch (its new messages all published once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_a_database_dropped_with_force_while_served_and_made_again() {
+    support::init_tracing();
+    let prefix = unique("pgbox_atk_dropdb");
+    let names = vec![format!("{prefix}_0"), format!("{prefix}_1")];
+    let dbs = OwnDatabases::create(&names).await;
+    for pool in &dbs.pools {
+        migrate_schema(pool, "acme").await;
+        enqueue(pool, "acme", 0, 1000, 3).await;
+    }
+    let server = PgPool::connect(&support::server_url().await).await.unwrap();
+    let recorder = Recorder {
+        delay: Duration::from_millis(10),
+        ..Recorder::default()
+    };
+    let relay = Arc::new(
+        TenantRelay::builder(recorder.clone())
+            .discover_databases(server.clone(), format!("{prefix}\\_%"))
+            .discover_interval(Duration::from_millis(200))
+            .idle_poll_interval(Duration::from_millis(200))
+            .batch_size(20)
+            .rounds_in_flight(2)
+            .build()
+            .unwrap(),
+    );
+    let stop = CancellationToken::new();
+    let run = tokio::spawn({
+        let relay = relay.clone();
+        let stop = stop.clone();
+        async move { relay.run(stop).await }
+    });
+    let hdr = |i: usize| format!("{}/acme", names[i]);
+    let of = |r: &Recorder, h: &str| {
+        r.seen()
+            .iter()
+            .filter(|e| e.headers.get(TENANT_HEADER).map(String::as_str) == Some(h))
+            .map(|e| e.id)
+            .collect::<HashSet<_>>()
+            .len()
+    };
+    wait_until("a part of database 1's backlog", 20, || {
+        of(&recorder, &hdr(1)) >= 100
+    })
+    .await;
+    dbs.pools[1].close().await;
+    let quoted = names[1].replace('"', "\"\"");
+    server
+        .execute(AssertSqlSafe(format!(
+            "DROP DATABASE \"{quoted}\" WITH (FORCE)"
+        )))
+        .await
+        .unwrap();
+    wait_until("database 1 let go", 20, || {
+        relay.status().iter().all(|t| t.database != names[1])
+    })
+    .await;
+    server
+        .execute(AssertSqlSafe(format!(
+            "CREATE DATABASE \"{quoted}\" TEMPLATE template0"
+        )))
+        .await
+        .unwrap();
+    let options = PgConnectOptions::from_str(&support::server_url().await)
+        .unwrap()
+        .database(&names[1]);
+    let again = PgPool::connect_with(options).await.unwrap();
+    migrate_schema(&again, "acme").await;
+    enqueue(&again, "acme", 50_000, 30, 3).await;
+    wait_until("the new database's messages", 30, || {
+        recorder
+            .seen()
+            .iter()
+            .filter(|e| parse(e).1 >= 50_000)
+            .map(|e| e.id)
+            .collect::<HashSet<_>>()
+            .len()
+            == 30
+    })
+    .await;
+    wait_until("database 0 drained", 40, || of(&recorder, &hdr(0)) == 1000).await;
+    stop.cancel();
+    run.await.unwrap().unwrap();
+    again.close().await;
+    let new = recorder
+        .seen()
+        .iter()
+        .filter(|e| parse(e).1 >= 50_000)
+        .count();
+    assert_eq!(new, 30, "the new database's messages published twice");
+}
