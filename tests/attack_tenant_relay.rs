@@ -1057,3 +1057,73 @@ async fn holds_a_database_dropped_with_force_while_served_and_made_again() {
         .count();
     assert_eq!(new, 30, "the new database's messages published twice");
 }
+
+/// Two tenant relays on the same idle tenants (the doc allows it, say for availability):
+/// once both have drained, an idle tenant should cost no round. The second relay cannot take
+/// the asleep locks the first holds, takes that for "a producer in flight" and runs a round
+/// per idle tenant every idle poll interval, forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "finding 3: a second tenant relay runs ~27 rounds per second per idle tenant whose asleep lock the other holds"]
+async fn finding_3_a_second_relay_runs_a_round_per_idle_tenant_every_idle_poll() {
+    support::init_tracing();
+    let prefix = unique("pgbox_atk_idle2");
+    let names = vec![format!("{prefix}_0")];
+    let dbs = OwnDatabases::create(&names).await;
+    let pool = dbs.pools[0].clone();
+    for s in 0..10 {
+        migrate_schema(&pool, &format!("i_{s}")).await;
+    }
+    let stop = CancellationToken::new();
+    let mut relays = Vec::new();
+    let mut runs = Vec::new();
+    for _ in 0..2 {
+        let relay = Arc::new(
+            TenantRelay::builder(Recorder::default())
+                .database(pool.clone())
+                .discover_interval(Duration::from_secs(60))
+                .idle_poll_interval(Duration::from_millis(200))
+                .rounds_in_flight(2)
+                .build()
+                .unwrap(),
+        );
+        relays.push(relay.clone());
+        let stop = stop.clone();
+        runs.push(tokio::spawn(async move { relay.run(stop).await }));
+    }
+    // Settled: every tenant asleep in one relay or the other, and the awake polls' backoff
+    // at its cap (the idle poll interval).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let rounds = || -> u64 {
+        relays
+            .iter()
+            .flat_map(|r| r.status())
+            .map(|t| t.rounds)
+            .sum()
+    };
+    let before = rounds();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let first = rounds() - before;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = rounds();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let later = rounds() - before;
+    eprintln!("idle rounds: {first} in a second, {later} in a second 3 s later");
+    let idle_rounds = first + later;
+    for (i, r) in relays.iter().enumerate() {
+        let s = r.status();
+        eprintln!(
+            "relay {i}: {} asleep of {}, rounds {}",
+            s.iter().filter(|t| t.asleep).count(),
+            s.len(),
+            s.iter().map(|t| t.rounds).sum::<u64>()
+        );
+    }
+    stop.cancel();
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    assert_eq!(
+        idle_rounds, 0,
+        "rounds run for 10 idle tenants in two seconds by two relays"
+    );
+}
