@@ -182,8 +182,8 @@ pub const TENANT_RELAY_ROUNDS: &str = "pgbox_tenant_relay_rounds_total";
 /// broken schema, a database away). Label `tenant` (capped, as [`TENANT_RELAY_PUBLISHED`]).
 pub const TENANT_RELAY_ROUND_ERRORS: &str = "pgbox_tenant_relay_round_errors_total";
 
-/// Gauge: tenants a [`TenantRelay`](crate::TenantRelay) serves, by `state` (`healthy`,
-/// `broken`).
+/// Gauge: tenants the [`TenantRelay`](crate::TenantRelay)s of the process serve (summed
+/// over them; a relay dropped takes its own out), by `state` (`healthy`, `broken`).
 pub const TENANT_RELAY_TENANTS: &str = "pgbox_tenant_relay_tenants";
 
 /// Counter: WAL outbox messages published and passed by the slot. Labels `slot`, `topic`.

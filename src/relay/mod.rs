@@ -928,6 +928,11 @@ impl<P: Publisher> Relay<P> {
             let mut batch = rows.iter().map(decode).collect::<Result<Vec<_>>>()?;
             if let Some(tenant) = &self.tenant {
                 for message in &mut batch {
+                    // A producer's own tenant header goes in any case: a consumer matching
+                    // header names without case (HTTP, CloudEvents) must not read it.
+                    message
+                        .headers
+                        .retain(|name, _| !name.eq_ignore_ascii_case(crate::TENANT_HEADER));
                     message
                         .headers
                         .insert(crate::TENANT_HEADER.to_owned(), tenant.clone());

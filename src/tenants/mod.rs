@@ -34,7 +34,7 @@ use crate::transport::Publisher;
 /// so every transport carries it as it carries the other headers (RabbitMQ and NATS
 /// headers, Kafka record headers, the built-in queue's `headers` column, also when a round
 /// moves its batch into the queue in the same database). It replaces a header of the same
-/// name set by the producer.
+/// name set by the producer, in any case of its letters.
 pub const TENANT_HEADER: &str = "pgbox-tenant";
 
 /// The `tenant` label of tenants past the [label cap](TenantRelayBuilder::tenant_label_cap).
@@ -238,6 +238,7 @@ impl<P: Publisher + 'static> TenantRelayBuilder<P> {
             publish_timeout: self.publish_timeout,
             status: Mutex::default(),
             labels: Mutex::default(),
+            counted: Mutex::default(),
         })
     }
 }
@@ -376,6 +377,23 @@ pub struct TenantRelay<P> {
     status: Mutex<BTreeMap<(String, String), TenantStatus>>,
     /// Tenants given a label of their own, in the order first served.
     labels: Mutex<HashSet<(String, String)>>,
+    /// Healthy and broken tenants this relay last added to the process-wide gauge: it moves
+    /// the gauge by its own change, so several relays in a process add up.
+    counted: Mutex<(usize, usize)>,
+}
+
+impl<P> Drop for TenantRelay<P> {
+    /// Takes this relay's tenants out of the process-wide tenants gauge.
+    fn drop(&mut self) {
+        let (healthy, broken) = *self
+            .counted
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        metrics::gauge!(telemetry::TENANT_RELAY_TENANTS, "state" => "healthy")
+            .decrement(healthy as f64);
+        metrics::gauge!(telemetry::TENANT_RELAY_TENANTS, "state" => "broken")
+            .decrement(broken as f64);
+    }
 }
 
 /// A tenant: (database, schema).
@@ -930,14 +948,24 @@ impl<P: Publisher + 'static> TenantRelay<P> {
 
     fn count_tenants(&self) {
         let (mut healthy, mut broken) = (0usize, 0usize);
-        for s in self.status.lock().expect("tenant status").values() {
+        // Counted and moved under the status lock: two calls cannot move it out of order.
+        let status = self.status.lock().expect("tenant status");
+        for s in status.values() {
             match s.health {
                 TenantHealth::Healthy => healthy += 1,
                 TenantHealth::Broken { .. } => broken += 1,
             }
         }
-        metrics::gauge!(telemetry::TENANT_RELAY_TENANTS, "state" => "healthy").set(healthy as f64);
-        metrics::gauge!(telemetry::TENANT_RELAY_TENANTS, "state" => "broken").set(broken as f64);
+        let mut counted = self.counted.lock().expect("tenant gauge");
+        let (was_healthy, was_broken) = *counted;
+        *counted = (healthy, broken);
+        drop(counted);
+        let moved = |now: usize, was: usize| now as f64 - was as f64;
+        metrics::gauge!(telemetry::TENANT_RELAY_TENANTS, "state" => "healthy")
+            .increment(moved(healthy, was_healthy));
+        metrics::gauge!(telemetry::TENANT_RELAY_TENANTS, "state" => "broken")
+            .increment(moved(broken, was_broken));
+        drop(status);
     }
 
     /// The tenant's metrics label: its own for the first `tenant_label_cap` tenants.
