@@ -290,7 +290,6 @@ async fn through_a_hostile_search_path(limit: Limit) -> (i64, i64, Option<String
 /// tests/least_privilege.rs, which shadows `unnest` too); the slot statement calls `unnest`
 /// unqualified, so every delivery fails with "evil unnest()" and is dead-lettered.
 #[tokio::test]
-#[ignore = "finding 2: the slot statement calls unnest unqualified (hostile search_path)"]
 async fn finding_a_hostile_search_path_breaks_concurrency_limits() {
     let outcome = through_a_hostile_search_path(Limit::concurrency("slots", 2)).await;
     assert_eq!(
@@ -304,7 +303,6 @@ async fn finding_a_hostile_search_path_breaks_concurrency_limits() {
 /// Finding 2b. The same for rate limits: the bucket statement and the sweep call
 /// `statement_timestamp()` unqualified.
 #[tokio::test]
-#[ignore = "finding 2: the rate statements call statement_timestamp unqualified (hostile search_path)"]
 async fn finding_a_hostile_search_path_breaks_rate_limits() {
     let outcome = through_a_hostile_search_path(Limit::rate("tokens", 100.0)).await;
     assert_eq!(
@@ -321,7 +319,6 @@ async fn finding_a_hostile_search_path_breaks_rate_limits() {
 /// message over a limit is "never failed, never dead-lettered", and bad input is a typed
 /// error at build.
 #[tokio::test]
-#[ignore = "finding 3: a rate whose span overflows the server's range is accepted, then dead-letters"]
 async fn finding_an_extreme_rate_is_accepted_then_dead_letters() {
     let mut broken = Vec::new();
     for (n, limit) in [
@@ -457,7 +454,6 @@ async fn holds_application_advisory_locks_beside_slots() {
 /// autocommit statement on the pool. Every message must still take effect once, with no
 /// delivery failed for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-#[ignore = "finding 4: the limits' statements are named and cached behind a transaction pooler"]
 async fn finding_limits_behind_a_transaction_pooler() {
     behind_a_transaction_pooler(true).await;
 }

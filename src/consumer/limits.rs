@@ -33,6 +33,10 @@ pub(crate) const SLOT_LOCK_CLASS: i32 = 0x7062_6f6c; // "pbol"
 /// primary key stays small; two long prefixes that collide share a bucket: stricter only).
 const MAX_STORED_PREFIX_BYTES: usize = 256;
 
+/// The longest a rate bucket may span (burst × one emission interval), in microseconds:
+/// 100 years, well inside PostgreSQL's timestamps.
+const MAX_BUCKET_SPAN_MICROS: f64 = 100.0 * 365.25 * 86_400.0 * 1e6;
+
 /// The longest pause between two tries for a slot or a token.
 const MAX_PAUSE: Duration = Duration::from_millis(200);
 
@@ -239,6 +243,17 @@ impl Limit {
                     self.name
                 ))
             }
+            // The bucket's span (burst × one interval) must fit the server's timestamps: a
+            // glacial rate would be accepted here and refused by every take (22008).
+            Kind::Rate { per_second, burst }
+                if (1e6 / per_second).ceil() * f64::from(burst) > MAX_BUCKET_SPAN_MICROS =>
+            {
+                invalid(format!(
+                    "consumer limit {:?}: a burst of {burst} at {per_second} a second spans more \
+                     than 100 years; use a higher rate or a smaller burst",
+                    self.name
+                ))
+            }
             _ => Ok(()),
         }
     }
@@ -345,17 +360,17 @@ impl Limits {
         let take_sql = format!(
             "WITH took AS (\
                INSERT INTO {s}.rate_limits AS r (name, prefix, tat) \
-               VALUES ($1, $2, statement_timestamp() \
+               VALUES ($1, $2, pg_catalog.statement_timestamp() \
                                + $3::int8 * $5::int8 * interval '1 microsecond') \
                ON CONFLICT (name, prefix) DO UPDATE \
-               SET tat = GREATEST(r.tat, statement_timestamp()) \
+               SET tat = GREATEST(r.tat, pg_catalog.statement_timestamp()) \
                          + $3::int8 * $5::int8 * interval '1 microsecond' \
-               WHERE GREATEST(r.tat, statement_timestamp()) \
+               WHERE GREATEST(r.tat, pg_catalog.statement_timestamp()) \
                      + $3::int8 * $5::int8 * interval '1 microsecond' \
-                     <= statement_timestamp() + $4::int8 * interval '1 microsecond' \
+                     <= pg_catalog.statement_timestamp() + $4::int8 * interval '1 microsecond' \
                RETURNING 1) \
              SELECT EXISTS (SELECT 1 FROM took), \
-                    (SELECT EXTRACT(EPOCH FROM (b.tat - statement_timestamp()))::float8 \
+                    (SELECT EXTRACT(EPOCH FROM (b.tat - pg_catalog.statement_timestamp()))::float8 \
                             + ($3::int8 - $4::int8)::float8 / 1e6 \
                        FROM {s}.rate_limits b WHERE b.name = $1 AND b.prefix = $2), \
                     pg_catalog.set_config('synchronous_commit', 'off', true)"
@@ -365,8 +380,8 @@ impl Limits {
         let sweep_sql = format!(
             "DELETE FROM {s}.rate_limits WHERE ctid = ANY(ARRAY(\
                SELECT ctid FROM {s}.rate_limits \
-                WHERE name = $1 AND tat < statement_timestamp() LIMIT 1000)) \
-               AND tat < statement_timestamp()"
+                WHERE name = $1 AND tat < pg_catalog.statement_timestamp() LIMIT 1000)) \
+               AND tat < pg_catalog.statement_timestamp()"
         );
         Ok(Limits {
             take_sql,
@@ -588,7 +603,7 @@ impl Limits {
             loop {
                 // The executor stops at the first row the filter lets through: one lock.
                 let got: Option<i32> = sqlx::query_scalar(
-                    "SELECT k FROM unnest($2::int4[]) AS k \
+                    "SELECT k FROM pg_catalog.unnest($2::int4[]) AS k \
                      WHERE pg_catalog.pg_try_advisory_xact_lock($1, k) LIMIT 1",
                 )
                 .bind(SLOT_LOCK_CLASS)
