@@ -477,9 +477,8 @@ impl Claimed {
 }
 
 impl Inbox {
-    /// The pooler this inbox was built for (the Idempotency-Key layer sends its handlers'
-    /// statements the same way).
-    #[cfg(feature = "axum")]
+    /// The pooler this inbox was built for (the Idempotency-Key layer and the runner's
+    /// limits send their statements the same way).
     pub(crate) fn pooler(&self) -> Pooler {
         self.inner.pooler
     }
