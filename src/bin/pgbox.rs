@@ -588,6 +588,32 @@ fn advice_line(severity: Severity, advice: &str) -> Option<(&'static str, &str)>
     (!rest.is_empty()).then_some(("note", rest))
 }
 
+/// The doctor with the command line's thresholds and role; the warning must come first.
+fn doctor_from(
+    xmin_age_warn: Duration,
+    xmin_age_critical: Duration,
+    role: Option<&str>,
+) -> Result<Doctor, Failure> {
+    if xmin_age_warn > xmin_age_critical {
+        return Err(fail(
+            2,
+            format!(
+                "--xmin-age-warn ({}) is above --xmin-age-critical ({}): the warning must come \
+                 first",
+                age_text(xmin_age_warn),
+                age_text(xmin_age_critical)
+            ),
+        ));
+    }
+    let doctor = Doctor::new()
+        .xmin_age_warn(xmin_age_warn)
+        .xmin_age_critical(xmin_age_critical);
+    Ok(match role {
+        Some(role) => doctor.application_role(role)?,
+        None => doctor,
+    })
+}
+
 /// `migrate`, `status` and `doctor` over the tenants `--tenants`/`--databases` select.
 async fn run_fleet(cli: Cli, selection: &tenants::Selection) -> Result<(), Failure> {
     let url = cli.database_url.as_deref();
@@ -622,18 +648,7 @@ async fn run_fleet(cli: Cli, selection: &tenants::Selection) -> Result<(), Failu
             xmin_age_critical,
             role,
         } => {
-            if xmin_age_warn > xmin_age_critical {
-                return Err(fail(
-                    2,
-                    "--xmin-age-warn is above --xmin-age-critical: the warning must come first",
-                ));
-            }
-            let mut doctor = Doctor::new()
-                .xmin_age_warn(xmin_age_warn)
-                .xmin_age_critical(xmin_age_critical);
-            if let Some(role) = &role {
-                doctor = doctor.application_role(role)?;
-            }
+            let doctor = doctor_from(xmin_age_warn, xmin_age_critical, role.as_deref())?;
             tenants::doctor(url, selection, doctor, cli.json).await
         }
         _ => Err(fail(
@@ -827,28 +842,12 @@ async fn run(cli: Cli) -> Result<(), Failure> {
             xmin_age_critical,
             role,
         } => {
-            if xmin_age_warn > xmin_age_critical {
-                return Err(fail(
-                    2,
-                    format!(
-                        "--xmin-age-warn ({}) is above --xmin-age-critical ({}): the warning \
-                         must come first",
-                        age_text(xmin_age_warn),
-                        age_text(xmin_age_critical)
-                    ),
-                ));
-            }
+            let doctor =
+                doctor_from(xmin_age_warn, xmin_age_critical, role.as_deref())?.schema(schema)?;
             let pool = connect(cli.database_url.as_deref()).await?;
             // No `ensure_schema` here: on an unmigrated schema the doctor reports it as a
             // finding (`not_migrated`, exit 4), so a health check reading stdout gets the same
             // report shape whatever it found.
-            let mut doctor = Doctor::new()
-                .schema(schema)?
-                .xmin_age_warn(xmin_age_warn)
-                .xmin_age_critical(xmin_age_critical);
-            if let Some(role) = &role {
-                doctor = doctor.application_role(role)?;
-            }
             let report = doctor.check(&pool).await?;
             let code = doctor_exit_code(&report);
             let mut value = serde_json::to_value(&report).expect("json");
