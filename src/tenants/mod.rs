@@ -336,6 +336,10 @@ pub struct TenantDrainReport {
 ///   the defaults: about 1.5 statements per second per database of up to 200 tenants.
 ///
 /// A producer committing while its tenant sleeps notifies; the tenant joins the queue.
+/// A tenant falls asleep when it is found and after each stretch of work; its final look
+/// for work committed before it did (whose producers did not notify) is that same probe
+/// statement, one per database for every tenant that fell asleep meanwhile, not a round of
+/// its own: a relay starting over a thousand idle tenants queues no round for them.
 ///
 /// # Letting tenants go
 ///
@@ -672,6 +676,10 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                                     && let Some(db) = dbs.get_mut(&key.0)
                                 {
                                     db.look = true;
+                                } else if t.phase == Phase::Running {
+                                    // Its round (queued by a probe) may have read the outbox
+                                    // before the lock was taken: one more, under it.
+                                    t.again = true;
                                 }
                             } else if !t.removed {
                                 // A producer is in flight (it holds the lock shared until it
