@@ -598,3 +598,97 @@ async fn bad_settings_are_refused() {
         .unwrap_err();
     assert!(matches!(e, pgbox::Error::InvalidConfig(_)), "{e:?}");
 }
+
+/// Rounds run so far for the tenants of `tenants` (all tenants but these when `except`).
+fn rounds_of(relay: &TenantRelay<Recorder>, tenants: &[&str], except: bool) -> u64 {
+    relay
+        .status()
+        .iter()
+        .filter(|s| tenants.contains(&s.schema.as_str()) != except)
+        .map(|s| s.rounds)
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_tenants_get_no_round_and_a_quiet_one_does_not_wait_behind_them() {
+    support::init_tracing();
+    let db = TestDb::empty().await;
+    const IDLE: usize = 100;
+    let mut migrations = tokio::task::JoinSet::new();
+    for s in 0..IDLE {
+        let pool = db.pool.clone();
+        migrations.spawn(async move { migrate_schema(&pool, &format!("tenant_{s:03}")).await });
+        if migrations.len() >= 4 {
+            migrations.join_next().await.unwrap().unwrap();
+        }
+    }
+    migrations.join_all().await;
+    // Named to sort after the idle ones: the order discovery lists them in.
+    for s in ["tenant_x_busy", "tenant_x_quiet"] {
+        migrate_schema(&db.pool, s).await;
+    }
+    sqlx::query(
+        "INSERT INTO tenant_x_busy.outbox (message_id, topic, payload, content_type) \
+         SELECT gen_random_uuid(), 'bulk', convert_to(g::text, 'UTF8'), 'text/plain' \
+         FROM generate_series(1, 100000) AS g",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    enqueue(&db.pool, "tenant_x_quiet", 1, 1).await;
+    let recorder = Recorder::default();
+    let relay = Arc::new(
+        TenantRelay::builder(recorder.clone())
+            .database(db.pool.clone())
+            .build()
+            .unwrap(),
+    );
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn({
+        let relay = relay.clone();
+        let shutdown = shutdown.clone();
+        async move { relay.run(shutdown).await }
+    });
+    let busy = format!("{}/tenant_x_busy", db.name);
+    let quiet = format!("{}/tenant_x_quiet", db.name);
+    let named = ["tenant_x_busy", "tenant_x_quiet"];
+    wait_until("every tenant found", || relay.status().len() == IDLE + 2).await;
+    // The quiet tenant's messages, one at a time: how many rounds of the other tenants ran
+    // between its commit and its publish.
+    let mut waited_rounds = Vec::new();
+    wait_until("the quiet tenant's first message", || {
+        recorder.count_of(&quiet) == 1
+    })
+    .await;
+    waited_rounds.push(rounds_of(&relay, &["tenant_x_quiet"], true));
+    for i in 1..30 {
+        let before = rounds_of(&relay, &["tenant_x_quiet"], true);
+        enqueue_from(&db.pool, "tenant_x_quiet", i, 1, 1).await;
+        wait_until("a quiet message", || recorder.count_of(&quiet) == i + 1).await;
+        waited_rounds.push(rounds_of(&relay, &["tenant_x_quiet"], true) - before);
+    }
+    wait_until("every tenant asleep", || {
+        relay.status().iter().filter(|s| s.asleep).count() >= IDLE
+    })
+    .await;
+    let busy_then = recorder.count_of(&busy);
+    let idle_rounds = rounds_of(&relay, &named, true);
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+    eprintln!("rounds of other tenants while each quiet message waited: {waited_rounds:?}");
+    // Before, every tenant got a round when found and another once asleep (its final look):
+    // 200 rounds of idle tenants queued ahead of the quiet tenant's every round at start.
+    assert_eq!(
+        idle_rounds, 0,
+        "tenants with nothing to do ran {idle_rounds} rounds"
+    );
+    let worst = *waited_rounds.iter().max().unwrap();
+    assert!(
+        worst <= 40,
+        "a quiet message waited {worst} rounds of other tenants (all: {waited_rounds:?})"
+    );
+    assert!(
+        busy_then < 100_000,
+        "the backlog drained first: {busy_then}"
+    );
+}

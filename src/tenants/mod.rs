@@ -337,6 +337,10 @@ pub struct TenantDrainReport {
 ///   the defaults: about 1.5 statements per second per database of up to 200 tenants.
 ///
 /// A producer committing while its tenant sleeps notifies; the tenant joins the queue.
+/// A tenant falls asleep when it is found and after each stretch of work; its final look
+/// for work committed before it did (whose producers did not notify) is that same probe
+/// statement, one per database for every tenant that fell asleep meanwhile, not a round of
+/// its own: a relay starting over a thousand idle tenants queues no round for them.
 ///
 /// # Letting tenants go
 ///
@@ -435,6 +439,9 @@ struct Db {
     owned: bool,
     listener: mpsc::UnboundedSender<Command>,
     probing: bool,
+    /// A probe of its tenants is owed: the idle poll, or tenants that took their asleep lock
+    /// since the last probe started (their final look, under the lock).
+    look: bool,
     /// Why its schemas could not be read, while they cannot.
     away: Option<String>,
 }
@@ -571,6 +578,32 @@ impl<P: Publisher + 'static> TenantRelay<P> {
             if shutdown.is_cancelled() && running == 0 {
                 return Ok(());
             }
+            // Owed probes, one at a time per database: a look that falls due while one runs
+            // is taken by the next (the one running may have started before the lock).
+            for (name, db) in dbs.iter_mut() {
+                if db.look && !db.probing && !shutdown.is_cancelled() {
+                    db.look = false;
+                    let mut schemas: Vec<Identifier> = tenants
+                        .iter()
+                        .filter(|(k, t)| k.0 == *name && !t.removed && t.failures == 0)
+                        .map(|(_, t)| t.schema.clone())
+                        .collect();
+                    if schemas.is_empty() {
+                        continue;
+                    }
+                    // Sorted: the statement's text changes only when tenants come or go,
+                    // so it stays prepared.
+                    schemas.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+                    db.probing = true;
+                    let pool = db.pool.clone();
+                    let name = name.clone();
+                    work.spawn(async move {
+                        let asked = schemas.iter().map(|s| s.as_str().to_owned()).collect();
+                        let result = discover::due(&pool, &schemas).await;
+                        Done::Probed(name, result, asked)
+                    });
+                }
+            }
             tokio::select! {
                 _ = shutdown.cancelled(), if running > 0 => {
                     // Finish the rounds in flight, start no other.
@@ -608,16 +641,14 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                 }
                 _ = idle_tick.tick() => {
                     let now = Instant::now();
-                    let mut probes: HashMap<String, Vec<Identifier>> = HashMap::new();
+                    // Every database's healthy tenants are probed (the result only matters
+                    // for the idle ones), at the top of the loop.
+                    for db in dbs.values_mut() {
+                        db.look = true;
+                    }
                     for (key, t) in tenants.iter_mut() {
                         if t.removed {
                             continue;
-                        }
-                        // Every healthy tenant is probed (the result only matters for the
-                        // idle ones): the statement's text changes only when tenants come or
-                        // go, so it stays prepared.
-                        if t.failures == 0 {
-                            probes.entry(key.0.clone()).or_default().push(t.schema.clone());
                         }
                         if t.phase != Phase::Idle || t.sleep_pending {
                             continue;
@@ -632,20 +663,6 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                             t.phase = Phase::Queued;
                             ready.push_back(key.clone());
                         }
-                    }
-                    for (name, mut schemas) in probes {
-                        schemas.sort_by(|a, b| a.as_str().cmp(b.as_str()));
-                        let Some(db) = dbs.get_mut(&name) else { continue };
-                        if db.probing {
-                            continue;
-                        }
-                        db.probing = true;
-                        let pool = db.pool.clone();
-                        work.spawn(async move {
-                            let asked = schemas.iter().map(|s| s.as_str().to_owned()).collect();
-                            let result = discover::due(&pool, &schemas).await;
-                            Done::Probed(name, result, asked)
-                        });
                     }
                 }
                 Some(event) = events.recv() => match event {
@@ -667,10 +684,20 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                                 t.awake_polls = 0;
                                 self.set_asleep(&key, true);
                                 // The final look, under the lock: producers that committed
-                                // before it did not notify.
-                                if t.phase == Phase::Idle && !t.removed {
-                                    t.phase = Phase::Queued;
-                                    ready.push_back(key);
+                                // before it did not notify. A probe of the database (one
+                                // statement per 200 tenants, shared by every tenant that fell
+                                // asleep meanwhile), not a round each: a thousand tenants
+                                // falling asleep at start would otherwise put a thousand
+                                // rounds in the ready queue ahead of a notified tenant.
+                                if t.phase == Phase::Idle
+                                    && !t.removed
+                                    && let Some(db) = dbs.get_mut(&key.0)
+                                {
+                                    db.look = true;
+                                } else if t.phase == Phase::Running {
+                                    // Its round (queued by a probe) may have read the outbox
+                                    // before the lock was taken: one more, under it.
+                                    t.again = true;
                                 }
                             } else if !t.removed {
                                 // A producer is in flight (it holds the lock shared until it
@@ -732,7 +759,6 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                                 &mut server_errors,
                                 &mut dbs,
                                 &mut tenants,
-                                &mut ready,
                                 &events_tx,
                                 &listeners,
                             );
@@ -1014,7 +1040,6 @@ impl<P: Publisher + 'static> TenantRelay<P> {
         server_errors: &mut [Option<String>],
         dbs: &mut HashMap<String, Db>,
         tenants: &mut HashMap<Key, Tenant<P>>,
-        ready: &mut VecDeque<Key>,
         events: &mpsc::UnboundedSender<Event>,
         listeners: &CancellationToken,
     ) {
@@ -1074,6 +1099,7 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                     owned: found_db.owned,
                     listener: tx,
                     probing: false,
+                    look: false,
                     away: None,
                 }
             });
@@ -1131,10 +1157,12 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                         relay: Arc::new(relay),
                         schema,
                         label: self.label(&key),
-                        // A first round at once: it drains what is there, then sleeps.
-                        phase: Phase::Queued,
+                        // It falls asleep at once; the final look under its lock (a probe
+                        // of the database) gives it a round if it has work. A round each
+                        // at start would queue every idle tenant ahead of the busy ones.
+                        phase: Phase::Idle,
                         asleep: false,
-                        sleep_pending: false,
+                        sleep_pending: true,
                         again: false,
                         awake_polls: 0,
                         removed: false,
@@ -1142,7 +1170,7 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                         retry_at: Instant::now(),
                     },
                 );
-                ready.push_back(key);
+                let _ = db.listener.send(Command::Sleep(key.1.clone()));
             }
         }
         self.count_tenants();
