@@ -249,8 +249,19 @@ pub(crate) async fn run(server: &str, quick: bool) -> anyhow::Result<()> {
         relay.status().len(),
         waited.elapsed().as_secs_f64()
     );
-    // Settle: every tenant's first round and its fall asleep.
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // Settle: every tenant asleep (its start-up work done), then 10 s more, so that the idle
+    // window counts no start-up (pg_stat_database is also flushed lazily).
+    while relay.status().iter().filter(|s| s.asleep).count() < all
+        && waited.elapsed() < Duration::from_secs(600)
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!(
+        "T1: {} of {all} tenants asleep {:.1} s after the start",
+        relay.status().iter().filter(|s| s.asleep).count(),
+        waited.elapsed().as_secs_f64()
+    );
+    tokio::time::sleep(Duration::from_secs(10)).await;
     let pids = relay_backends(&admin).await?;
     let ticks =
         |pids: &[i32]| -> u64 { pids.iter().filter_map(|p| cpu_ticks(&p.to_string())).sum() };
