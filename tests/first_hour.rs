@@ -86,6 +86,7 @@ async fn a_schema_missing_a_newer_migration_says_to_migrate() {
         "DROP FUNCTION pgbox.queue_receive; \
          DROP TABLE pgbox.outbox_scheduled, pgbox.outbox_archive, pgbox.outbox_archive_settings CASCADE; \
          DROP TABLE pgbox.outbox_fanout_deliveries, pgbox.outbox_fanout_messages; \
+         DROP TABLE pgbox.rate_limits; \
          DROP SEQUENCE IF EXISTS pgbox.outbox_archive_seq; \
          DROP FUNCTION pgbox.outbox_archive_configure, pgbox.outbox_archive_create_ahead, \
            pgbox.outbox_archive_drop_expired, pgbox.outbox_archive_partitions_create, \
