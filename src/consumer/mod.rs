@@ -782,11 +782,12 @@ impl<S: Subscriber> Consumer<S> {
                         .retry_not_attempted(&delivery, "in progress elsewhere", Duration::ZERO)
                         .await)
                 }
-                // Waited its share of the visibility timeout for a limit: handed back,
-                // uncounted, before the visibility timeout could hand it to someone else.
-                Err(Failure::Limited) => Err(self
-                    .retry_not_attempted(&delivery, LIMITED, Duration::ZERO)
-                    .await),
+                // Waited its share of the visibility timeout for a limit (or its bucket's
+                // wait is long): handed back, uncounted, before the visibility timeout could
+                // hand it to someone else, not to come back before its limit may let it go.
+                Err(Failure::Limited(delay)) => {
+                    Err(self.retry_not_attempted(&delivery, LIMITED, delay).await)
+                }
                 Err(Failure::Database(e)) if database_away(&e) => {
                     // Not the message's fault: never dead-lettered for it (a failover would
                     // otherwise use up its deliveries while the handler never ran).
@@ -991,18 +992,18 @@ impl<S: Subscriber> Consumer<S> {
         let deadline = self.limit_deadline();
         // Tokens before the transaction: no connection is held while a bucket refills.
         if self.limits.has_rates()
-            && !self
+            && let limits::Waited::HandBack(delay) = self
                 .limits
                 .take_tokens(&self.pool, prefixes, deadline, &metrics.limit_waits)
                 .await?
         {
-            return Err(Failure::Limited);
+            return Err(Failure::Limited(delay));
         }
         let mut tx = crate::pooler::begin(&self.pool, None).await?;
         // Slots on the unit's own transaction: its COMMIT or ROLLBACK (or a lost
         // connection) frees them.
         if self.limits.has_slots()
-            && !self
+            && let limits::Waited::HandBack(delay) = self
                 .limits
                 .take_slots(
                     &mut tx,
@@ -1013,7 +1014,7 @@ impl<S: Subscriber> Consumer<S> {
                 )
                 .await?
         {
-            return Err(Failure::Limited);
+            return Err(Failure::Limited(delay));
         }
         with_incoming(incoming, self.inbox.process_or_reject_in_own(tx, key, run)).await
     }
@@ -1129,8 +1130,9 @@ impl<S: Subscriber> Consumer<S> {
 enum Failure<E> {
     Database(Error),
     Handler(E),
-    /// The unit waited its share of the visibility timeout for a [`Limit`].
-    Limited,
+    /// The unit waited its share of the visibility timeout for a [`Limit`], or its bucket's
+    /// wait is long: to be handed back, not to come back before this.
+    Limited(Duration),
 }
 
 /// The error a delivery handed back for a [`Limit`] is nacked with.
@@ -1147,7 +1149,7 @@ impl<E: fmt::Display> fmt::Display for Failure<E> {
         match self {
             Failure::Database(e) => e.fmt(f),
             Failure::Handler(e) => e.fmt(f),
-            Failure::Limited => f.write_str(LIMITED),
+            Failure::Limited(_) => f.write_str(LIMITED),
         }
     }
 }
