@@ -10,8 +10,8 @@
 //! input is a typed error at build (the crate's rule), and a hostile `search_path` or a
 //! transaction-mode pooler changes nothing (the crate's promise for every component).
 //!
-//! `finding_*` tests show a defect (ignored so that the branch stays green; run them with
-//! `--ignored`); `holds_*` tests are attacks that held.
+//! `finding_*` tests showed a defect, fixed since: they stay as its regression test;
+//! `holds_*` tests are attacks that held.
 
 mod support;
 
