@@ -531,7 +531,11 @@ async fn over_the_limit_waits_is_never_dead_lettered_and_keeps_key_order() {
         .into_iter()
         .filter_map(|(key, _, _, value)| {
             let key = key.key();
-            let limit = key.labels().find(|l| l.key() == "limit")?.value().to_owned();
+            let limit = key
+                .labels()
+                .find(|l| l.key() == "limit")?
+                .value()
+                .to_owned();
             match value {
                 metrics_util::debugging::DebugValue::Counter(n)
                     if key.name() == pgbox::telemetry::CONSUMER_LIMIT_WAITS =>

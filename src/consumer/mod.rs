@@ -1503,7 +1503,7 @@ mod away_tally_tests {
         assert_eq!(tally.settle(id, 9, false, false).0, 9);
         tally.forget(&id);
         for _ in 0..AwayTally::COPIES {
-            tally.settle(id, 1, true, false).0;
+            tally.settle(id, 1, true, false);
         }
         assert_eq!(
             tally.settle(id, 1, true, false).0,
