@@ -481,6 +481,7 @@ pub(crate) const MIGRATE_HINT: &str = "pgbox's tables are missing or older than 
 pub(crate) const PGBOX_OBJECTS: &[&str] = &[
     crate::migrate::HISTORY_TABLE,
     "enable_partitioned_inbox",
+    "hand_backs",
     "inbox",
     "inbox_claim_bounded",
     "inbox_lease",

@@ -63,6 +63,9 @@ pub(crate) const TABLES: &[(&str, &[&str], i32)] = &[
     ),
     // Consumer rate limits: a take inserts or updates its bucket; runners sweep full ones.
     ("rate_limits", &["SELECT", "INSERT", "UPDATE", "DELETE"], 19),
+    // Consumer hand-backs: a hand-back inserts or updates its row, a runner about to
+    // dead-letter reads it, a dead letter and the janitor delete.
+    ("hand_backs", &["SELECT", "INSERT", "UPDATE", "DELETE"], 20),
 ];
 
 /// The migration history: read by the doctor and by `Migrator::applied` (the CLI's check

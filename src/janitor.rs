@@ -24,6 +24,9 @@
 //!   [`outbox_dead_letter_retention`](JanitorBuilder::outbox_dead_letter_retention) or
 //!   [`queue_dead_letter_retention`](JanitorBuilder::queue_dead_letter_retention) is set:
 //!   deleting a dead letter releases its ordering key, exactly as discarding it does;
+//! - **consumer hand-backs** (the `hand_backs` table the runner counts deliveries it handed
+//!   back in, see [`ConsumerBuilder::max_deliveries`](crate::ConsumerBuilder::max_deliveries))
+//!   of messages not handed back for a week;
 //! - the **time-partitioned inbox**, if the schema uses it: partitions created ahead, and
 //!   partitions older than the longest inbox retention of any consumer detached and dropped
 //!   ([`InboxPartitions`](crate::InboxPartitions));
@@ -454,6 +457,8 @@ pub struct PassReport {
     pub outbox_dead_letters_deleted: u64,
     /// Queue dead letters deleted.
     pub queue_dead_letters_deleted: u64,
+    /// Consumer hand-back rows deleted (messages not handed back for a week).
+    pub hand_backs_deleted: u64,
     /// Units of work committed.
     pub batches: u64,
     /// Some task reached [`max_batches_per_pass`](JanitorBuilder::max_batches_per_pass)
@@ -485,6 +490,7 @@ impl PassReport {
             + self.published_deleted
             + self.outbox_dead_letters_deleted
             + self.queue_dead_letters_deleted
+            + self.hand_backs_deleted
     }
 }
 
@@ -507,6 +513,7 @@ enum Task<'a> {
     Published { age: Duration },
     OutboxDeadLetters { age: Duration },
     QueueDeadLetters { age: Duration },
+    HandBacks { age: Duration },
 }
 
 impl Task<'_> {
@@ -516,6 +523,7 @@ impl Task<'_> {
             Task::Published { .. } => "published",
             Task::OutboxDeadLetters { .. } => "outbox_dead_letters",
             Task::QueueDeadLetters { .. } => "queue_dead_letters",
+            Task::HandBacks { .. } => "hand_backs",
         }
     }
 }
@@ -543,6 +551,7 @@ struct Statements {
     published: String,
     outbox_dead_letters: String,
     queue_dead_letters: String,
+    hand_backs: String,
 }
 
 impl Statements {
@@ -589,6 +598,8 @@ impl Statements {
             // it gone.
             outbox_dead_letters: dead_letters("outbox_dead_letters"),
             queue_dead_letters: dead_letters("queue_dead_letters"),
+            // Walks hand_backs_at_idx (V20).
+            hand_backs: crate::consumer::hand_backs::purge_batch_sql(s),
         }
     }
 }
@@ -807,6 +818,9 @@ impl Janitor {
         if let Retention::After(age) = self.queue_dead_letter_retention {
             tasks.push(Task::QueueDeadLetters { age });
         }
+        tasks.push(Task::HandBacks {
+            age: crate::consumer::hand_backs::RETENTION,
+        });
 
         for task in &tasks {
             for batch in 1..=self.max_batches_per_pass {
@@ -830,6 +844,7 @@ impl Janitor {
                     Task::Published { .. } => report.published_deleted += deleted,
                     Task::OutboxDeadLetters { .. } => report.outbox_dead_letters_deleted += deleted,
                     Task::QueueDeadLetters { .. } => report.queue_dead_letters_deleted += deleted,
+                    Task::HandBacks { .. } => report.hand_backs_deleted += deleted,
                 }
                 let full = deleted >= self.batch_size as u64;
                 if full && batch == self.max_batches_per_pass {
@@ -1087,6 +1102,15 @@ impl Janitor {
             Task::Inbox { consumer, age } => {
                 let n = sqlx::query(AssertSqlSafe(sql.inbox.clone()))
                     .bind(*consumer)
+                    .bind(age.as_secs_f64())
+                    .bind(self.batch_size)
+                    .execute(&mut *tx)
+                    .await?
+                    .rows_affected();
+                (n, Vec::new())
+            }
+            Task::HandBacks { age } => {
+                let n = sqlx::query(AssertSqlSafe(sql.hand_backs.clone()))
                     .bind(age.as_secs_f64())
                     .bind(self.batch_size)
                     .execute(&mut *tx)

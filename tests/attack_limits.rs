@@ -10,8 +10,8 @@
 //! input is a typed error at build (the crate's rule), and a hostile `search_path` or a
 //! transaction-mode pooler changes nothing (the crate's promise for every component).
 //!
-//! `finding_*` tests show a defect (ignored so that the branch stays green; run them with
-//! `--ignored`); `holds_*` tests are attacks that held.
+//! `finding_*` tests showed a defect, fixed since: they stay as its regression test;
+//! `holds_*` tests are attacks that held.
 
 mod support;
 
@@ -129,7 +129,6 @@ const SLOTS_HELD: &str = "SELECT count(*) FROM pg_catalog.pg_locks \
 /// (or the same process after a restart, a deploy, a scale-down) with a delivery number far
 /// above `max_deliveries`, and its first real failure (one transient error) dead-letters it.
 #[tokio::test]
-#[ignore = "finding 1: hand-backs for a limit count toward max_deliveries on another instance"]
 async fn finding_limit_handbacks_count_toward_max_deliveries_on_another_instance() {
     let db = database().await;
     // Instance H takes the only slot and holds it until released.
@@ -599,7 +598,6 @@ async fn a_throttled_backlog_at_the_head() -> (i64, i64, i64, ConsumerStats) {
 /// redelivered after the plain backoff (the bucket's answer, "100 s", is dropped), to take
 /// another. Its tenant's backlog spends the global rate.
 #[tokio::test]
-#[ignore = "finding 5: messages waiting on one rate limit spend another limit's tokens on every hand-back"]
 async fn finding_a_throttled_prefix_spends_the_global_rate() {
     let (_, processed, global, stats) = a_throttled_backlog_at_the_head().await;
     assert!(
@@ -614,7 +612,6 @@ async fn finding_a_throttled_prefix_spends_the_global_rate() {
 /// the head of the queue, and received before them, over and over. (30 s is sixty times what
 /// they need at the global rate: a liveness bound, not a timing claim.)
 #[tokio::test]
-#[ignore = "finding 6: a throttled prefix's backlog at the head of the queue starves the others"]
 async fn finding_a_throttled_backlog_starves_other_prefixes() {
     let (went, _, global, stats) = a_throttled_backlog_at_the_head().await;
     assert_eq!(

@@ -487,6 +487,11 @@ async fn burst_one_takes_one_token_per_message() {
 async fn over_the_limit_waits_is_never_dead_lettered_and_keeps_key_order() {
     let db = database().await;
     enqueue(&db.pool, &["k1", "k2", "k3"], 5, true).await;
+    // The runners' metrics, on this test's thread (its runtime's only one): the runners
+    // register them when they start, on their tasks here.
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let _local = metrics::set_default_local_recorder(&recorder);
     let probe = Shared::default();
     let mut consumers = Vec::new();
     for _ in 0..2 {
@@ -519,6 +524,37 @@ async fn over_the_limit_waits_is_never_dead_lettered_and_keeps_key_order() {
         "the limit did bind and hand deliveries back: {stats:?}"
     );
     assert_eq!(probe.lock().unwrap().most_in_all, 1);
+    // Each wait is counted, per limit, once per delivery that waited.
+    let waits: HashMap<String, u64> = snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter_map(|(key, _, _, value)| {
+            let key = key.key();
+            let limit = key
+                .labels()
+                .find(|l| l.key() == "limit")?
+                .value()
+                .to_owned();
+            match value {
+                metrics_util::debugging::DebugValue::Counter(n)
+                    if key.name() == pgbox::telemetry::CONSUMER_LIMIT_WAITS =>
+                {
+                    Some((limit, n))
+                }
+                _ => None,
+            }
+        })
+        .collect();
+    let retried: u64 = stats.iter().map(|s| s.retried).sum();
+    assert!(
+        waits.get("one").is_some_and(|n| *n > 0),
+        "the slot limit bound: {waits:?}"
+    );
+    assert!(
+        waits.values().sum::<u64>() >= retried,
+        "every delivery handed back for a limit waited first: {waits:?}, {stats:?}"
+    );
     // Per key, committed in enqueue order.
     let rows: Vec<(String, String)> =
         sqlx::query_as("SELECT key, payload FROM effects ORDER BY id")

@@ -81,12 +81,13 @@ async fn every_first_call_on_an_unmigrated_database_says_to_migrate() {
 async fn a_schema_missing_a_newer_migration_says_to_migrate() {
     let db = TestDb::migrated().await;
     // As if an older pgbox had migrated it: V14's function is not there yet, nor what the
-    // later migrations create (V16's scheduled messages, V17's archive, V18's fan-out).
+    // later migrations create (V16's scheduled messages, V17's archive, V18's fan-out,
+    // V19's rate limits, V20's hand-backs).
     sqlx::raw_sql(
         "DROP FUNCTION pgbox.queue_receive; \
          DROP TABLE pgbox.outbox_scheduled, pgbox.outbox_archive, pgbox.outbox_archive_settings CASCADE; \
          DROP TABLE pgbox.outbox_fanout_deliveries, pgbox.outbox_fanout_messages; \
-         DROP TABLE pgbox.rate_limits; \
+         DROP TABLE pgbox.rate_limits, pgbox.hand_backs; \
          DROP SEQUENCE IF EXISTS pgbox.outbox_archive_seq; \
          DROP FUNCTION pgbox.outbox_archive_configure, pgbox.outbox_archive_create_ahead, \
            pgbox.outbox_archive_drop_expired, pgbox.outbox_archive_partitions_create, \

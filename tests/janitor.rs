@@ -863,3 +863,53 @@ async fn run_drains_a_backlog_without_waiting_the_interval_and_stops_promptly() 
         .unwrap();
     assert!(lock_holder(pool).await.is_none());
 }
+
+/// The consumer runner's hand-back counts (`hand_backs`, V20) are deleted a week after a
+/// message's last hand-back, always (no retention to configure), in batches; younger rows
+/// stay.
+#[tokio::test]
+async fn hand_backs_not_handed_back_for_a_week_are_purged() {
+    support::init_tracing();
+    let db = TestDb::migrated().await;
+    let pool = &db.pool;
+    pool.execute(
+        "INSERT INTO pgbox.hand_backs (consumer, message_id, count, at) \
+         SELECT 'c', md5('old' || i)::uuid, 3, now() - interval '8 days' FROM generate_series(1, 5) i; \
+         INSERT INTO pgbox.hand_backs (consumer, message_id, count, at) \
+         SELECT 'c', md5('young' || i)::uuid, 3, now() - interval '6 days' FROM generate_series(1, 2) i",
+    )
+    .await
+    .unwrap();
+    let janitor = janitor(pool, "hand-backs").batch_size(2).build().unwrap();
+    let reports = until_done(&janitor).await;
+    assert_eq!(reports.iter().map(|r| r.hand_backs_deleted).sum::<u64>(), 5);
+    assert_eq!(reports.iter().map(PassReport::deleted).sum::<u64>(), 5);
+    assert_eq!(
+        count(
+            pool,
+            "SELECT count(*) FROM pgbox.hand_backs \
+             WHERE message_id IN (SELECT md5('young' || i)::uuid FROM generate_series(1, 2) i)"
+        )
+        .await,
+        2,
+        "the young rows stay"
+    );
+    assert_eq!(
+        count(pool, "SELECT count(*) FROM pgbox.hand_backs").await,
+        2
+    );
+    let mut conn = db.connect().await;
+    conn.execute("SET enable_seqscan = off").await.unwrap();
+    let plan: Vec<String> = sqlx::query_scalar(
+        "EXPLAIN SELECT ctid FROM pgbox.hand_backs WHERE at < now() - interval '7 days' \
+         ORDER BY at LIMIT 1000",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap();
+    assert!(
+        plan.iter().any(|l| l.contains("hand_backs_at_idx")),
+        "{plan:?}"
+    );
+    janitor.release().await.unwrap();
+}

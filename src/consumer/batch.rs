@@ -26,9 +26,9 @@ enum Step {
     Done(Settled),
     /// Held by another transaction or a lease: sent back whatever the batch does.
     InProgress,
-    /// Waited its share of the visibility timeout for a limit: sent back, uncounted,
-    /// whatever the batch does.
-    Limited,
+    /// Waited its share of the visibility timeout for a limit (or its bucket's wait is
+    /// long): sent back, uncounted, whatever the batch does, not to come back before this.
+    Limited(Duration),
 }
 
 /// Why a batch stopped before its commit.
@@ -131,7 +131,7 @@ impl<S: Subscriber> Consumer<S> {
             match step {
                 Ok(Step::Done(kind)) => done.push((delivery, kind)),
                 Ok(Step::InProgress) => in_progress.push(delivery),
-                Ok(Step::Limited) => limited.push(delivery),
+                Ok(Step::Limited(delay)) => limited.push((delivery, delay)),
                 Err(stop) => {
                     stopped = Some((delivery, stop));
                     break;
@@ -145,11 +145,8 @@ impl<S: Subscriber> Consumer<S> {
                     .await,
             );
         }
-        for delivery in &limited {
-            settled.push(
-                self.retry_not_attempted(delivery, LIMITED, Duration::ZERO)
-                    .await,
-            );
+        for (delivery, delay) in &limited {
+            settled.push(self.retry_not_attempted(delivery, LIMITED, *delay).await);
         }
         let Some((failed, stop)) = stopped else {
             return self.commit_batch(tx, done, handled).instrument(span).await;
@@ -215,22 +212,22 @@ impl<S: Subscriber> Consumer<S> {
             // slots on the batch's transaction. A failed try-lock leaves it usable.
             let waits = &metrics.limit_waits;
             if self.limits.has_rates()
-                && !self
+                && let limits::Waited::HandBack(delay) = self
                     .limits
                     .take_tokens(&self.pool, &prefixes, deadline, waits)
                     .await
                     .map_err(Stop::Database)?
             {
-                return Ok(Step::Limited);
+                return Ok(Step::Limited(delay));
             }
             if self.limits.has_slots()
-                && !self
+                && let limits::Waited::HandBack(delay) = self
                     .limits
                     .take_slots(tx, &prefixes, held, deadline, waits)
                     .await
                     .map_err(Stop::Database)?
             {
-                return Ok(Step::Limited);
+                return Ok(Step::Limited(delay));
             }
         }
         let span = handle_span(envelope, self.source.attempt(delivery), "batch");
@@ -255,7 +252,7 @@ impl<S: Subscriber> Consumer<S> {
             Ok(Ok(Outcome::InProgress)) => Ok(Step::InProgress),
             Ok(Err(Failure::Handler(e))) => Err(Stop::Message(e.to_string(), false)),
             Ok(Err(Failure::Database(e))) => Err(Stop::Database(e)),
-            Ok(Err(Failure::Limited)) => Ok(Step::Limited),
+            Ok(Err(Failure::Limited(delay))) => Ok(Step::Limited(delay)),
             Err(panic) => Err(Stop::Message(panic_message(panic.as_ref()), true)),
         }
     }

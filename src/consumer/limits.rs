@@ -40,6 +40,16 @@ const MAX_BUCKET_SPAN_MICROS: f64 = 100.0 * 365.25 * 86_400.0 * 1e6;
 /// The longest pause between two tries for a slot or a token.
 const MAX_PAUSE: Duration = Duration::from_millis(200);
 
+/// A per-prefix rate limit's wait longer than this is not waited in the runner: the message
+/// is handed back at once, to come back when its bucket has a token, so that its runner slot
+/// serves other prefixes meanwhile (a prefix's backlog at the head of the queue would
+/// otherwise fill the slots). A global limit's wait is waited until the unit's deadline: every
+/// message needs that limit's token, so a free slot would serve nothing else.
+pub(super) const HAND_BACK_PAST: Duration = Duration::from_secs(1);
+
+/// The longest wait a bucket's answer is taken at, in seconds (a glacial rate's).
+const MAX_WAIT_SECS: f64 = 24.0 * 3600.0;
+
 /// How often a runner deletes its rate limits' full buckets.
 const SWEEP_EVERY: Duration = Duration::from_secs(60);
 
@@ -63,7 +73,7 @@ type PerFn = Arc<dyn Fn(&Envelope) -> String + Send + Sync>;
 /// - [`Limit::rate`]: at most `per_second` messages a second, and [`burst`](Limit::burst) at
 ///   once, across all instances. One row per limit (and prefix) in the inbox schema's
 ///   `rate_limits` table holds the bucket (a generic cell rate algorithm); a message takes
-///   its token with one short statement before its transaction begins, so the row is never
+///   its tokens with one short statement before its transaction begins, so the row is never
 ///   locked for longer than that statement, whose commit does not wait for the disk. With a
 ///   [`burst`](Limit::burst) above 1, a runner takes several tokens per statement and hands
 ///   them to its next messages. [`burst`](Limit::burst) says what this allows, and what a
@@ -74,9 +84,20 @@ type PerFn = Arc<dyn Fn(&Envelope) -> String + Send + Sync>;
 /// A message over a limit **waits**, inside the runner, holding its runner slot (for a
 /// concurrency limit, also its connection and its open transaction). It is never failed,
 /// never counted as a delivery toward `max_deliveries`, never dead-lettered, and its key's
-/// order is kept. If it waits for a third of the visibility timeout, it is handed back to
-/// the transport without being counted, and comes back after the backoff: it never overruns
-/// the visibility timeout.
+/// order is kept. If it would wait for more than a third of the visibility timeout, it is
+/// handed back to the transport without being counted: it never overruns the visibility
+/// timeout. Handed back for a rate limit, it comes back once the bucket has its token (at
+/// least after the backoff); for a concurrency limit, after the backoff. A message whose
+/// per-prefix rate limit has no token for more than a second, or whose per-prefix
+/// concurrency limit has no free slot for a second, is handed back at once (then, for a
+/// concurrency limit, not before that second again): a prefix's backlog at the head of the
+/// queue does not hold the runner's slots while other prefixes' messages could go.
+///
+/// A message takes its tokens of all rate limits together, all or none: one statement
+/// takes them (or the runner's tokens taken ahead, see [`burst`](Limit::burst)), and a
+/// message one limit holds back takes no token of the others. (A bucket's very first row,
+/// inserted by two takes at once, is the exception: the take that loses is reported as
+/// denied with the other limits' tokens taken; stricter only.)
 ///
 /// In a batch ([`ConsumerBuilder::batch_size`](crate::ConsumerBuilder::batch_size)) every
 /// message takes its own rate token; a concurrency limit counts the batch's transaction once
@@ -309,12 +330,28 @@ impl Ahead {
     }
 }
 
-/// What the database said to a take of `n` tokens.
+/// What the database said to one message's take.
 enum Take {
     Granted,
-    /// Not granted: (the wait in seconds until one token is there, on the statement's
-    /// snapshot, if it saw the row).
-    Denied(Option<f64>),
+    /// Not granted, nothing taken: the longest wait in seconds until the denying buckets
+    /// have one token, and until every bucket has the tokens asked for (`None`: not known),
+    /// and the denying limits' ordinals among those asked (from 1).
+    Denied {
+        wait: Option<f64>,
+        wait_all: Option<f64>,
+        denied: Vec<i32>,
+    },
+}
+
+/// How a message's wait for its limits ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Waited {
+    /// Within every limit: the message may go.
+    Got,
+    /// Not within its limits in time: the message is handed back to the transport, uncounted,
+    /// to come back no sooner than this (the bucket's wait; zero for a concurrency limit,
+    /// whose wait nobody knows).
+    HandBack(Duration),
 }
 
 impl fmt::Debug for Limits {
@@ -344,35 +381,64 @@ impl Limits {
             }
         }
         let s = Identifier::new("schema", schema)?;
-        // A take is allowed when the bucket's theoretical arrival time, advanced by one
-        // interval ($3 µs), stays within the burst ($4 µs) of now. Denied, the row is left
-        // as it was and the SELECT (on the statement's snapshot, before the update) says
-        // when it would be allowed. A stale `statement_timestamp()` (the statement waited
-        // for the row) only makes the check stricter.
+        // One take for every rate limit of a message, all or none: each limit's `n` tokens
+        // ($3) at one per `step` µs ($4) within a burst of `span` µs ($5), per (name, prefix)
+        // ($1, $2). The limits' existing rows are locked first, in key order (no deadlock
+        // between two takes), and read at their latest version (the lock waits for a
+        // concurrent take, then sees its result). A take is allowed when each bucket's
+        // theoretical arrival time, advanced by its tokens, stays within its burst of now.
+        // If every limit allows, the rows are moved on (or inserted); if one does not,
+        // nothing is written, and the statement says which limits denied (their ordinals)
+        // and how long until they allow one token, and until they allow all asked for. A
+        // stale `statement_timestamp()` only makes the check stricter.
         //
-        // `$5` tokens are taken at once (all or none): the arrival time advances by `$5`
-        // intervals. The wait returned is for one token.
+        // A bucket row inserted by a concurrent take after this statement's snapshot (the
+        // first take of a prefix, or one just after a sweep) makes the insert a no-op: the
+        // take is then reported as not granted, though the other limits' tokens were
+        // taken. That race can only make the limits stricter.
         //
         // `set_config(.., true)` holds for the statement's transaction (its own implicit one,
         // or behind a transaction pooler the short one it runs in), whose commit then does
         // not wait for the WAL flush; nothing is left on the connection for its next client.
         // Its WAL still comes before the unit's commit, which does wait.
         let take_sql = format!(
-            "WITH took AS (\
-               INSERT INTO {s}.rate_limits AS r (name, prefix, tat) \
-               VALUES ($1, $2, pg_catalog.statement_timestamp() \
-                               + $3::int8 * $5::int8 * interval '1 microsecond') \
-               ON CONFLICT (name, prefix) DO UPDATE \
-               SET tat = GREATEST(r.tat, pg_catalog.statement_timestamp()) \
-                         + $3::int8 * $5::int8 * interval '1 microsecond' \
-               WHERE GREATEST(r.tat, pg_catalog.statement_timestamp()) \
-                     + $3::int8 * $5::int8 * interval '1 microsecond' \
-                     <= pg_catalog.statement_timestamp() + $4::int8 * interval '1 microsecond' \
+            "WITH want AS (\
+               SELECT w.name, w.prefix, w.n, w.step, w.span, w.ord \
+                 FROM ROWS FROM (pg_catalog.unnest($1::text[]), pg_catalog.unnest($2::bytea[]), \
+                                 pg_catalog.unnest($3::int8[]), pg_catalog.unnest($4::int8[]), \
+                                 pg_catalog.unnest($5::int8[])) \
+                      WITH ORDINALITY AS w(name, prefix, n, step, span, ord)), \
+             locked AS (\
+               SELECT r.name, r.prefix, r.tat FROM {s}.rate_limits r \
+                WHERE (r.name, r.prefix) IN (SELECT name, prefix FROM want) \
+                ORDER BY r.name, r.prefix FOR UPDATE OF r), \
+             d AS (\
+               SELECT w.name, w.prefix, w.n, w.step, w.span, w.ord, l.tat AS old, \
+                      GREATEST(l.tat, pg_catalog.statement_timestamp()) AS base, \
+                      GREATEST(l.tat, pg_catalog.statement_timestamp()) \
+                        + w.n * w.step * interval '1 microsecond' \
+                        <= pg_catalog.statement_timestamp() + w.span * interval '1 microsecond' AS allowed \
+                 FROM want w LEFT JOIN locked l ON l.name = w.name AND l.prefix = w.prefix), \
+             go AS (SELECT pg_catalog.bool_and(allowed) AS yes FROM d), \
+             moved AS (\
+               UPDATE {s}.rate_limits r SET tat = d.base + d.n * d.step * interval '1 microsecond' \
+                 FROM d, go \
+                WHERE go.yes AND d.old IS NOT NULL AND r.name = d.name AND r.prefix = d.prefix \
+                RETURNING 1), \
+             added AS (\
+               INSERT INTO {s}.rate_limits (name, prefix, tat) \
+               SELECT d.name, d.prefix, d.base + d.n * d.step * interval '1 microsecond' \
+                 FROM d, go WHERE go.yes AND d.old IS NULL ORDER BY d.name, d.prefix \
+               ON CONFLICT (name, prefix) DO NOTHING \
                RETURNING 1) \
-             SELECT EXISTS (SELECT 1 FROM took), \
-                    (SELECT EXTRACT(EPOCH FROM (b.tat - pg_catalog.statement_timestamp()))::float8 \
-                            + ($3::int8 - $4::int8)::float8 / 1e6 \
-                       FROM {s}.rate_limits b WHERE b.name = $1 AND b.prefix = $2), \
+             SELECT (SELECT yes FROM go) \
+                    AND (SELECT pg_catalog.count(*) FROM moved) + (SELECT pg_catalog.count(*) FROM added) \
+                        = (SELECT pg_catalog.count(*) FROM want), \
+                    (SELECT pg_catalog.max(EXTRACT(EPOCH FROM (base - pg_catalog.statement_timestamp()))::float8 \
+                                           + (step - span)::float8 / 1e6) FROM d WHERE NOT allowed), \
+                    (SELECT pg_catalog.max(EXTRACT(EPOCH FROM (base - pg_catalog.statement_timestamp()))::float8 \
+                                           + (n * step - span)::float8 / 1e6) FROM d), \
+                    (SELECT pg_catalog.array_agg(ord::int4) FROM d WHERE NOT allowed), \
                     pg_catalog.set_config('synchronous_commit', 'off', true)"
         );
         // A bucket whose arrival time has passed is full: the same as no row. The re-check
@@ -433,114 +499,175 @@ impl Limits {
             .collect()
     }
 
-    /// Takes a token of every rate limit for one message, waiting while a bucket is empty.
-    /// `Ok(false)`: `deadline` came first (the tokens already taken are spent).
+    /// Takes a token of every rate limit for one message, all or none, waiting while a
+    /// bucket is empty. [`Waited::HandBack`]: the message is to be handed back (the bucket's
+    /// wait is past `deadline`, or a per-prefix bucket's is longer than
+    /// [`HAND_BACK_PAST`]); it took no token.
     pub(super) async fn take_tokens(
         &self,
         pool: &PgPool,
         prefixes: &Prefixes,
         deadline: Instant,
         waits: &[Counter],
-    ) -> Result<bool> {
-        for (i, limit) in self.all.iter().enumerate() {
-            let Kind::Rate { per_second, burst } = limit.kind else {
-                continue;
-            };
+    ) -> Result<Waited> {
+        // Per rate limit: (its index, one token's interval in µs, the burst's span, `k`).
+        let rates: Vec<(usize, i64, i64, u32)> = self
+            .all
+            .iter()
+            .enumerate()
+            .filter_map(|(i, limit)| match limit.kind {
+                Kind::Rate { per_second, burst } => {
+                    // Rounded up to the microsecond: never faster than asked.
+                    let interval = (1e6 / per_second).ceil() as i64;
+                    Some((
+                        i,
+                        interval,
+                        interval.saturating_mul(i64::from(burst)),
+                        take_ahead(interval, burst),
+                    ))
+                }
+                Kind::Concurrency(_) => None,
+            })
+            .collect();
+        for &(i, ..) in &rates {
             self.sweep(pool, i).await;
-            // Rounded up to the microsecond: never faster than asked.
-            let interval = (1e6 / per_second).ceil() as i64;
-            let span = interval.saturating_mul(i64::from(burst));
-            let k = take_ahead(interval, burst);
-            // Tokens taken ahead lapse `k` intervals after their take was sent (so before `k`
-            // intervals of the database's clock after it counted them).
-            let lapse = Duration::from_micros((interval * i64::from(k)) as u64);
-            let ahead = (k > 1).then(|| self.ahead_of(i, &prefixes[i]));
-            let take = |n: u32| self.take(pool, i, &prefixes[i], (interval, span), n);
-            let mut counted = false;
-            let mut pause = Duration::from_millis(1);
-            loop {
-                // (until one token is there, until the tokens asked for are there)
-                let (wait, wait_all) = match &ahead {
-                    None => match take(1).await? {
-                        Take::Granted => break,
-                        Take::Denied(wait) => (wait, wait),
-                    },
-                    Some(ahead) => {
-                        let Ok(mut ahead) =
-                            tokio::time::timeout_at(deadline.into(), ahead.lock()).await
-                        else {
-                            return Ok(false);
-                        };
-                        let sent = Instant::now();
-                        if ahead.spend(sent) {
-                            break;
-                        }
-                        let n = ahead.ask(sent, k);
-                        let wait = match take(n).await? {
-                            Take::Granted => {
-                                // The first token is this message's.
-                                *ahead = Ahead {
-                                    got: n,
-                                    left: n - 1,
-                                    until: Some(sent + lapse),
-                                };
-                                None
-                            }
-                            Take::Denied(wait) => Some(wait),
-                        };
-                        match wait {
-                            None => break,
-                            // Waits until the `n` asked for are there (at most `k` intervals
-                            // more, the burst holds them): one take for the runner's waiting
-                            // messages, not one each.
-                            Some(wait) => (
-                                wait,
-                                wait.map(|w| w + f64::from(n - 1) * interval as f64 / 1e6),
-                            ),
+        }
+        let cells: Vec<Option<AheadCell>> = rates
+            .iter()
+            .map(|&(i, _, _, k)| (k > 1).then(|| self.ahead_of(i, &prefixes[i])))
+            .collect();
+        let mut counted = vec![false; self.all.len()];
+        let mut pause = Duration::from_millis(1);
+        loop {
+            // The cells of the limits that take ahead, locked in the limits' order (every
+            // task locks them in that order): one task of the runner takes for them at a
+            // time, and the others then share what it took.
+            let mut guards = Vec::with_capacity(rates.len());
+            for cell in &cells {
+                guards.push(match cell {
+                    None => None,
+                    Some(cell) => {
+                        match tokio::time::timeout_at(deadline.into(), cell.clone().lock_owned())
+                            .await
+                        {
+                            Ok(guard) => Some(guard),
+                            Err(_) => return Ok(Waited::HandBack(Duration::ZERO)),
                         }
                     }
-                };
-                if !counted {
-                    waits[i].increment(1);
-                    counted = true;
-                }
-                // Sleep until the bucket says, plus a little so that the runners woken
-                // together do not all try at once. No row in the snapshot (a concurrent first
-                // take or sweep): try again soon. A wait past the deadline is not begun.
-                let secs = |w: Option<f64>| {
-                    w.filter(|w| w.is_finite() && *w > 0.0)
-                        .map_or(pause, |w| Duration::from_secs_f64(w.min(3600.0)))
-                };
-                let now = Instant::now();
-                if now + secs(wait) > deadline {
-                    return Ok(false);
-                }
-                let until = secs(wait_all).min(deadline.saturating_duration_since(now));
-                tokio::time::sleep(until + jitter(pause)).await;
-                pause = (pause * 2).min(MAX_PAUSE);
+                });
             }
+            let sent = Instant::now();
+            // Tokens taken ahead are spent first; the limits without one take theirs from
+            // the database, all in one statement.
+            let mut spent = Vec::new();
+            let mut asks = Vec::new();
+            for (r, guard) in guards.iter_mut().enumerate() {
+                let (i, interval, span, k) = rates[r];
+                match guard {
+                    Some(ahead) => {
+                        if ahead.spend(sent) {
+                            spent.push(r);
+                        } else {
+                            asks.push((r, i, interval, span, ahead.ask(sent, k)));
+                        }
+                    }
+                    None => asks.push((r, i, interval, span, 1)),
+                }
+            }
+            if asks.is_empty() {
+                return Ok(Waited::Got);
+            }
+            let (wait, wait_all, denied) = match self.take(pool, prefixes, &asks).await? {
+                Take::Granted => {
+                    for &(r, _, interval, _, n) in &asks {
+                        if let Some(ahead) = &mut guards[r] {
+                            // The first token is this message's.
+                            **ahead = Ahead {
+                                got: n,
+                                left: n - 1,
+                                until: Some(
+                                    sent + Duration::from_micros(
+                                        (interval * i64::from(rates[r].3)) as u64,
+                                    ),
+                                ),
+                            };
+                        }
+                    }
+                    return Ok(Waited::Got);
+                }
+                Take::Denied {
+                    wait,
+                    wait_all,
+                    denied,
+                } => (wait, wait_all, denied),
+            };
+            // All or none: the tokens spent from those taken ahead go back.
+            for r in spent {
+                if let Some(ahead) = &mut guards[r] {
+                    ahead.left += 1;
+                }
+            }
+            drop(guards);
+            let denied: Vec<usize> = denied
+                .iter()
+                .filter_map(|&ord| asks.get(usize::try_from(ord).ok()?.checked_sub(1)?))
+                .map(|&(_, i, ..)| i)
+                .collect();
+            for &i in &denied {
+                if !counted[i] {
+                    waits[i].increment(1);
+                    counted[i] = true;
+                }
+            }
+            // Sleep until the buckets say, plus a little so that the runners woken together
+            // do not all try at once. No wait known (a concurrent first take or sweep): try
+            // again soon. A wait past the deadline is not begun, nor a long one for a prefix:
+            // the message is handed back until then, and the runner's slot serves others.
+            let secs = |w: Option<f64>| {
+                w.filter(|w| w.is_finite() && *w > 0.0)
+                    .map_or(pause, |w| Duration::from_secs_f64(w.min(MAX_WAIT_SECS)))
+            };
+            let now = Instant::now();
+            let wait = secs(wait);
+            let per_prefix = denied.iter().any(|&i| !matches!(self.all[i].per, Per::All));
+            if now + wait > deadline || (per_prefix && wait > HAND_BACK_PAST) {
+                return Ok(Waited::HandBack(wait));
+            }
+            let until = secs(wait_all).min(deadline.saturating_duration_since(now));
+            tokio::time::sleep(until + jitter(pause)).await;
+            pause = (pause * 2).min(MAX_PAUSE);
         }
-        Ok(true)
     }
 
-    /// One take of `n` tokens of rate limit `i` for `prefix`, all or none.
+    /// One take for one message: `asks` are (_, limit, interval, span, tokens) of the rate
+    /// limits it takes from the database, all or none.
     async fn take(
         &self,
         pool: &PgPool,
-        i: usize,
-        prefix: &[u8],
-        (interval, span): (i64, i64),
-        n: u32,
+        prefixes: &Prefixes,
+        asks: &[(usize, usize, i64, i64, u32)],
     ) -> Result<Take> {
+        let names: Vec<&str> = asks.iter().map(|a| self.all[a.1].name.as_str()).collect();
+        let keys: Vec<&[u8]> = asks.iter().map(|a| prefixes[a.1].as_slice()).collect();
+        let tokens: Vec<i64> = asks.iter().map(|a| i64::from(a.4)).collect();
+        let steps: Vec<i64> = asks.iter().map(|a| a.2).collect();
+        let spans: Vec<i64> = asks.iter().map(|a| a.3).collect();
         // Behind a transaction pooler, a transaction of its own (its setting ends with it).
         let mut unit = self.pooler.unit(pool).await?;
-        let (took, wait, _): (bool, Option<f64>, Option<String>) =
+        type Row = (
+            bool,
+            Option<f64>,
+            Option<f64>,
+            Option<Vec<i32>>,
+            Option<String>,
+        );
+        let (took, wait, wait_all, denied, _): Row =
             sqlx::query_as(sqlx::AssertSqlSafe(self.take_sql.as_str()))
-                .bind(&self.all[i].name)
-                .bind(prefix)
-                .bind(interval)
-                .bind(span)
-                .bind(i64::from(n))
+                .bind(names)
+                .bind(keys)
+                .bind(tokens)
+                .bind(steps)
+                .bind(spans)
                 .persistent(self.pooler.persistent())
                 .fetch_one(&mut *unit)
                 .await?;
@@ -548,7 +675,11 @@ impl Limits {
         Ok(if took {
             Take::Granted
         } else {
-            Take::Denied(wait)
+            Take::Denied {
+                wait,
+                wait_all,
+                denied: denied.unwrap_or_default(),
+            }
         })
     }
 
@@ -573,8 +704,11 @@ impl Limits {
     }
 
     /// Takes a slot of every concurrency limit on the unit's transaction `conn`, waiting
-    /// while none is free; a slot `held` already by the unit is not taken twice. `Ok(false)`:
-    /// `deadline` came first (the slots taken are released with the transaction).
+    /// while none is free; a slot `held` already by the unit is not taken twice.
+    /// [`Waited::HandBack`]: `deadline` came first, or a per-prefix limit had no free slot for
+    /// [`HAND_BACK_PAST`] (the message then comes back no sooner than that, and its runner
+    /// slot serves other prefixes meanwhile); the slots taken are released with the
+    /// transaction.
     pub(super) async fn take_slots(
         &self,
         conn: &mut PgConnection,
@@ -582,7 +716,7 @@ impl Limits {
         held: &mut Held,
         deadline: Instant,
         waits: &[Counter],
-    ) -> Result<bool> {
+    ) -> Result<Waited> {
         for (i, limit) in self.all.iter().enumerate() {
             let Kind::Concurrency(n) = limit.kind else {
                 continue;
@@ -598,6 +732,13 @@ impl Limits {
             let keys: Vec<i32> = (0..n)
                 .map(|j| base.wrapping_add(((start + j) % n) as i32))
                 .collect();
+            let (until, hand_back) = match limit.per {
+                Per::All => (deadline, Duration::ZERO),
+                _ => (
+                    deadline.min(Instant::now() + HAND_BACK_PAST),
+                    HAND_BACK_PAST,
+                ),
+            };
             let mut counted = false;
             let mut pause = Duration::from_millis(2);
             loop {
@@ -619,14 +760,14 @@ impl Limits {
                     waits[i].increment(1);
                     counted = true;
                 }
-                if Instant::now() + pause > deadline {
-                    return Ok(false);
+                if Instant::now() + pause > until {
+                    return Ok(Waited::HandBack(hand_back));
                 }
                 tokio::time::sleep(jitter(pause)).await;
                 pause = (pause * 2).min(MAX_PAUSE);
             }
         }
-        Ok(true)
+        Ok(Waited::Got)
     }
 
     /// Deletes `limit`'s full buckets, at most once a minute per runner: prefixes that went

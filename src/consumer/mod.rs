@@ -21,6 +21,7 @@ use crate::transport::Subscriber;
 use sqlx::PgPool;
 
 mod batch;
+pub(crate) mod hand_backs;
 mod limits;
 
 pub use limits::{Limit, MAX_CONCURRENCY_SLOTS, MAX_LIMIT_NAME_BYTES, MAX_RATE_PER_SECOND};
@@ -103,10 +104,20 @@ impl<S: Subscriber> ConsumerBuilder<S> {
         self
     }
 
-    /// Deliveries before a message is dead-lettered (default 10). Those that found the
-    /// inbox's database away, or its key in progress or leased elsewhere (the handler did not
-    /// run), are not the message's and do not count, as far as this runner saw them (it keeps their tally in memory; after a restart the transport's count
-    /// applies).
+    /// Deliveries before a message is dead-lettered (default 10). Those the runner handed back
+    /// without running the handler are not the message's and do not count: its key in
+    /// progress or leased elsewhere, a [`Limit`] that held it back, the inbox's database away.
+    ///
+    /// The transport counts every delivery, so the runner takes these off its count before
+    /// comparing. Hand-backs of the first kinds are recorded in the inbox's database (table
+    /// `hand_backs`, one row per consumer and message), and the instance about to dead-letter
+    /// a message reads them there, whichever instance handed it back, before or after a
+    /// restart. That read is the only statement they add to a failing delivery, and only to
+    /// one about to be dead-lettered. Deliveries that found the database away (or a
+    /// hand-back whose record failed) are tallied in the runner's memory only: another
+    /// instance, or the same after a restart, counts them as the transport does. The janitor
+    /// deletes hand-back rows a week after a message's last hand-back; a dead letter deletes
+    /// its message's row.
     pub fn max_deliveries(mut self, n: i32) -> Self {
         self.max_deliveries = n;
         self
@@ -190,6 +201,7 @@ impl<S: Subscriber> ConsumerBuilder<S> {
             )));
         }
         let limits = limits::Limits::new(self.limits, self.inbox.schema(), self.inbox.pooler())?;
+        let hand_backs = hand_backs::HandBacks::new(self.inbox.schema(), self.inbox.pooler())?;
         Ok(Consumer {
             limits,
             pool: self.pool,
@@ -204,6 +216,7 @@ impl<S: Subscriber> ConsumerBuilder<S> {
             key: self.key,
             batch_size: self.batch_size,
             away: std::sync::Mutex::new(AwayTally::default()),
+            hand_backs,
         })
     }
 }
@@ -278,8 +291,10 @@ pub struct Consumer<S> {
     key: Option<KeyFn>,
     batch_size: usize,
     limits: limits::Limits,
-    /// Deliveries of each message that found the inbox's database away.
+    /// Deliveries of each message this runner handed back without running the handler.
     away: std::sync::Mutex<AwayTally>,
+    /// The same, recorded in the database for every instance (of the not-attempted kinds).
+    hand_backs: hand_backs::HandBacks,
 }
 
 /// Per message id, the deliveries this runner handed back without the message having
@@ -290,8 +305,8 @@ pub struct Consumer<S> {
 /// delivery continues the track whose last delivery was the one before it (or the nearest
 /// below), so each copy is dead-lettered after `max_deliveries` failures of its own (two
 /// copies whose tracks are alike may swap them: the failures in all stay the same). In
-/// memory: a runner that restarts (or a delivery another process had while away) counts them
-/// as the transport does. Forgotten once the message is settled in the inbox (processed,
+/// memory; the hand-backs recorded in the database (`recorded`) are also counted there for
+/// every instance (see `hand_backs`), and are read before a message is dead-lettered. Forgotten once the message is settled in the inbox (processed,
 /// rejected, a duplicate); a dead letter ends its copy's track. Bounded: [`AwayTally::COPIES`]
 /// tracks per message (more are counted as the transport does), and at [`AwayTally::MAX`]
 /// messages those not seen for an hour are forgotten, and while it stays full no new message
@@ -299,26 +314,29 @@ pub struct Consumer<S> {
 #[derive(Debug, Default)]
 struct AwayTally(std::collections::HashMap<uuid::Uuid, (Vec<Track>, Instant)>);
 
-/// One copy's deliveries: the last one's number, and how many were not its failures.
+/// One copy's deliveries: the last one's number, how many were not its failures, and how
+/// many of those were recorded in the database's hand-backs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Track {
     last: i32,
     away: i32,
+    recorded: i32,
 }
 
 impl AwayTally {
     const MAX: usize = 100_000;
     const COPIES: usize = 16;
 
-    /// Delivery `delivery` of `id` settled: not the message's failure (`away`) or its own.
-    /// Returns the delivery's number among the message's own, this one included when it is
-    /// its own.
-    fn settle(&mut self, id: uuid::Uuid, delivery: i32, away: bool) -> i32 {
+    /// Delivery `delivery` of `id` settled: not the message's failure (`away`; also in the
+    /// database's hand-backs if `recorded`) or its own. Returns the delivery's number among
+    /// the message's own, this one included when it is its own, and how many of the copy's
+    /// deliveries taken off were recorded.
+    fn settle(&mut self, id: uuid::Uuid, delivery: i32, away: bool, recorded: bool) -> (i32, i32) {
         if self.0.len() >= Self::MAX && !self.0.contains_key(&id) {
             self.0
                 .retain(|_, (_, seen)| seen.elapsed() < Duration::from_secs(3600));
             if self.0.len() >= Self::MAX {
-                return delivery;
+                return (delivery, 0);
             }
         }
         let (tracks, seen) = self.0.entry(id).or_insert((Vec::new(), Instant::now()));
@@ -337,16 +355,23 @@ impl AwayTally {
         let track = match at {
             Some(i) => &mut tracks[i],
             None if tracks.len() < Self::COPIES => {
-                tracks.push(Track { last: 0, away: 0 });
+                tracks.push(Track {
+                    last: 0,
+                    away: 0,
+                    recorded: 0,
+                });
                 tracks.last_mut().expect("just pushed")
             }
-            None => return delivery,
+            None => return (delivery, 0),
         };
         track.last = delivery;
         if away {
             track.away = track.away.saturating_add(1);
+            if recorded {
+                track.recorded = track.recorded.saturating_add(1);
+            }
         }
-        delivery - track.away
+        (delivery - track.away, track.recorded)
     }
 
     /// The copy whose delivery `delivery` was dead-lettered is gone.
@@ -782,11 +807,12 @@ impl<S: Subscriber> Consumer<S> {
                         .retry_not_attempted(&delivery, "in progress elsewhere", Duration::ZERO)
                         .await)
                 }
-                // Waited its share of the visibility timeout for a limit: handed back,
-                // uncounted, before the visibility timeout could hand it to someone else.
-                Err(Failure::Limited) => Err(self
-                    .retry_not_attempted(&delivery, LIMITED, Duration::ZERO)
-                    .await),
+                // Waited its share of the visibility timeout for a limit (or its bucket's
+                // wait is long): handed back, uncounted, before the visibility timeout could
+                // hand it to someone else, not to come back before its limit may let it go.
+                Err(Failure::Limited(delay)) => {
+                    Err(self.retry_not_attempted(&delivery, LIMITED, delay).await)
+                }
                 Err(Failure::Database(e)) if database_away(&e) => {
                     // Not the message's fault: never dead-lettered for it (a failover would
                     // otherwise use up its deliveries while the handler never ran).
@@ -991,18 +1017,18 @@ impl<S: Subscriber> Consumer<S> {
         let deadline = self.limit_deadline();
         // Tokens before the transaction: no connection is held while a bucket refills.
         if self.limits.has_rates()
-            && !self
+            && let limits::Waited::HandBack(delay) = self
                 .limits
                 .take_tokens(&self.pool, prefixes, deadline, &metrics.limit_waits)
                 .await?
         {
-            return Err(Failure::Limited);
+            return Err(Failure::Limited(delay));
         }
         let mut tx = crate::pooler::begin(&self.pool, None).await?;
         // Slots on the unit's own transaction: its COMMIT or ROLLBACK (or a lost
         // connection) frees them.
         if self.limits.has_slots()
-            && !self
+            && let limits::Waited::HandBack(delay) = self
                 .limits
                 .take_slots(
                     &mut tx,
@@ -1013,7 +1039,7 @@ impl<S: Subscriber> Consumer<S> {
                 )
                 .await?
         {
-            return Err(Failure::Limited);
+            return Err(Failure::Limited(delay));
         }
         with_incoming(incoming, self.inbox.process_or_reject_in_own(tx, key, run)).await
     }
@@ -1033,6 +1059,7 @@ impl<S: Subscriber> Consumer<S> {
             self.source.envelope(delivery).id,
             attempt,
             true,
+            false,
         );
         let delay = self.backoff.delay_after(attempt.max(1) as u32);
         if error.needs_migration() {
@@ -1051,8 +1078,10 @@ impl<S: Subscriber> Consumer<S> {
     }
 
     /// The handler did not run: the key is in progress or leased elsewhere (another copy of
-    /// the message, or a lease an outage left). Not the message's failure: nacked with at
-    /// least `min_delay`, never dead-lettered for it, and not counted (see `AwayTally`).
+    /// the message, or a lease an outage left), or a limit held it back. Not the message's
+    /// failure: nacked with at least `min_delay`, never dead-lettered for it, and not counted
+    /// (see `AwayTally`), by any instance: the hand-back is recorded in the database before
+    /// the nack makes the message visible again.
     async fn retry_not_attempted(
         &self,
         delivery: &S::Delivery,
@@ -1061,11 +1090,24 @@ impl<S: Subscriber> Consumer<S> {
     ) -> Settled {
         let id = self.source.envelope(delivery).id;
         let attempt = self.source.attempt(delivery);
-        let own = self
+        let recorded = match self
+            .hand_backs
+            .record(&self.pool, self.inbox.consumer(), id)
+            .await
+        {
+            Ok(()) => true,
+            Err(e) => {
+                // Counted by this runner alone (another instance counts it as the
+                // transport does).
+                tracing::debug!(error = %e, "pgbox hand-back not recorded");
+                false
+            }
+        };
+        let (own, _) = self
             .away
             .lock()
             .expect("away tally")
-            .settle(id, attempt, true);
+            .settle(id, attempt, true, recorded);
         let delay = self
             .backoff
             .delay_after(own.max(1) as u32)
@@ -1075,6 +1117,25 @@ impl<S: Subscriber> Consumer<S> {
             Err(e) => {
                 tracing::warn!(error = %e, "pgbox nack failed");
                 Settled::Retried
+            }
+        }
+    }
+
+    /// A delivery about to be dead-lettered: `own` of its deliveries were its own as this
+    /// runner counted them, `recorded` of those it took off being hand-backs it recorded in
+    /// the database. The database's count of the message's hand-backs (every instance's)
+    /// replaces those: fewer own deliveries when other instances handed it back too. The
+    /// database away, this runner's count stands.
+    async fn own_across_instances(&self, id: uuid::Uuid, own: i32, recorded: i32) -> i32 {
+        match self
+            .hand_backs
+            .count(&self.pool, self.inbox.consumer(), id)
+            .await
+        {
+            Ok(all) => own.saturating_add(recorded) - all.max(recorded),
+            Err(e) => {
+                tracing::debug!(error = %e, "pgbox hand-backs not read; counting this runner's");
+                own
             }
         }
     }
@@ -1095,18 +1156,32 @@ impl<S: Subscriber> Consumer<S> {
         // database used up (see `AwayTally`).
         let id = self.source.envelope(delivery).id;
         let delivered = self.source.attempt(delivery);
-        let attempt = self
+        let (mut attempt, recorded) = self
             .away
             .lock()
             .expect("away tally")
-            .settle(id, delivered, false);
+            .settle(id, delivered, false, false);
+        if attempt >= self.max_deliveries {
+            attempt = self.own_across_instances(id, attempt, recorded).await;
+        }
         let outcome = if attempt >= self.max_deliveries {
             // Only this copy's track ends: another copy of the message may still come.
             self.away.lock().expect("away tally").end(&id, delivered);
-            self.source
+            let dead = self
+                .source
                 .dead_letter(delivery, error)
                 .await
-                .map(|_| Settled::DeadLettered)
+                .map(|_| Settled::DeadLettered);
+            if dead.is_ok()
+                && let Err(e) = self
+                    .hand_backs
+                    .forget(&self.pool, self.inbox.consumer(), id)
+                    .await
+            {
+                // The janitor deletes it later.
+                tracing::debug!(error = %e, "pgbox hand-backs of a dead letter not deleted");
+            }
+            dead
         } else {
             let delay = self
                 .backoff
@@ -1129,8 +1204,9 @@ impl<S: Subscriber> Consumer<S> {
 enum Failure<E> {
     Database(Error),
     Handler(E),
-    /// The unit waited its share of the visibility timeout for a [`Limit`].
-    Limited,
+    /// The unit waited its share of the visibility timeout for a [`Limit`], or its bucket's
+    /// wait is long: to be handed back, not to come back before this.
+    Limited(Duration),
 }
 
 /// The error a delivery handed back for a [`Limit`] is nacked with.
@@ -1147,7 +1223,7 @@ impl<E: fmt::Display> fmt::Display for Failure<E> {
         match self {
             Failure::Database(e) => e.fmt(f),
             Failure::Handler(e) => e.fmt(f),
-            Failure::Limited => f.write_str(LIMITED),
+            Failure::Limited(_) => f.write_str(LIMITED),
         }
     }
 }
@@ -1404,25 +1480,42 @@ mod away_tally_tests {
         let mut tally = AwayTally::default();
         // Two copies away at deliveries 1 to 3, interleaved.
         for n in 1..=3 {
-            assert_eq!(tally.settle(id, n, true), 0);
-            assert_eq!(tally.settle(id, n, true), 0);
+            assert_eq!(tally.settle(id, n, true, false).0, 0);
+            assert_eq!(tally.settle(id, n, true, false).0, 0);
         }
         // Copy one fails at 4 while copy two is still away; then both fail.
-        assert_eq!(tally.settle(id, 4, false), 1);
-        assert_eq!(tally.settle(id, 4, true), 0);
-        assert_eq!(tally.settle(id, 5, false), 2);
-        assert_eq!(tally.settle(id, 5, false), 1);
+        assert_eq!(tally.settle(id, 4, false, false).0, 1);
+        assert_eq!(tally.settle(id, 4, true, false).0, 0);
+        assert_eq!(tally.settle(id, 5, false, false).0, 2);
+        assert_eq!(tally.settle(id, 5, false, false).0, 1);
         tally.end(&id, 5);
-        assert_eq!(tally.0[&id].0, vec![Track { last: 5, away: 4 }]);
+        assert_eq!(
+            tally.0[&id].0,
+            vec![Track {
+                last: 5,
+                away: 4,
+                recorded: 0
+            }]
+        );
         // A delivery this runner did not see (a crash): the nearest track below.
-        assert_eq!(tally.settle(id, 7, false), 3);
+        assert_eq!(tally.settle(id, 7, false, false).0, 3);
         tally.forget(&id);
-        assert_eq!(tally.settle(id, 9, false), 9);
+        assert_eq!(tally.settle(id, 9, false, false).0, 9);
         tally.forget(&id);
         for _ in 0..AwayTally::COPIES {
-            tally.settle(id, 1, true);
+            tally.settle(id, 1, true, false);
         }
-        assert_eq!(tally.settle(id, 1, true), 1, "more copies than tracked");
+        assert_eq!(
+            tally.settle(id, 1, true, false).0,
+            1,
+            "more copies than tracked"
+        );
         assert_eq!(tally.0[&id].0.len(), AwayTally::COPIES);
+        // Hand-backs recorded in the database are told apart from the others.
+        let other = uuid::Uuid::now_v7();
+        assert_eq!(tally.settle(other, 1, true, true), (0, 1));
+        assert_eq!(tally.settle(other, 2, true, false), (0, 1));
+        assert_eq!(tally.settle(other, 3, true, true), (0, 2));
+        assert_eq!(tally.settle(other, 4, false, false), (1, 2));
     }
 }

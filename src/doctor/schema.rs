@@ -540,6 +540,11 @@ pub(super) const INDEXES: &[ExpectedIndex] = &[
     // V19
     index("rate_limits", "rate_limits_pkey", 19, PrimaryKey, "(name, prefix)",
         "consumer rate limits: one bucket per limit and prefix"),
+    // V20
+    index("hand_backs", "hand_backs_pkey", 20, PrimaryKey, "(consumer, message_id)",
+        "consumer hand-backs: one count per consumer and message"),
+    index("hand_backs", "hand_backs_at_idx", 20, Plain, "(at)",
+        "the janitor's purge of hand-backs by age"),
 ];
 
 #[cfg(test)]
