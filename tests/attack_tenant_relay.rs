@@ -1063,7 +1063,6 @@ async fn holds_a_database_dropped_with_force_while_served_and_made_again() {
 /// the asleep locks the first holds, takes that for "a producer in flight" and runs a round
 /// per idle tenant every idle poll interval, forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "finding 3: a second tenant relay runs ~27 rounds per second per idle tenant whose asleep lock the other holds"]
 async fn finding_3_a_second_relay_runs_a_round_per_idle_tenant_every_idle_poll() {
     support::init_tracing();
     let prefix = unique("pgbox_atk_idle2");

@@ -692,3 +692,136 @@ async fn idle_tenants_get_no_round_and_a_quiet_one_does_not_wait_behind_them() {
         "the backlog drained first: {busy_then}"
     );
 }
+
+/// Starts a relay over `db` (idle poll 200 ms, no rediscovery during the test) and waits
+/// until its `n` tenants are asleep.
+async fn idle_relay(
+    db: &TestDb,
+    n: usize,
+) -> (
+    Arc<TenantRelay<Recorder>>,
+    Recorder,
+    CancellationToken,
+    tokio::task::JoinHandle<pgbox::Result<()>>,
+) {
+    let recorder = Recorder::default();
+    let relay = Arc::new(
+        TenantRelay::builder(recorder.clone())
+            .database(db.pool.clone())
+            .discover_interval(Duration::from_secs(60))
+            .idle_poll_interval(Duration::from_millis(200))
+            .build()
+            .unwrap(),
+    );
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn({
+        let relay = relay.clone();
+        let shutdown = shutdown.clone();
+        async move { relay.run(shutdown).await }
+    });
+    wait_until("every tenant asleep", || {
+        let s = relay.status();
+        s.len() == n && s.iter().all(|t| t.asleep)
+    })
+    .await;
+    (relay, recorder, shutdown, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_listener_costs_idle_tenants_no_round_and_they_fall_asleep_again() {
+    support::init_tracing();
+    let db = TestDb::empty().await;
+    const N: usize = 20;
+    for s in 0..N {
+        migrate_schema(&db.pool, &format!("lost_{s:02}")).await;
+    }
+    let (relay, recorder, shutdown, task) = idle_relay(&db, N).await;
+    let before = rounds_of(&relay, &[], true);
+    // The listener is the session holding the tenants' asleep locks.
+    let killed: i64 = sqlx::query_scalar(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM \
+           (SELECT DISTINCT l.pid FROM pg_locks AS l JOIN pg_database AS d ON d.oid = l.database \
+            WHERE l.locktype = 'advisory' AND l.granted AND d.datname = current_database() \
+              AND l.pid <> pg_backend_pid()) AS h",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(killed, 1, "the listener's session was not found");
+    wait_until("the listener lost", || {
+        relay.status().iter().any(|t| !t.asleep)
+    })
+    .await;
+    wait_until("every tenant asleep again", || {
+        relay.status().iter().all(|t| t.asleep)
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let idle_rounds = rounds_of(&relay, &[], true) - before;
+    // Still woken by its producers once asleep again.
+    enqueue(&db.pool, "lost_07", 1, 1).await;
+    let tenant = format!("{}/lost_07", db.name);
+    wait_until("the message after the loss", || {
+        recorder.count_of(&tenant) == 1
+    })
+    .await;
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+    // Before, the loss queued a round for every tenant of the database.
+    assert_eq!(
+        before, 0,
+        "idle tenants ran rounds before the listener was lost"
+    );
+    assert_eq!(
+        idle_rounds, 0,
+        "idle tenants ran {idle_rounds} rounds after the listener was lost"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_probe_gives_a_round_only_to_the_tenant_it_failed_on() {
+    support::init_tracing();
+    let db = TestDb::empty().await;
+    const N: usize = 10;
+    for s in 0..N {
+        migrate_schema(&db.pool, &format!("probe_{s:02}")).await;
+    }
+    let (relay, _recorder, shutdown, task) = idle_relay(&db, N).await;
+    let before = rounds_of(&relay, &["probe_03"], true);
+    // The probe's statement names every tenant's outbox: it fails for all of them.
+    sqlx::query("ALTER TABLE probe_03.outbox RENAME TO outbox_gone")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    wait_until("the tenant without an outbox broken", || {
+        relay
+            .status()
+            .iter()
+            .any(|t| t.schema == "probe_03" && t.health != TenantHealth::Healthy)
+    })
+    .await;
+    // A few idle polls more.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let others = rounds_of(&relay, &["probe_03"], true) - before;
+    let healthy = relay
+        .status()
+        .iter()
+        .filter(|t| t.health == TenantHealth::Healthy)
+        .count();
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+    sqlx::query("ALTER TABLE probe_03.outbox_gone RENAME TO outbox")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        healthy,
+        N - 1,
+        "only the tenant without an outbox is broken"
+    );
+    // Before, a failed probe gave every tenant it asked about a round.
+    assert_eq!(
+        others, 0,
+        "tenants whose probe did not fail ran {others} rounds"
+    );
+}

@@ -192,33 +192,64 @@ fn like(pattern: &str, name: &str) -> bool {
 /// tried), or a scheduled message due. One statement (`UNION ALL` of `EXISTS` probes, each
 /// an index probe) for up to [`PROBE_CHUNK`] schemas, prepared (planned once per connection
 /// while the tenants stay the same).
+///
+/// A statement the database refuses (a tenant's table dropped, renamed or no longer
+/// granted) is split in halves and each half probed again, down to single schemas: a schema
+/// whose own probe fails is returned among the due ones, so that a round finds out whether
+/// it is broken (and a broken tenant is left out of later probes), while the others are
+/// told apart by their probes, not given a round each. Any other error (the database out of
+/// reach) fails the whole call.
 pub(super) async fn due(pool: &PgPool, schemas: &[Identifier]) -> Result<Vec<String>> {
     let mut due = Vec::new();
-    for chunk in schemas.chunks(PROBE_CHUNK) {
-        let sql = chunk
-            .iter()
-            .map(|s| {
-                // The name as a literal, not a parameter: a statement without parameters
-                // gets its generic plan at once (with 200 parameters PostgreSQL would plan
-                // the first five executions anew, ~25 ms each per 100 tenants). Safe: an
-                // Identifier holds only lowercase ASCII letters, digits and '_'.
-                format!(
-                    "SELECT '{name}'::text WHERE EXISTS (SELECT 1 FROM {s}.outbox AS o \
-                       WHERE o.published_at IS NULL \
-                         AND (o.attempts = 0 OR o.available_at <= pg_catalog.now())) \
-                     OR EXISTS (SELECT 1 FROM {s}.outbox_scheduled AS c \
-                       WHERE c.due_at <= pg_catalog.now())",
-                    name = s.as_str()
-                )
-            })
-            .collect::<Vec<_>>()
-            .join(" UNION ALL ");
-        // Prepared (the default): while the set of sleeping tenants stays the same, the
-        // statement is planned once per connection, not every poll.
-        let query = sqlx::query_scalar::<_, String>(AssertSqlSafe(sql));
-        due.extend(query.fetch_all(pool).await?);
+    let mut todo: Vec<&[Identifier]> = schemas.chunks(PROBE_CHUNK).rev().collect();
+    // Bounded: each split halves a slice, so at most 2 * schemas.len() statements.
+    while let Some(chunk) = todo.pop() {
+        match probe(pool, chunk).await {
+            Ok(found) => due.extend(found),
+            Err(sqlx::Error::Database(e)) => {
+                if let [one] = chunk {
+                    tracing::debug!(schema = one.as_str(), error = %e, "pgbox tenant relay: a tenant's probe fails; it gets a round");
+                    due.push(one.as_str().to_owned());
+                } else {
+                    let (a, b) = chunk.split_at(chunk.len() / 2);
+                    todo.push(b);
+                    todo.push(a);
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
     }
     Ok(due)
+}
+
+/// One probe statement for `chunk`.
+async fn probe(
+    pool: &PgPool,
+    chunk: &[Identifier],
+) -> std::result::Result<Vec<String>, sqlx::Error> {
+    let sql = chunk
+        .iter()
+        .map(|s| {
+            // The name as a literal, not a parameter: a statement without parameters
+            // gets its generic plan at once (with 200 parameters PostgreSQL would plan
+            // the first five executions anew, ~25 ms each per 100 tenants). Safe: an
+            // Identifier holds only lowercase ASCII letters, digits and '_'.
+            format!(
+                "SELECT '{name}'::text WHERE EXISTS (SELECT 1 FROM {s}.outbox AS o \
+                   WHERE o.published_at IS NULL \
+                     AND (o.attempts = 0 OR o.available_at <= pg_catalog.now())) \
+                 OR EXISTS (SELECT 1 FROM {s}.outbox_scheduled AS c \
+                   WHERE c.due_at <= pg_catalog.now())",
+                name = s.as_str()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(" UNION ALL ");
+    // Prepared (the default): while the set of sleeping tenants stays the same, the
+    // statement is planned once per connection, not every poll.
+    sqlx::query_scalar::<_, String>(AssertSqlSafe(sql))
+        .fetch_all(pool)
+        .await
 }
 
 #[cfg(test)]

@@ -38,16 +38,46 @@ pub(super) enum Event {
         schema: String,
         scheduled: bool,
     },
-    /// The outcome of [`Command::Sleep`]: `true` if the lock is held now.
+    /// The outcome of [`Command::Sleep`].
     Slept {
         database: String,
         schema: String,
-        asleep: bool,
+        asleep: Sleep,
     },
+    /// The connection is made (again, after [`Event::Lost`]): its tenants may fall asleep.
+    Connected { database: String },
     /// The connection was lost (or could not be made): no lock is held any more, and
     /// notifications may have been missed.
     Lost { database: String },
 }
+
+/// How an attempt to fall asleep went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Sleep {
+    /// The lock is held on this listener's connection now.
+    Held,
+    /// Another session holds the lock exclusively: another relay sleeps on the tenant (its
+    /// producers notify, and this listener hears them too).
+    Elsewhere,
+    /// Not taken: producers in flight hold it shared.
+    Busy,
+    /// Not taken: the listener is not connected ([`Event::Connected`] follows when it is).
+    Away,
+}
+
+/// Takes the asleep lock if it is free; if not, tells whether another session holds it
+/// exclusively (another relay asleep) from producers holding it shared. `pg_locks` is read
+/// only when the lock is not taken.
+const TRY_SLEEP: &str = "SELECT CASE \
+       WHEN pg_catalog.pg_try_advisory_lock($1, pg_catalog.hashtext($2)) THEN 'held' \
+       WHEN EXISTS (SELECT 1 FROM pg_catalog.pg_locks AS l \
+         WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock' \
+           AND l.objsubid = 2 \
+           AND l.database = (SELECT d.oid FROM pg_catalog.pg_database AS d \
+                             WHERE d.datname = pg_catalog.current_database()) \
+           AND l.classid::bigint = $1::bigint \
+           AND l.objid::bigint = (pg_catalog.hashtext($2)::bigint & 4294967295)) THEN 'elsewhere' \
+       ELSE 'busy' END";
 
 /// Runs a database's listener until `shutdown` is cancelled or the scheduler drops its
 /// sender (the database was let go, or the relay's future was dropped). Dropping the
@@ -75,7 +105,11 @@ pub(super) async fn run(
                         );
                     }
                     failures = 0;
+                    held.clear();
                     listener = Some(l);
+                    let _ = events.send(Event::Connected {
+                        database: database.clone(),
+                    });
                 }
                 Err(e) => {
                     if failures == 0 {
@@ -124,7 +158,7 @@ pub(super) async fn run(
                             Command::Listen(s) => { channels.insert(s); }
                             Command::Forget(s) => { channels.remove(&s); }
                             Command::Sleep(schema) => {
-                                let _ = events.send(Event::Slept { database: database.clone(), schema, asleep: false });
+                                let _ = events.send(Event::Slept { database: database.clone(), schema, asleep: Sleep::Away });
                             }
                             Command::Wake(_) => {}
                         }
@@ -209,16 +243,22 @@ async fn obey(
         Command::Sleep(schema) => {
             // Never a blocking wait on the shared connection: a producer in flight holds the
             // lock shared until it commits, and its tenant stays awake (polled) meanwhile.
-            let asleep = held.contains(&schema)
-                || sqlx::query_scalar::<_, bool>(
-                    "SELECT pg_catalog.pg_try_advisory_lock($1, pg_catalog.hashtext($2))",
-                )
-                .bind(ASLEEP_LOCK_CLASS)
-                .bind(&schema)
-                .fetch_one(&mut *listener)
-                .await
-                .map_err(|e| e.to_string())?;
-            if asleep {
+            let asleep = if held.contains(&schema) {
+                Sleep::Held
+            } else {
+                let outcome = sqlx::query_scalar::<_, String>(TRY_SLEEP)
+                    .bind(ASLEEP_LOCK_CLASS)
+                    .bind(&schema)
+                    .fetch_one(&mut *listener)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                match outcome.as_str() {
+                    "held" => Sleep::Held,
+                    "elsewhere" => Sleep::Elsewhere,
+                    _ => Sleep::Busy,
+                }
+            };
+            if asleep == Sleep::Held {
                 held.insert(schema.clone());
             }
             let _ = events.send(Event::Slept {

@@ -19,7 +19,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use self::discover::{Found, Selector, Sources};
-use self::listener::{Command, Event};
+use self::listener::{Command, Event, Sleep};
 use crate::error::{Error, Result};
 use crate::ident::Identifier;
 use crate::relay::{Relay, RoundReport, WakeUp};
@@ -43,6 +43,11 @@ const OTHER_LABEL: &str = "other";
 /// How soon an awake tenant whose producers were in flight gets its next round (doubling
 /// while they stay in flight, up to the idle poll interval).
 const AWAKE_POLL: Duration = Duration::from_millis(10);
+
+/// How soon a failed probe of a database is tried again (doubling), and how many times
+/// before it waits for the next idle poll.
+const PROBE_RETRY: Duration = Duration::from_millis(100);
+const PROBE_RETRIES: u32 = 3;
 
 /// The longest a broken tenant waits before its next try.
 const MAX_BROKEN_BACKOFF: Duration = Duration::from_secs(60);
@@ -267,7 +272,8 @@ pub struct TenantStatus {
     pub schema: String,
     /// Healthy or broken.
     pub health: TenantHealth,
-    /// Whether it sleeps (holds its asleep lock, its producers notify).
+    /// Whether it sleeps: its asleep lock is held, by this relay or by another relay serving
+    /// the same tenant, so its producers notify (and every relay listening hears them).
     pub asleep: bool,
     /// Rounds run for it by this relay (failed ones included).
     pub rounds: u64,
@@ -335,6 +341,18 @@ pub struct TenantDrainReport {
 ///   whose backoff expired and scheduled messages falling due; and one discovery statement
 ///   per database per [`discover_interval`](TenantRelayBuilder::discover_interval). With
 ///   the defaults: about 1.5 statements per second per database of up to 200 tenants.
+///
+/// Several tenant relays on the same tenants cost, while idle, what one costs: a tenant
+/// whose asleep lock another relay holds sleeps in this one too (its producers notify every
+/// listener), with no round of its own until a notification or its idle probe finds work.
+/// If that other relay stops, its producers stop notifying until this relay takes the lock
+/// after its next round: meanwhile their messages wait up to one idle poll interval.
+///
+/// A lost listener connection (every lock it held released) costs one probe of its
+/// database, not a round per tenant; the tenants fall asleep again once it is back. A probe
+/// the database refuses (a tenant's table gone) is split until the tenant it fails on is
+/// found, and only that one gets a round; a probe that cannot reach the database is tried
+/// again three times (100, 200, 400 ms), then at the next idle poll.
 ///
 /// A producer committing while its tenant sleeps notifies; the tenant joins the queue.
 /// A tenant falls asleep when it is found and after each stretch of work; its final look
@@ -442,6 +460,8 @@ struct Db {
     /// A probe of its tenants is owed: the idle poll, or tenants that took their asleep lock
     /// since the last probe started (their final look, under the lock).
     look: bool,
+    /// Failed probes in a row.
+    probe_failures: u32,
     /// Why its schemas could not be read, while they cannot.
     away: Option<String>,
 }
@@ -450,7 +470,9 @@ struct Db {
 enum Done {
     Round(Key, Result<RoundReport>),
     Discovered(Found),
-    Probed(String, Result<Vec<String>>, Vec<String>),
+    Probed(String, Result<Vec<String>>),
+    /// A failed probe of the database is to be tried again.
+    Look(String),
     /// An awake tenant whose producers were in flight: time for another round.
     Poll(Key),
 }
@@ -598,9 +620,8 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                     let pool = db.pool.clone();
                     let name = name.clone();
                     work.spawn(async move {
-                        let asked = schemas.iter().map(|s| s.as_str().to_owned()).collect();
                         let result = discover::due(&pool, &schemas).await;
-                        Done::Probed(name, result, asked)
+                        Done::Probed(name, result)
                     });
                 }
             }
@@ -653,13 +674,10 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                         if t.phase != Phase::Idle || t.sleep_pending {
                             continue;
                         }
-                        if t.failures > 0 {
-                            if t.retry_at <= now {
-                                t.phase = Phase::Queued;
-                                ready.push_back(key.clone());
-                            }
-                        } else if !t.asleep {
-                            // Awake with nothing found: its producers may not notify.
+                        // A healthy tenant awake here (producers in flight, or no
+                        // listener) is not given a round: the probe just owed finds its
+                        // work, and its awake polls go on.
+                        if t.failures > 0 && t.retry_at <= now {
                             t.phase = Phase::Queued;
                             ready.push_back(key.clone());
                         }
@@ -679,53 +697,80 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                         let key = (database, schema);
                         if let Some(t) = tenants.get_mut(&key) {
                             t.sleep_pending = false;
-                            if asleep {
-                                t.asleep = true;
-                                t.awake_polls = 0;
-                                self.set_asleep(&key, true);
-                                // The final look, under the lock: producers that committed
-                                // before it did not notify. A probe of the database (one
-                                // statement per 200 tenants, shared by every tenant that fell
-                                // asleep meanwhile), not a round each: a thousand tenants
-                                // falling asleep at start would otherwise put a thousand
-                                // rounds in the ready queue ahead of a notified tenant.
-                                if t.phase == Phase::Idle
-                                    && !t.removed
-                                    && let Some(db) = dbs.get_mut(&key.0)
-                                {
-                                    db.look = true;
-                                } else if t.phase == Phase::Running {
-                                    // Its round (queued by a probe) may have read the outbox
-                                    // before the lock was taken: one more, under it.
-                                    t.again = true;
+                            match asleep {
+                                // Held here, or by another relay serving the tenant (its
+                                // producers notify, and this relay hears them too): asleep
+                                // either way, no round until a notification or a probe.
+                                Sleep::Held | Sleep::Elsewhere => {
+                                    t.asleep = true;
+                                    t.awake_polls = 0;
+                                    self.set_asleep(&key, true);
+                                    // The final look, under the lock: producers that committed
+                                    // before it did not notify. A probe of the database (one
+                                    // statement per 200 tenants, shared by every tenant that
+                                    // fell asleep meanwhile), not a round each: a thousand
+                                    // tenants falling asleep at start would otherwise put a
+                                    // thousand rounds in the ready queue ahead of a notified
+                                    // tenant.
+                                    if t.phase == Phase::Idle
+                                        && !t.removed
+                                        && let Some(db) = dbs.get_mut(&key.0)
+                                    {
+                                        db.look = true;
+                                    } else if t.phase == Phase::Running {
+                                        // Its round (queued by a probe) may have read the
+                                        // outbox before the lock was taken: one more, under it.
+                                        t.again = true;
+                                    }
                                 }
-                            } else if !t.removed {
-                                // A producer is in flight (it holds the lock shared until it
-                                // commits, and will not notify): look again soon, then less
-                                // and less often, up to the idle poll interval.
-                                let wait = AWAKE_POLL
-                                    .saturating_mul(1 << t.awake_polls.min(10))
-                                    .min(self.idle_poll_interval);
-                                t.awake_polls = t.awake_polls.saturating_add(1);
-                                work.spawn(async move {
-                                    tokio::time::sleep(wait).await;
-                                    Done::Poll(key)
-                                });
+                                Sleep::Busy if !t.removed => {
+                                    // A producer is in flight (it holds the lock shared until
+                                    // it commits, and will not notify): look again soon, then
+                                    // less and less often, up to the idle poll interval.
+                                    let wait = AWAKE_POLL
+                                        .saturating_mul(1 << t.awake_polls.min(10))
+                                        .min(self.idle_poll_interval);
+                                    t.awake_polls = t.awake_polls.saturating_add(1);
+                                    work.spawn(async move {
+                                        tokio::time::sleep(wait).await;
+                                        Done::Poll(key)
+                                    });
+                                }
+                                // No listener: the idle probe looks for its work meanwhile,
+                                // and it tries again once the listener is back.
+                                Sleep::Busy | Sleep::Away => {}
                             }
                         }
                     }
                     Event::Lost { database } => {
-                        // Every lock of that connection is gone, notifications may be lost:
-                        // every tenant of the database gets a round.
+                        // Every lock of that connection is gone and notifications may be
+                        // lost: its tenants are awake, and one probe of the database (not a
+                        // round each) finds those with due work; they fall asleep again
+                        // when the listener is back.
                         for (key, t) in tenants.iter_mut().filter(|(k, _)| k.0 == database) {
                             t.sleep_pending = false;
                             if t.asleep {
                                 t.asleep = false;
                                 self.set_asleep(key, false);
                             }
-                            if t.phase == Phase::Idle && !t.removed && t.failures == 0 {
-                                t.phase = Phase::Queued;
-                                ready.push_back(key.clone());
+                        }
+                        if let Some(db) = dbs.get_mut(&database) {
+                            db.look = true;
+                        }
+                    }
+                    Event::Connected { database } => {
+                        // As at start: each idle tenant takes its lock, then one probe.
+                        if let Some(db) = dbs.get(&database) {
+                            for (key, t) in tenants.iter_mut().filter(|(k, _)| k.0 == database) {
+                                if t.phase == Phase::Idle
+                                    && !t.asleep
+                                    && !t.sleep_pending
+                                    && !t.removed
+                                    && t.failures == 0
+                                {
+                                    t.sleep_pending = true;
+                                    let _ = db.listener.send(Command::Sleep(key.1.clone()));
+                                }
                             }
                         }
                     }
@@ -763,6 +808,11 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                                 &listeners,
                             );
                         }
+                        Done::Look(name) => {
+                            if let Some(db) = dbs.get_mut(&name) {
+                                db.look = true;
+                            }
+                        }
                         Done::Poll(key) => {
                             if let Some(t) = tenants.get_mut(&key)
                                 && t.phase == Phase::Idle
@@ -775,17 +825,34 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                                 ready.push_back(key);
                             }
                         }
-                        Done::Probed(name, result, asked) => {
-                            if let Some(db) = dbs.get_mut(&name) {
-                                db.probing = false;
-                            }
-                            // A failed probe (a schema dropped meanwhile): every tenant asked
-                            // gets a round, which finds out which one is broken.
+                        Done::Probed(name, result) => {
+                            // A failed probe (the database out of reach; a tenant's table
+                            // gone is told apart by the probe itself) gives no round: it is
+                            // tried again soon, a few times, then at the idle poll.
                             let due = match result {
-                                Ok(due) => due,
+                                Ok(due) => {
+                                    if let Some(db) = dbs.get_mut(&name) {
+                                        db.probing = false;
+                                        db.probe_failures = 0;
+                                    }
+                                    due
+                                }
                                 Err(e) => {
                                     tracing::debug!(database = name, error = %e, "pgbox tenant relay: idle poll failed");
-                                    asked
+                                    if let Some(db) = dbs.get_mut(&name) {
+                                        db.probing = false;
+                                        db.probe_failures = db.probe_failures.saturating_add(1);
+                                        if db.probe_failures <= PROBE_RETRIES {
+                                            let wait = PROBE_RETRY
+                                                .saturating_mul(1 << (db.probe_failures - 1))
+                                                .min(self.idle_poll_interval);
+                                            work.spawn(async move {
+                                                tokio::time::sleep(wait).await;
+                                                Done::Look(name)
+                                            });
+                                        }
+                                    }
+                                    continue;
                                 }
                             };
                             for schema in due {
@@ -1100,6 +1167,7 @@ impl<P: Publisher + 'static> TenantRelay<P> {
                     listener: tx,
                     probing: false,
                     look: false,
+                    probe_failures: 0,
                     away: None,
                 }
             });
