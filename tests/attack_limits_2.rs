@@ -721,3 +721,131 @@ async fn holds_hand_backs_as_the_application_role_with_a_hostile_search_path() {
         .await
         .unwrap();
 }
+
+/// "A message one limit holds back takes no token of the others": m needs a rate token and
+/// the only concurrency slot, which H holds for 3 s. m's tokens are taken before its slot
+/// is tried, so every wait for the slot spends one, though m never goes.
+#[tokio::test]
+#[ignore = "finding 5: a message the concurrency limit holds back has taken rate tokens first"]
+async fn finding_a_message_the_concurrency_limit_holds_back_spends_rate_tokens() {
+    let db = database().await;
+    record_takes(&db, &[("r", 500_000)]).await;
+    let (release, stop_h, h_run) = hold_the_slot(&db).await;
+    support::enqueue_and_relay(&db.pool, TOPIC, &["m".to_owned()]).await;
+    let pool = own_pool(&db).await;
+    let consumer = builder(&pool, 1)
+        .visibility_timeout(Duration::from_millis(600))
+        .limit(Limit::concurrency("one", 1))
+        .limit(Limit::rate("r", 2.0))
+        .build()
+        .unwrap();
+    let stop = CancellationToken::new();
+    let run = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            consumer
+                .run(
+                    async move |e: &Envelope, conn: &mut HandlerConnection<'_>| {
+                        record(conn, &payload(e)).await
+                    },
+                    stop,
+                )
+                .await
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let stats = support::stop_runner(stop, run, Duration::from_secs(30)).await;
+    let tokens: i64 = count(
+        &db.pool,
+        "SELECT coalesce(sum(got), 0)::int8 FROM takes WHERE name = 'r'",
+    )
+    .await;
+    let delivered: i64 = count(
+        &db.pool,
+        "SELECT max(deliveries)::int8 FROM pgbox.queue WHERE payload = 'm'",
+    )
+    .await;
+    release.notify_waiters();
+    support::stop_runner(stop_h, h_run, Duration::from_secs(30)).await;
+    assert_eq!(stats.processed, 0, "{stats:?}");
+    assert_eq!(
+        tokens, 0,
+        "m never went (the slot was held; {delivered} deliveries), yet took {tokens} tokens \
+         of rate limit r (2/s) in 3 s"
+    );
+}
+
+/// A per-prefix concurrency limit's backlog at the head of the queue: a global rate (4/s)
+/// and a per-tenant concurrency of 1; tenant a has 20 messages (slow handlers, 2 s each)
+/// ahead of tenant b's 8, runner concurrency 8. The promise (`Limit`): a message whose
+/// per-prefix concurrency limit has no free slot for a second is handed back, "so a prefix's
+/// backlog at the head of the queue does not hold the runner's slots while other prefixes'
+/// messages could go". But a's messages, handed back for 1 s, are visible again ahead of
+/// b's and fill the runner's slots again; and each of their waits first takes a token of
+/// the global rate, so they spend it too. a runs one message at a time (0.5 tokens/s); b
+/// needs 2 s at the rest of the rate. Bound: 15 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "finding 4: a tenant's backlog held by its per-prefix concurrency fills the runner and spends the global rate: other tenants starve"]
+async fn finding_a_per_tenant_concurrency_backlog_starves_other_tenants() {
+    let db = database().await;
+    record_takes(&db, &[("global", 250_000)]).await;
+    let mut payloads: Vec<String> = (0..20).map(|n| format!("a:{n}")).collect();
+    payloads.extend((0..8).map(|n| format!("b:{n}")));
+    support::enqueue_and_relay(&db.pool, TOPIC, &payloads).await;
+    let pool = own_pool(&db).await;
+    let consumer = builder(&pool, 8)
+        .visibility_timeout(Duration::from_secs(6))
+        .limit(Limit::rate("global", 4.0))
+        .limit(Limit::concurrency("tenant", 1).per_key_prefix(':'))
+        .build()
+        .unwrap();
+    let stop = CancellationToken::new();
+    let run = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            consumer
+                .run(
+                    async move |e: &Envelope, conn: &mut HandlerConnection<'_>| {
+                        let p = payload(e);
+                        if p.starts_with("a:") {
+                            tokio::time::sleep(Duration::from_secs(2)).await;
+                        }
+                        record(conn, &p).await
+                    },
+                    stop,
+                )
+                .await
+        })
+    };
+    let started = Instant::now();
+    while count(
+        &db.pool,
+        "SELECT count(*) FROM effects WHERE payload LIKE 'b:%'",
+    )
+    .await
+        < 8
+        && started.elapsed() < Duration::from_secs(15)
+    {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let b_done = count(
+        &db.pool,
+        "SELECT count(*) FROM effects WHERE payload LIKE 'b:%'",
+    )
+    .await;
+    let a_done = count(
+        &db.pool,
+        "SELECT count(*) FROM effects WHERE payload LIKE 'a:%'",
+    )
+    .await;
+    let tokens: i64 = count(&db.pool, "SELECT coalesce(sum(got), 0)::int8 FROM takes").await;
+    stop.cancel();
+    let _ = tokio::time::timeout(Duration::from_secs(30), run).await;
+    assert_eq!(
+        b_done,
+        8,
+        "after 15 s: {b_done} of b's 8 messages, {a_done} of a's; {tokens} global tokens taken \
+         for {} messages that went",
+        a_done + b_done
+    );
+}
