@@ -849,3 +849,133 @@ async fn finding_a_per_tenant_concurrency_backlog_starves_other_tenants() {
         a_done + b_done
     );
 }
+
+/// Behind PgBouncer in transaction mode (`Pooler::Transaction` on the inbox and queue): every
+/// hand-back is recorded (its own short transaction), none is counted, and the hand-back's
+/// `synchronous_commit = off` does not stay on a server connection for the next client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_hand_backs_behind_a_transaction_pooler() {
+    use pgbox::Pooler;
+    use support::cluster::Cluster;
+    use support::pooler::PgBouncer;
+
+    support::init_tracing();
+    let cluster = tokio::task::spawn_blocking(Cluster::start).await.unwrap();
+    let bouncer = PgBouncer::start(&cluster, 3);
+    let direct = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&cluster.url("postgres"))
+        .await
+        .unwrap();
+    pgbox::migrate(&direct).await.unwrap();
+    direct
+        .execute("CREATE TABLE effects (payload text PRIMARY KEY)")
+        .await
+        .unwrap();
+    // H, directly on the server, holds the only slot.
+    support::enqueue_and_relay(&direct, TOPIC, &["hold".to_owned()]).await;
+    let release = Arc::new(tokio::sync::Notify::new());
+    let stop_h = CancellationToken::new();
+    let h = builder(&direct, 1)
+        .limit(Limit::concurrency("one", 1))
+        .build()
+        .unwrap();
+    let h_run = {
+        let (release, stop) = (release.clone(), stop_h.clone());
+        tokio::spawn(async move {
+            h.run(
+                async move |e: &Envelope, conn: &mut HandlerConnection<'_>| {
+                    let _ = tokio::time::timeout(Duration::from_secs(60), release.notified()).await;
+                    record(conn, &payload(e)).await
+                },
+                stop,
+            )
+            .await
+        })
+    };
+    let started = Instant::now();
+    while count(&direct, "SELECT count(*) FROM pg_catalog.pg_locks WHERE locktype = 'advisory' AND classid = 1885499244 AND granted").await == 0 {
+        assert!(started.elapsed() < Duration::from_secs(30), "H took no slot");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop_h.cancel();
+    support::enqueue_and_relay(&direct, TOPIC, &["m".to_owned()]).await;
+    let pooled = PgPoolOptions::new()
+        .max_connections(6)
+        .acquire_timeout(Duration::from_secs(30))
+        .connect(&bouncer.url("postgres"))
+        .await
+        .unwrap();
+    let consumer = Consumer::builder(
+        pooled.clone(),
+        PgQueue::new(pooled.clone()).pooler(Pooler::Transaction),
+        TOPIC,
+        Inbox::builder("limited")
+            .pooler(Pooler::Transaction)
+            .build()
+            .unwrap(),
+    )
+    .concurrency(2)
+    .max_deliveries(2)
+    .visibility_timeout(Duration::from_millis(600))
+    .poll_interval(Duration::from_millis(20))
+    .backoff(pgbox::RetryPolicy::new().base_delay(Duration::from_millis(10)))
+    .key(payload)
+    .limit(Limit::concurrency("one", 1))
+    .limit(Limit::rate("rate", 1000.0))
+    .build()
+    .unwrap();
+    let stop = CancellationToken::new();
+    let run = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            consumer
+                .run(
+                    async move |e: &Envelope, conn: &mut HandlerConnection<'_>| {
+                        record(conn, &payload(e)).await
+                    },
+                    stop,
+                )
+                .await
+        })
+    };
+    let started = Instant::now();
+    while count(
+        &direct,
+        "SELECT coalesce(max(deliveries), 0)::int8 FROM pgbox.queue WHERE payload = 'm'",
+    )
+    .await
+        < 5
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "m not handed back"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stats = support::stop_runner(stop, run, Duration::from_secs(30)).await;
+    let delivered = count(
+        &direct,
+        "SELECT max(deliveries)::int8 FROM pgbox.queue WHERE payload = 'm'",
+    )
+    .await;
+    let recorded = count(
+        &direct,
+        "SELECT coalesce(sum(count), 0)::int8 FROM pgbox.hand_backs",
+    )
+    .await;
+    let mut settings = Vec::new();
+    for _ in 0..6 {
+        let s: String = sqlx::query_scalar("SHOW synchronous_commit")
+            .persistent(false)
+            .fetch_one(&pooled)
+            .await
+            .unwrap();
+        settings.push(s);
+    }
+    release.notify_waiters();
+    support::stop_runner(stop_h, h_run, Duration::from_secs(30)).await;
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    assert_eq!(recorded, delivered, "{stats:?}");
+    assert!(settings.iter().all(|s| s == "on"), "{settings:?}");
+}
