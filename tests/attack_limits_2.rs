@@ -275,7 +275,7 @@ async fn holds_handbacks_on_another_instance_then_exactly_max_real_attempts() {
 /// it: the transport counts it when the visibility timeout brings m back, and instance B
 /// then dead-letters m after fewer than `max_deliveries` real attempts.
 #[tokio::test]
-#[ignore = "finding 2: a runner killed while a message waits for a limit: that delivery counts toward max_deliveries"]
+#[ignore = "finding 4: a runner killed while a message waits for a limit: that delivery counts toward max_deliveries"]
 async fn finding_a_runner_killed_during_a_limit_wait_counts_that_delivery() {
     let db = database().await;
     // Waits of 1 s each (a third of 3 s): the kill lands 0.5 s into one.
@@ -311,7 +311,7 @@ async fn finding_a_runner_killed_during_a_limit_wait_counts_that_delivery() {
 /// copy's dead letter deletes the other's. Both copies are handed back while the slot is
 /// held, then their handler fails every time.
 #[tokio::test]
-#[ignore = "finding 1: two copies of one message share one hand_backs count: one is dead-lettered late, the other early"]
+#[ignore = "finding 3: two copies of one message share one hand_backs count: one is dead-lettered late, the other early"]
 async fn finding_two_copies_of_a_message_share_one_hand_back_count() {
     let db = database().await;
     let visibility = Duration::from_millis(600);
@@ -493,7 +493,7 @@ async fn holds_two_rate_limits_all_or_none_across_three_instances() {
 /// and m's handler fails, m should still get `max_deliveries` (3) real attempts.
 #[cfg(feature = "nats")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "finding 3: NATS ack_wait under the runner's limit wait: waits redelivered, counted, m dead-lettered 2-3 times"]
+#[ignore = "finding 2: NATS ack_wait under the runner's limit wait: waits redelivered, counted, m dead-lettered 2-3 times"]
 async fn finding_nats_ack_wait_under_the_limit_wait_counts_waits_as_deliveries() {
     use pgbox::transport::nats::Nats;
     let db = database().await;
@@ -785,7 +785,7 @@ async fn finding_a_message_the_concurrency_limit_holds_back_spends_rate_tokens()
 /// the global rate, so they spend it too. a runs one message at a time (0.5 tokens/s); b
 /// needs 2 s at the rest of the rate. Bound: 15 s.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "finding 4: a tenant's backlog held by its per-prefix concurrency fills the runner and spends the global rate: other tenants starve"]
+#[ignore = "finding 1: a tenant's backlog held by its per-prefix concurrency fills the runner and spends the global rate: other tenants starve"]
 async fn finding_a_per_tenant_concurrency_backlog_starves_other_tenants() {
     let db = database().await;
     record_takes(&db, &[("global", 250_000)]).await;
