@@ -546,3 +546,226 @@ async fn holds_probes_refused_for_many_tenants_at_once() {
     assert_eq!(broken, gone.iter().map(|s| s.to_string()).collect::<Vec<_>>());
     assert_eq!(others, 0);
 }
+
+// ---------------------------------------------------------------------------------------
+// The database restarted (private cluster): producers commit while the listener is away.
+// ---------------------------------------------------------------------------------------
+
+async fn private_pool(url: &str, size: u32) -> PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(size)
+        .acquire_timeout(Duration::from_secs(20))
+        .connect(url)
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_a_database_crash_restart_with_producers_committing_before_the_listener_is_back() {
+    support::init_tracing();
+    let cluster = support::cluster::Cluster::start();
+    let url = cluster.url("postgres");
+    let pool = private_pool(&url, 4).await;
+    for s in 0..4 {
+        migrate_schema(&pool, &format!("cr_{s}")).await;
+    }
+    let producer = private_pool(&url, 2).await;
+    let recorder = Recorder::default();
+    let running = start(&pool, &recorder, Duration::from_millis(200), 10, Duration::from_secs(1));
+    let relay = running.0.clone();
+    all_asleep(&relay, 4).await;
+    for i in 0..4 {
+        enqueue_one(&producer, &format!("cr_{i}"), &format!("cr-before-{i}"), "k").await;
+    }
+    wait_until("before", 10, || recorder.seen().len() >= 4).await;
+    let restarted = Instant::now();
+    cluster.crash_restart();
+    let down = restarted.elapsed();
+    // Committed as soon as the server is back, before the listener's next try.
+    let mut sent = Vec::new();
+    for round in 0..3 {
+        for i in 0..4 {
+            let p = format!("cr-after-{round}-{i}");
+            let mut ok = false;
+            for _ in 0..50 {
+                let outbox = Outbox::with_schema(&format!("cr_{i}")).unwrap();
+                let attempt = async {
+                    let mut tx = producer.begin().await?;
+                    outbox
+                        .enqueue(&mut tx, Message::bytes("events", p.as_bytes().to_vec()).ordering_key("k"))
+                        .await
+                        .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
+                    tx.commit().await
+                };
+                if attempt.await.is_ok() {
+                    ok = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            assert!(ok, "could not enqueue after the restart");
+            sent.push((p, Instant::now()));
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let mut waits = Vec::new();
+    for (p, at) in &sent {
+        wait_until("a message committed after the restart", 15, || recorder.has_payload(p)).await;
+        waits.push(at.elapsed());
+    }
+    all_asleep(&relay, 4).await;
+    let asleep_after = restarted.elapsed();
+    let t0 = Instant::now();
+    enqueue_one(&producer, "cr_2", "cr-last", "k").await;
+    wait_until("the last", 10, || recorder.has_payload("cr-last")).await;
+    let last = t0.elapsed();
+    stop(running).await;
+    let distinct: HashSet<_> = recorder.seen().iter().map(|e| e.id).collect();
+    eprintln!(
+        "restart took {down:?}; waits of messages committed after it: {waits:?}; all asleep again \
+         {asleep_after:?} after the restart began; last {last:?}; {} distinct published",
+        distinct.len()
+    );
+    assert_eq!(distinct.len(), 4 + 12 + 1);
+    assert!(waits.iter().max().unwrap() < &Duration::from_secs(3), "{waits:?}");
+}
+
+// ---------------------------------------------------------------------------------------
+// PgBouncer in transaction mode in front (the builder takes any pool).
+// ---------------------------------------------------------------------------------------
+
+/// `TenantRelay` takes any pool and has no `pooler` setting (`Relay`, `Outbox`, `Inbox`,
+/// `PgQueue` have `Pooler::Transaction`); the guide's pooler table does not name it. Given a
+/// pool through PgBouncer in transaction mode (Debian's 1.18), it is accepted, and its probes
+/// and rounds use named statements: every tenant goes broken on `prepared statement
+/// "sqlx_s_N" already exists / does not exist`; 0 (run 1) and 1 (run 2) of 15 messages were
+/// published in the 8 s after the last commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "finding 3: a TenantRelay behind PgBouncer (transaction mode) is accepted; every tenant broken, 0-1 of 15 published in 8 s: no Pooler setting"]
+async fn finding_3_a_tenant_relay_behind_pgbouncer_is_accepted_and_publishes_next_to_nothing() {
+    support::init_tracing();
+    let cluster = support::cluster::Cluster::start();
+    let bouncer = support::pooler::PgBouncer::start(&cluster, 2);
+    let direct = private_pool(&cluster.url("postgres"), 2).await;
+    for s in 0..3 {
+        migrate_schema(&direct, &format!("pb_{s}")).await;
+    }
+    let pooled = private_pool(&bouncer.url("postgres"), 4).await;
+    let recorder = Recorder::default();
+    let running = start(&pooled, &recorder, Duration::from_millis(200), 10, Duration::from_secs(1));
+    let relay = running.0.clone();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut sent = Vec::new();
+    for round in 0..5 {
+        for i in 0..3 {
+            let p = format!("pb-{round}-{i}");
+            enqueue_one(&direct, &format!("pb_{i}"), &p, "k").await;
+            sent.push(p);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let t0 = Instant::now();
+    let mut all = false;
+    while t0.elapsed() < Duration::from_secs(8) {
+        if sent.iter().all(|p| recorder.has_payload(p)) {
+            all = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let took = t0.elapsed();
+    let status = relay.status();
+    stop(running).await;
+    let got = sent.iter().filter(|p| recorder.has_payload(p)).count();
+    eprintln!(
+        "behind PgBouncer: {got} of {} published ({took:?} after the last commit); status {:?}",
+        sent.len(),
+        status
+            .iter()
+            .map(|s| (s.schema.clone(), s.health.clone(), s.asleep, s.rounds, s.last_error.clone()))
+            .collect::<Vec<_>>()
+    );
+    let errors = bouncer.log().lines().filter(|l| l.contains("ERROR") || l.contains("WARNING")).count();
+    let server_errors: Vec<String> = cluster
+        .log()
+        .lines()
+        .filter(|l| l.contains("ERROR"))
+        .take(5)
+        .map(str::to_owned)
+        .collect();
+    eprintln!("pgbouncer log errors {errors}; server errors (first 5): {server_errors:#?}");
+    assert!(all, "{got} of {} published within 8 s", sent.len());
+}
+
+// ---------------------------------------------------------------------------------------
+// A tenant schema renamed while it has pending messages and the relay probes it.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_a_tenant_schema_renamed_with_pending_messages() {
+    support::init_tracing();
+    let db = TestDb::empty().await;
+    for s in ["rn_a", "rn_b", "rn_c"] {
+        migrate_schema(&db.pool, s).await;
+    }
+    let recorder = Recorder::default();
+    let relay = Arc::new(
+        TenantRelay::builder(recorder.clone())
+            .database(db.pool.clone())
+            .schema_pattern("rn\\_%")
+            .discover_interval(Duration::from_millis(300))
+            .idle_poll_interval(Duration::from_millis(100))
+            .build()
+            .unwrap(),
+    );
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn({
+        let relay = relay.clone();
+        let shutdown = shutdown.clone();
+        async move { relay.run(shutdown).await }
+    });
+    all_asleep(&relay, 3).await;
+    // Pending messages in rn_b while the relay is held off it: commit under a transaction that
+    // renames the schema in the same breath (the notification names the old channel).
+    let mut tx = db.pool.begin().await.unwrap();
+    let outbox = Outbox::with_schema("rn_b").unwrap();
+    for i in 0..5 {
+        outbox
+            .enqueue(&mut tx, Message::bytes("events", format!("rn-{i}").into_bytes()).ordering_key("k"))
+            .await
+            .unwrap();
+    }
+    tx.execute("ALTER SCHEMA rn_b RENAME TO rn_b2").await.unwrap();
+    tx.commit().await.unwrap();
+    let t0 = Instant::now();
+    wait_until("the renamed tenant's messages", 10, || {
+        (0..5).all(|i| recorder.has_payload(&format!("rn-{i}")))
+    })
+    .await;
+    let took = t0.elapsed();
+    // And the old name's broken status is let go; the new one is healthy.
+    wait_until("the old name let go", 10, || {
+        let s = relay.status();
+        s.iter().all(|t| t.schema != "rn_b") && s.iter().any(|t| t.schema == "rn_b2")
+    })
+    .await;
+    let status = relay.status();
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+    eprintln!("renamed tenant's messages published {took:?} after commit; status {:?}",
+        status.iter().map(|t| (t.schema.clone(), t.health.clone(), t.asleep)).collect::<Vec<_>>());
+    assert!(status.iter().all(|t| t.health == TenantHealth::Healthy));
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    let seen = recorder.seen();
+    let order: Vec<String> = seen.iter().map(|e| String::from_utf8(e.payload.clone()).unwrap()).collect();
+    let firsts: Vec<&String> = {
+        let mut f = Vec::new();
+        for p in &order {
+            if !f.contains(&p) {
+                f.push(p);
+            }
+        }
+        f
+    };
+    assert_eq!(firsts, (0..5).map(|i| format!("rn-{i}")).collect::<Vec<_>>().iter().collect::<Vec<_>>());
+}
