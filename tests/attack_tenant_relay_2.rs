@@ -769,3 +769,55 @@ async fn holds_a_tenant_schema_renamed_with_pending_messages() {
     };
     assert_eq!(firsts, (0..5).map(|i| format!("rn-{i}")).collect::<Vec<_>>().iter().collect::<Vec<_>>());
 }
+
+// ---------------------------------------------------------------------------------------
+// Two tenant relays and a plain relay on the same tenants, idle, then one message each.
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn holds_two_tenant_relays_and_a_plain_relay_idle_cost_no_round_and_wake_at_once() {
+    support::init_tracing();
+    let db = TestDb::empty().await;
+    const N: usize = 5;
+    for s in 0..N {
+        migrate_schema(&db.pool, &format!("tr_{s}")).await;
+    }
+    let recorder = Recorder::default();
+    let plain = pgbox::Relay::builder(db.pool.clone(), recorder.clone())
+        .schema("tr_0")
+        .poll_interval(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let plain_stop = CancellationToken::new();
+    let plain_task = tokio::spawn({
+        let stop = plain_stop.clone();
+        async move { plain.run(stop).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let a = start(&db.pool, &recorder, Duration::from_millis(200), 10, Duration::from_secs(1));
+    let b = start(&db.pool, &recorder, Duration::from_millis(200), 10, Duration::from_secs(1));
+    all_asleep(&a.0, N).await;
+    all_asleep(&b.0, N).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rounds = |r: &TenantRelay<Recorder>| rounds_of(r, &[], true);
+    let (a0, b0) = (rounds(&a.0), rounds(&b.0));
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let idle = (rounds(&a.0) - a0) + (rounds(&b.0) - b0);
+    let mut waits = Vec::new();
+    for round in 0..3 {
+        for s in 0..N {
+            let p = format!("tr-{round}-{s}");
+            let t0 = Instant::now();
+            enqueue_one(&db.pool, &format!("tr_{s}"), &p, "k").await;
+            wait_until("published", 10, || recorder.has_payload(&p)).await;
+            waits.push(t0.elapsed().as_millis());
+        }
+    }
+    stop(a).await;
+    stop(b).await;
+    plain_stop.cancel();
+    plain_task.await.unwrap().unwrap();
+    eprintln!("idle rounds in 2 s: {idle}; waits (ms): {waits:?}");
+    assert_eq!(idle, 0);
+    assert!(waits.iter().all(|w| *w < 300), "{waits:?}");
+}
