@@ -3,8 +3,8 @@
 -- counted toward `max_deliveries`. One row per (consumer, message id), written by whichever
 -- runner instance handed the delivery back, read by the one about to dead-letter it, so that
 -- the count holds across instances and restarts whatever the transport counts. `at` is the
--- last hand-back: the janitor deletes rows not handed back for a week; a dead letter deletes
--- its message's row.
+-- last hand-back: the janitor deletes rows not handed back for a week (a dead letter keeps
+-- its row: another copy of the message, the same id, counts it too).
 CREATE TABLE hand_backs (
     consumer   text        NOT NULL,
     message_id uuid        NOT NULL,

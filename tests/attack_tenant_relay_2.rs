@@ -66,7 +66,10 @@ impl Recorder {
     }
 
     fn poison(&self, payload: &str) {
-        self.poison.lock().unwrap().insert(payload.as_bytes().to_vec());
+        self.poison
+            .lock()
+            .unwrap()
+            .insert(payload.as_bytes().to_vec());
     }
 }
 
@@ -136,7 +139,13 @@ type Running = (
 );
 
 /// A tenant relay over `pool` (idle poll `idle`, no rediscovery during the test), running.
-fn start(pool: &PgPool, recorder: &Recorder, idle: Duration, max_attempts: i32, backoff: Duration) -> Running {
+fn start(
+    pool: &PgPool,
+    recorder: &Recorder,
+    idle: Duration,
+    max_attempts: i32,
+    backoff: Duration,
+) -> Running {
     let relay = Arc::new(
         TenantRelay::builder(recorder.clone())
             .database(pool.clone())
@@ -207,7 +216,13 @@ async fn finding_2_a_held_back_key_costs_its_tenant_a_round_every_idle_poll() {
     recorder.poison("dead-1");
     recorder.poison("retry-1");
     // First half: max_attempts 1, so the poison is dead-lettered at its first failure.
-    let running = start(&db.pool, &recorder, Duration::from_millis(200), 1, Duration::from_secs(30));
+    let running = start(
+        &db.pool,
+        &recorder,
+        Duration::from_millis(200),
+        1,
+        Duration::from_secs(30),
+    );
     let relay = running.0.clone();
     all_asleep(&relay, 3).await;
     enqueue_one(&db.pool, "spin_dead", "dead-1", "k").await;
@@ -231,19 +246,29 @@ async fn finding_2_a_held_back_key_costs_its_tenant_a_round_every_idle_poll() {
     let dead_rounds = rounds_of(&relay, &["spin_dead"], false) - before;
     let idle_rounds = rounds_of(&relay, &["spin_dead"], true) - idle_before;
     stop(running).await;
-    assert!(!recorder.has_payload("dead-2"), "the held-back message went out of order");
+    assert!(
+        !recorder.has_payload("dead-2"),
+        "the held-back message went out of order"
+    );
 
     // The backoff half: a relay that retries (max_attempts 10, 30 s backoff); the key's first
     // message fails once, its second waits behind it for 30 s.
-    let running = start(&db.pool, &recorder, Duration::from_millis(200), 10, Duration::from_secs(30));
+    let running = start(
+        &db.pool,
+        &recorder,
+        Duration::from_millis(200),
+        10,
+        Duration::from_secs(30),
+    );
     let relay = running.0.clone();
     all_asleep(&relay, 3).await;
     enqueue_one(&db.pool, "spin_retry", "retry-1", "k").await;
     for _ in 0..250 {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM spin_retry.outbox WHERE attempts > 0")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
+        let n: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM spin_retry.outbox WHERE attempts > 0")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
         if n == 1 {
             break;
         }
@@ -260,7 +285,10 @@ async fn finding_2_a_held_back_key_costs_its_tenant_a_round_every_idle_poll() {
          {retry_rounds} of the tenant with a key in backoff, {idle_rounds} of the idle one \
          (idle poll 200 ms: at most ~5 expected)"
     );
-    assert!(!recorder.has_payload("retry-2"), "the held-back message went out of order");
+    assert!(
+        !recorder.has_payload("retry-2"),
+        "the held-back message went out of order"
+    );
     // A round that can claim nothing is a quiet tenant's round.
     assert!(
         dead_rounds == 0,
@@ -290,7 +318,13 @@ async fn finding_1_one_tenants_locked_outbox_holds_back_another_tenants_due_mess
         migrate_schema(&db.pool, s).await;
     }
     let recorder = Recorder::default();
-    let running = start(&db.pool, &recorder, Duration::from_millis(200), 10, Duration::from_secs(1));
+    let running = start(
+        &db.pool,
+        &recorder,
+        Duration::from_millis(200),
+        10,
+        Duration::from_secs(1),
+    );
     let relay = running.0.clone();
     all_asleep(&relay, 3).await;
     // The lock, held 6 s by a session of its own.
@@ -307,7 +341,8 @@ async fn finding_1_one_tenants_locked_outbox_holds_back_another_tenants_due_mess
     outbox
         .enqueue(
             &mut tx,
-            Message::bytes("events", b"scheduled".to_vec()).deliver_after(Duration::from_millis(300)),
+            Message::bytes("events", b"scheduled".to_vec())
+                .deliver_after(Duration::from_millis(300)),
         )
         .await
         .unwrap();
@@ -324,7 +359,10 @@ async fn finding_1_one_tenants_locked_outbox_holds_back_another_tenants_due_mess
     let held = locked_at.elapsed();
     locker.execute("ROLLBACK").await.unwrap();
     if published_after.is_none() {
-        wait_until("the scheduled message after the lock", 10, || recorder.has_payload("scheduled")).await;
+        wait_until("the scheduled message after the lock", 10, || {
+            recorder.has_payload("scheduled")
+        })
+        .await;
     }
     let total = enqueued.elapsed();
     stop(running).await;
@@ -354,20 +392,33 @@ async fn holds_the_holder_relay_killed_costs_at_most_an_idle_poll() {
     }
     let rec_a = Recorder::default();
     let rec_b = Recorder::default();
-    let a = start(&db.pool, &rec_a, Duration::from_millis(200), 10, Duration::from_secs(1));
+    let a = start(
+        &db.pool,
+        &rec_a,
+        Duration::from_millis(200),
+        10,
+        Duration::from_secs(1),
+    );
     all_asleep(&a.0, 4).await;
-    let b = start(&db.pool, &rec_b, Duration::from_millis(200), 10, Duration::from_secs(1));
+    let b = start(
+        &db.pool,
+        &rec_b,
+        Duration::from_millis(200),
+        10,
+        Duration::from_secs(1),
+    );
     all_asleep(&b.0, 4).await;
     let holders = asleep_holders(&db.pool, "kh_0").await;
     assert_eq!(holders.len(), 1, "one session holds kh_0's asleep lock");
     // Kill A: abort its task (its connections dropped) and terminate its listener's session.
     a.2.abort();
     let _ = a.2.await;
-    let _: Vec<bool> = sqlx::query_scalar("SELECT pg_terminate_backend(p) FROM unnest($1::int4[]) AS p")
-        .bind(&holders)
-        .fetch_all(&db.pool)
-        .await
-        .unwrap();
+    let _: Vec<bool> =
+        sqlx::query_scalar("SELECT pg_terminate_backend(p) FROM unnest($1::int4[]) AS p")
+            .bind(&holders)
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
     wait_until("A's locks gone", 10, || true).await;
     for _ in 0..100 {
         if asleep_holders(&db.pool, "kh_0").await.is_empty() {
@@ -392,7 +443,10 @@ async fn holds_the_holder_relay_killed_costs_at_most_an_idle_poll() {
     let b_holds = asleep_holders(&db.pool, "kh_1").await.len();
     stop(b).await;
     eprintln!("waits after the holder died: {waits:?}; later: {again:?}; kh_1 held by {b_holds}");
-    assert!(waits.iter().all(|w| *w < Duration::from_millis(900)), "{waits:?}");
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_millis(900)),
+        "{waits:?}"
+    );
     assert!(again < Duration::from_millis(300), "{again:?}");
 }
 
@@ -407,13 +461,20 @@ async fn holds_a_non_relay_session_holding_the_asleep_lock_forever() {
         migrate_schema(&db.pool, s).await;
     }
     let mut squatter = db.connect().await;
-    let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock(1885499258, hashtext('nr_held'))")
-        .fetch_one(&mut squatter)
-        .await
-        .unwrap();
+    let got: bool =
+        sqlx::query_scalar("SELECT pg_try_advisory_lock(1885499258, hashtext('nr_held'))")
+            .fetch_one(&mut squatter)
+            .await
+            .unwrap();
     assert!(got, "the squatter took the asleep lock");
     let recorder = Recorder::default();
-    let running = start(&db.pool, &recorder, Duration::from_secs(30), 10, Duration::from_secs(1));
+    let running = start(
+        &db.pool,
+        &recorder,
+        Duration::from_secs(30),
+        10,
+        Duration::from_secs(1),
+    );
     let relay = running.0.clone();
     all_asleep(&relay, 2).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -434,7 +495,10 @@ async fn holds_a_non_relay_session_holding_the_asleep_lock_forever() {
     assert_eq!(holders.len(), 1, "only the squatter holds the lock");
     eprintln!("waits under a squatter's lock: {waits:?}; idle rounds {idle}");
     assert_eq!(idle, 0);
-    assert!(waits.iter().all(|w| *w < Duration::from_millis(500)), "{waits:?}");
+    assert!(
+        waits.iter().all(|w| *w < Duration::from_millis(500)),
+        "{waits:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -450,7 +514,13 @@ async fn holds_a_listener_lost_again_and_again_while_producers_commit() {
         migrate_schema(&db.pool, &format!("ll_{s}")).await;
     }
     let recorder = Recorder::default();
-    let running = start(&db.pool, &recorder, Duration::from_millis(200), 10, Duration::from_secs(1));
+    let running = start(
+        &db.pool,
+        &recorder,
+        Duration::from_millis(200),
+        10,
+        Duration::from_secs(1),
+    );
     let relay = running.0.clone();
     all_asleep(&relay, N).await;
     let idle_before = rounds_of(&relay, &["ll_0", "ll_1"], true);
@@ -464,7 +534,13 @@ async fn holds_a_listener_lost_again_and_again_while_producers_commit() {
                 .await
                 .unwrap();
         for j in 0..3 {
-            enqueue_one(&db.pool, &format!("ll_{}", j % 2), &format!("ll-{cut}-{j}"), "k").await;
+            enqueue_one(
+                &db.pool,
+                &format!("ll_{}", j % 2),
+                &format!("ll-{cut}-{j}"),
+                "k",
+            )
+            .await;
             sent += 1;
             tokio::time::sleep(Duration::from_millis(60)).await;
         }
@@ -487,7 +563,9 @@ async fn holds_a_listener_lost_again_and_again_while_producers_commit() {
             continue;
         }
         let p = String::from_utf8(e.payload.clone()).unwrap();
-        if let Some(rest) = p.strip_prefix("ll-") && rest != "after" {
+        if let Some(rest) = p.strip_prefix("ll-")
+            && rest != "after"
+        {
             let mut it = rest.split('-').map(|x| x.parse::<usize>().unwrap());
             let (c, j) = (it.next().unwrap(), it.next().unwrap());
             let tenant = e.headers[TENANT_HEADER].clone();
@@ -496,9 +574,16 @@ async fn holds_a_listener_lost_again_and_again_while_producers_commit() {
             }
         }
     }
-    eprintln!("{} published of {sent} (+1), {} distinct; idle tenants' rounds {idle_rounds}; after {after:?}", seen.len(), ids.len());
+    eprintln!(
+        "{} published of {sent} (+1), {} distinct; idle tenants' rounds {idle_rounds}; after {after:?}",
+        seen.len(),
+        ids.len()
+    );
     assert_eq!(ids.len(), sent + 1);
-    assert_eq!(idle_rounds, 0, "idle tenants ran rounds across 8 listener losses");
+    assert_eq!(
+        idle_rounds, 0,
+        "idle tenants ran rounds across 8 listener losses"
+    );
     assert!(after < Duration::from_millis(300));
 }
 
@@ -515,19 +600,32 @@ async fn holds_probes_refused_for_many_tenants_at_once() {
         migrate_schema(&db.pool, &format!("pr_{s:02}")).await;
     }
     let recorder = Recorder::default();
-    let running = start(&db.pool, &recorder, Duration::from_millis(200), 10, Duration::from_secs(1));
+    let running = start(
+        &db.pool,
+        &recorder,
+        Duration::from_millis(200),
+        10,
+        Duration::from_secs(1),
+    );
     let relay = running.0.clone();
     all_asleep(&relay, N).await;
     let gone = ["pr_01", "pr_04", "pr_05", "pr_10", "pr_15"];
     let before = rounds_of(&relay, &gone, true);
     for s in gone {
-        sqlx::query(AssertSqlSafe(format!("ALTER TABLE {s}.outbox_scheduled RENAME TO outbox_scheduled_gone")))
-            .execute(&db.pool)
-            .await
-            .unwrap();
+        sqlx::query(AssertSqlSafe(format!(
+            "ALTER TABLE {s}.outbox_scheduled RENAME TO outbox_scheduled_gone"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
     }
     wait_until("the five broken", 10, || {
-        relay.status().iter().filter(|t| t.health != TenantHealth::Healthy).count() == gone.len()
+        relay
+            .status()
+            .iter()
+            .filter(|t| t.health != TenantHealth::Healthy)
+            .count()
+            == gone.len()
     })
     .await;
     tokio::time::sleep(Duration::from_secs(1)).await;
@@ -543,7 +641,10 @@ async fn holds_probes_refused_for_many_tenants_at_once() {
         .collect();
     stop(running).await;
     eprintln!("broken {broken:?}; other tenants' rounds {others}");
-    assert_eq!(broken, gone.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    assert_eq!(
+        broken,
+        gone.iter().map(|s| s.to_string()).collect::<Vec<_>>()
+    );
     assert_eq!(others, 0);
 }
 
@@ -571,11 +672,23 @@ async fn holds_a_database_crash_restart_with_producers_committing_before_the_lis
     }
     let producer = private_pool(&url, 2).await;
     let recorder = Recorder::default();
-    let running = start(&pool, &recorder, Duration::from_millis(200), 10, Duration::from_secs(1));
+    let running = start(
+        &pool,
+        &recorder,
+        Duration::from_millis(200),
+        10,
+        Duration::from_secs(1),
+    );
     let relay = running.0.clone();
     all_asleep(&relay, 4).await;
     for i in 0..4 {
-        enqueue_one(&producer, &format!("cr_{i}"), &format!("cr-before-{i}"), "k").await;
+        enqueue_one(
+            &producer,
+            &format!("cr_{i}"),
+            &format!("cr-before-{i}"),
+            "k",
+        )
+        .await;
     }
     wait_until("before", 10, || recorder.seen().len() >= 4).await;
     let restarted = Instant::now();
@@ -592,7 +705,10 @@ async fn holds_a_database_crash_restart_with_producers_committing_before_the_lis
                 let attempt = async {
                     let mut tx = producer.begin().await?;
                     outbox
-                        .enqueue(&mut tx, Message::bytes("events", p.as_bytes().to_vec()).ordering_key("k"))
+                        .enqueue(
+                            &mut tx,
+                            Message::bytes("events", p.as_bytes().to_vec()).ordering_key("k"),
+                        )
                         .await
                         .map_err(|e| sqlx::Error::Protocol(e.to_string()))?;
                     tx.commit().await
@@ -610,7 +726,10 @@ async fn holds_a_database_crash_restart_with_producers_committing_before_the_lis
     }
     let mut waits = Vec::new();
     for (p, at) in &sent {
-        wait_until("a message committed after the restart", 15, || recorder.has_payload(p)).await;
+        wait_until("a message committed after the restart", 15, || {
+            recorder.has_payload(p)
+        })
+        .await;
         waits.push(at.elapsed());
     }
     all_asleep(&relay, 4).await;
@@ -627,7 +746,10 @@ async fn holds_a_database_crash_restart_with_producers_committing_before_the_lis
         distinct.len()
     );
     assert_eq!(distinct.len(), 4 + 12 + 1);
-    assert!(waits.iter().max().unwrap() < &Duration::from_secs(3), "{waits:?}");
+    assert!(
+        waits.iter().max().unwrap() < &Duration::from_secs(3),
+        "{waits:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -652,7 +774,13 @@ async fn finding_3_a_tenant_relay_behind_pgbouncer_is_accepted_and_publishes_nex
     }
     let pooled = private_pool(&bouncer.url("postgres"), 4).await;
     let recorder = Recorder::default();
-    let running = start(&pooled, &recorder, Duration::from_millis(200), 10, Duration::from_secs(1));
+    let running = start(
+        &pooled,
+        &recorder,
+        Duration::from_millis(200),
+        10,
+        Duration::from_secs(1),
+    );
     let relay = running.0.clone();
     tokio::time::sleep(Duration::from_secs(2)).await;
     let mut sent = Vec::new();
@@ -682,10 +810,20 @@ async fn finding_3_a_tenant_relay_behind_pgbouncer_is_accepted_and_publishes_nex
         sent.len(),
         status
             .iter()
-            .map(|s| (s.schema.clone(), s.health.clone(), s.asleep, s.rounds, s.last_error.clone()))
+            .map(|s| (
+                s.schema.clone(),
+                s.health.clone(),
+                s.asleep,
+                s.rounds,
+                s.last_error.clone()
+            ))
             .collect::<Vec<_>>()
     );
-    let errors = bouncer.log().lines().filter(|l| l.contains("ERROR") || l.contains("WARNING")).count();
+    let errors = bouncer
+        .log()
+        .lines()
+        .filter(|l| l.contains("ERROR") || l.contains("WARNING"))
+        .count();
     let server_errors: Vec<String> = cluster
         .log()
         .lines()
@@ -731,11 +869,16 @@ async fn holds_a_tenant_schema_renamed_with_pending_messages() {
     let outbox = Outbox::with_schema("rn_b").unwrap();
     for i in 0..5 {
         outbox
-            .enqueue(&mut tx, Message::bytes("events", format!("rn-{i}").into_bytes()).ordering_key("k"))
+            .enqueue(
+                &mut tx,
+                Message::bytes("events", format!("rn-{i}").into_bytes()).ordering_key("k"),
+            )
             .await
             .unwrap();
     }
-    tx.execute("ALTER SCHEMA rn_b RENAME TO rn_b2").await.unwrap();
+    tx.execute("ALTER SCHEMA rn_b RENAME TO rn_b2")
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
     let t0 = Instant::now();
     wait_until("the renamed tenant's messages", 10, || {
@@ -752,12 +895,20 @@ async fn holds_a_tenant_schema_renamed_with_pending_messages() {
     let status = relay.status();
     shutdown.cancel();
     task.await.unwrap().unwrap();
-    eprintln!("renamed tenant's messages published {took:?} after commit; status {:?}",
-        status.iter().map(|t| (t.schema.clone(), t.health.clone(), t.asleep)).collect::<Vec<_>>());
+    eprintln!(
+        "renamed tenant's messages published {took:?} after commit; status {:?}",
+        status
+            .iter()
+            .map(|t| (t.schema.clone(), t.health.clone(), t.asleep))
+            .collect::<Vec<_>>()
+    );
     assert!(status.iter().all(|t| t.health == TenantHealth::Healthy));
     assert!(took < Duration::from_secs(2), "{took:?}");
     let seen = recorder.seen();
-    let order: Vec<String> = seen.iter().map(|e| String::from_utf8(e.payload.clone()).unwrap()).collect();
+    let order: Vec<String> = seen
+        .iter()
+        .map(|e| String::from_utf8(e.payload.clone()).unwrap())
+        .collect();
     let firsts: Vec<&String> = {
         let mut f = Vec::new();
         for p in &order {
@@ -767,7 +918,14 @@ async fn holds_a_tenant_schema_renamed_with_pending_messages() {
         }
         f
     };
-    assert_eq!(firsts, (0..5).map(|i| format!("rn-{i}")).collect::<Vec<_>>().iter().collect::<Vec<_>>());
+    assert_eq!(
+        firsts,
+        (0..5)
+            .map(|i| format!("rn-{i}"))
+            .collect::<Vec<_>>()
+            .iter()
+            .collect::<Vec<_>>()
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -794,8 +952,20 @@ async fn holds_two_tenant_relays_and_a_plain_relay_idle_cost_no_round_and_wake_a
         async move { plain.run(stop).await }
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let a = start(&db.pool, &recorder, Duration::from_millis(200), 10, Duration::from_secs(1));
-    let b = start(&db.pool, &recorder, Duration::from_millis(200), 10, Duration::from_secs(1));
+    let a = start(
+        &db.pool,
+        &recorder,
+        Duration::from_millis(200),
+        10,
+        Duration::from_secs(1),
+    );
+    let b = start(
+        &db.pool,
+        &recorder,
+        Duration::from_millis(200),
+        10,
+        Duration::from_secs(1),
+    );
     all_asleep(&a.0, N).await;
     all_asleep(&b.0, N).await;
     tokio::time::sleep(Duration::from_millis(500)).await;

@@ -4,8 +4,9 @@
 //! (NATS cannot take one back), so every instance records its hand-backs here, and the one
 //! about to dead-letter a message reads how many of its deliveries were hand-backs. Only
 //! the rare paths touch the table: a hand-back (one upsert), a delivery about to be
-//! dead-lettered (one read), a dead letter (one delete). The janitor deletes rows not handed
-//! back for [`RETENTION`].
+//! dead-lettered (one read). The janitor deletes rows not handed back for [`RETENTION`]; a
+//! dead letter keeps its row, so that another copy of the message (the same id) counts
+//! them too: one count per message id, not per copy, errs on more attempts, never fewer.
 
 use std::time::Duration;
 
@@ -25,7 +26,6 @@ pub(crate) const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 pub(super) struct HandBacks {
     record: String,
     count: String,
-    forget: String,
     pooler: Pooler,
 }
 
@@ -47,10 +47,6 @@ impl HandBacks {
             ),
             count: format!(
                 "SELECT count FROM {s}.hand_backs \
-                  WHERE consumer OPERATOR(pg_catalog.=) $1 AND message_id OPERATOR(pg_catalog.=) $2"
-            ),
-            forget: format!(
-                "DELETE FROM {s}.hand_backs \
                   WHERE consumer OPERATOR(pg_catalog.=) $1 AND message_id OPERATOR(pg_catalog.=) $2"
             ),
             pooler,
@@ -81,18 +77,6 @@ impl HandBacks {
             .await?;
         unit.finish().await?;
         Ok(n.unwrap_or(0))
-    }
-
-    /// Message `id` was dead-lettered: its hand-backs are done with.
-    pub(super) async fn forget(&self, pool: &PgPool, consumer: &str, id: uuid::Uuid) -> Result<()> {
-        let mut unit = self.pooler.unit(pool).await?;
-        sqlx::query(sqlx::AssertSqlSafe(self.forget.as_str()))
-            .bind(consumer)
-            .bind(id)
-            .persistent(self.pooler.persistent())
-            .execute(&mut *unit)
-            .await?;
-        unit.finish().await
     }
 }
 

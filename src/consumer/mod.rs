@@ -116,8 +116,9 @@ impl<S: Subscriber> ConsumerBuilder<S> {
     /// one about to be dead-lettered. Deliveries that found the database away (or a
     /// hand-back whose record failed) are tallied in the runner's memory only: another
     /// instance, or the same after a restart, counts them as the transport does. The janitor
-    /// deletes hand-back rows a week after a message's last hand-back; a dead letter deletes
-    /// its message's row.
+    /// deletes hand-back rows a week after a message's last hand-back. The count is per
+    /// message id: two copies of one message (a relay's duplicate) share it, so a copy may
+    /// get more than `n` attempts, never fewer.
     pub fn max_deliveries(mut self, n: i32) -> Self {
         self.max_deliveries = n;
         self
@@ -1167,21 +1168,13 @@ impl<S: Subscriber> Consumer<S> {
         let outcome = if attempt >= self.max_deliveries {
             // Only this copy's track ends: another copy of the message may still come.
             self.away.lock().expect("away tally").end(&id, delivered);
-            let dead = self
-                .source
+            // The message's hand-backs stay (the janitor deletes them): another copy of it
+            // (the same id, a relay's duplicate) is counted with them, so that no copy is
+            // dead-lettered before `max_deliveries` attempts of its own; a copy may get more.
+            self.source
                 .dead_letter(delivery, error)
                 .await
-                .map(|_| Settled::DeadLettered);
-            if dead.is_ok()
-                && let Err(e) = self
-                    .hand_backs
-                    .forget(&self.pool, self.inbox.consumer(), id)
-                    .await
-            {
-                // The janitor deletes it later.
-                tracing::debug!(error = %e, "pgbox hand-backs of a dead letter not deleted");
-            }
-            dead
+                .map(|_| Settled::DeadLettered)
         } else {
             let delay = self
                 .backoff
