@@ -48,15 +48,6 @@ impl Recorder {
         self.seen.lock().unwrap().clone()
     }
 
-    fn count_of(&self, tenant: &str) -> usize {
-        self.seen
-            .lock()
-            .unwrap()
-            .iter()
-            .filter(|e| e.headers.get(TENANT_HEADER).map(String::as_str) == Some(tenant))
-            .count()
-    }
-
     fn has_payload(&self, payload: &str) -> bool {
         self.seen
             .lock()
