@@ -825,3 +825,71 @@ async fn a_failed_probe_gives_a_round_only_to_the_tenant_it_failed_on() {
         "tenants whose probe did not fail ran {others} rounds"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_busy_tenants_on_one_slot_take_turns_round_by_round() {
+    support::init_tracing();
+    let db = TestDb::empty().await;
+    const BACKLOG: usize = 1_000;
+    const BATCH: usize = 50;
+    for s in ["tenant_a", "tenant_b"] {
+        migrate_schema(&db.pool, s).await;
+        sqlx::query(AssertSqlSafe(format!(
+            "INSERT INTO {s}.outbox (message_id, topic, payload, content_type) \
+             SELECT gen_random_uuid(), 'bulk', convert_to(g::text, 'UTF8'), 'text/plain' \
+             FROM generate_series(1, {BACKLOG}) AS g"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    // One slot: a tenant whose turn went on while the other waited would publish its whole
+    // backlog in one run.
+    let recorder = Recorder::slow(Duration::from_millis(2));
+    let relay = Arc::new(
+        TenantRelay::builder(recorder.clone())
+            .database(db.pool.clone())
+            .rounds_in_flight(1)
+            .batch_size(BATCH)
+            .build()
+            .unwrap(),
+    );
+    let shutdown = CancellationToken::new();
+    let task = tokio::spawn({
+        let relay = relay.clone();
+        let shutdown = shutdown.clone();
+        async move { relay.run(shutdown).await }
+    });
+    wait_until("both backlogs published", || {
+        recorder.seen().len() >= 2 * BACKLOG
+    })
+    .await;
+    shutdown.cancel();
+    task.await.unwrap().unwrap();
+    let seen = recorder.seen();
+    assert_eq!(seen.len(), 2 * BACKLOG, "a message published twice");
+    // Runs of messages of one tenant, in publish order; the last one may hold the rest of
+    // one backlog once the other is done.
+    let mut runs: Vec<(String, usize)> = Vec::new();
+    for e in &seen {
+        let tenant = e.headers.get(TENANT_HEADER).cloned().unwrap_or_default();
+        match runs.last_mut() {
+            Some((t, n)) if *t == tenant => *n += 1,
+            _ => runs.push((tenant, 1)),
+        }
+    }
+    let longest = runs[..runs.len() - 1]
+        .iter()
+        .map(|(_, n)| *n)
+        .max()
+        .unwrap_or(0);
+    // One round each in turn; two when the other tenant fell due just after the busy one
+    // looked whether anyone waited.
+    assert!(
+        longest <= 2 * BATCH,
+        "one tenant published {longest} messages in a row while the other waited for the slot \
+         (runs: {:?})",
+        runs.iter().map(|(_, n)| n).collect::<Vec<_>>()
+    );
+    assert!(runs.len() >= 10, "the tenants did not take turns: {runs:?}");
+}

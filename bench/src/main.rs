@@ -859,7 +859,7 @@ async fn main() -> anyhow::Result<()> {
 
     // T1-T3: the tenant relay (bench/src/tenants.rs); only when asked for (`--only T`).
     if bench.args.only.iter().any(|p| p.starts_with('T')) {
-        tenants::run(&server, bench.args.quick).await?;
+        tenants::run(&server, bench.args.quick, &bench.args.only).await?;
     }
 
     // F1: fan-out (bench/src/fanout.rs); only when asked for (`--only F1`).
