@@ -573,11 +573,36 @@ impl<P: Publisher + 'static> TenantRelay<P> {
             .collect()
     }
 
+    /// Refuses pools that reach PostgreSQL through a pooler in transaction mode (the given
+    /// databases' pools and the servers' pools, from which discovered databases' pools are
+    /// made): the listener holds session advisory locks and `LISTEN`s, and the probes and
+    /// rounds use prepared statements, none of which such a pooler keeps. A pool that cannot
+    /// be probed (the database away, no second connection) is not refused: the relay reports
+    /// and retries what fails later, as it does for any database.
+    async fn refuse_transaction_poolers(&self) -> Result<()> {
+        let given = self.sources.given.iter();
+        let servers = self.sources.servers.iter().map(|(pool, _)| pool);
+        for pool in given.chain(servers) {
+            if let Ok(Some(true)) = crate::pooler::shares_sessions(pool).await {
+                return Err(Error::SessionRequired {
+                    component: "tenant relay",
+                    reason: "its listener holds session advisory locks and LISTENs, and its \
+                             probes and rounds use prepared statements, none of which a pooler \
+                             in transaction mode keeps; give it pools of direct connections \
+                             (or a pooler in session mode)"
+                        .to_owned(),
+                });
+            }
+        }
+        Ok(())
+    }
+
     /// Lists the tenants once and drains each of them in turn (see [`Relay::drain`]): for
     /// tests, batch jobs and a shutdown that should leave nothing behind. A tenant whose
     /// drain fails is counted in [`TenantDrainReport::broken`] and shown broken in
     /// [`status`](Self::status); the others are drained.
     pub async fn drain(&self) -> Result<TenantDrainReport> {
+        self.refuse_transaction_poolers().await?;
         let found = discover::discover(&self.sources, &self.selector, &HashMap::new()).await;
         if let Some(e) = found.server_errors.iter().flatten().next() {
             return Err(Error::InvalidConfig(format!(
@@ -618,12 +643,16 @@ impl<P: Publisher + 'static> TenantRelay<P> {
 
     /// Runs until `shutdown` is cancelled; the rounds in flight are finished (published and
     /// committed) before it returns. Errors are per tenant or per database: logged, shown in
-    /// [`status`](Self::status), retried; it never gives up on its own.
+    /// [`status`](Self::status), retried; it never gives up on its own. One exception, at
+    /// the start: a pool that goes through a pooler in transaction mode (PgBouncer's
+    /// `pool_mode = transaction`) is refused with [`Error::SessionRequired`] (the relay
+    /// needs sessions of its own; so does [`drain`](Self::drain)).
     ///
     /// Dropping the future instead abandons the rounds in flight: their transactions roll
     /// back and their messages are published again by the next round (at least once), and
     /// the listener connections close, releasing the asleep locks.
     pub async fn run(&self, shutdown: CancellationToken) -> Result<()> {
+        self.refuse_transaction_poolers().await?;
         let (events_tx, mut events) = mpsc::unbounded_channel::<Event>();
         let listeners = shutdown.child_token();
         let _stop_listeners = listeners.clone().drop_guard();
