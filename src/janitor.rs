@@ -1109,17 +1109,12 @@ impl Janitor {
                     .rows_affected();
                 (n, Vec::new())
             }
-            Task::HandBacks { age } => {
-                let n = sqlx::query(AssertSqlSafe(sql.hand_backs.clone()))
-                    .bind(age.as_secs_f64())
-                    .bind(self.batch_size)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
-                (n, Vec::new())
-            }
-            Task::Published { age } => {
-                let n = sqlx::query(AssertSqlSafe(sql.published.clone()))
+            Task::HandBacks { age } | Task::Published { age } => {
+                let statement = match task {
+                    Task::HandBacks { .. } => &sql.hand_backs,
+                    _ => &sql.published,
+                };
+                let n = sqlx::query(AssertSqlSafe(statement.clone()))
                     .bind(age.as_secs_f64())
                     .bind(self.batch_size)
                     .execute(&mut *tx)
